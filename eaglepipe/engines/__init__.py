@@ -1,0 +1,58 @@
+"""Engines turn prompt id lists into output id lists. Every engine has the same interface:
+
+    engine.generate(prompts: list[list[int]], sampling: Sampling, rids: list[str]) -> list[Output]
+    engine.stream(prompts, sampling, rids) -> iterator of (index into prompts, Output | Failure), as they finish
+
+``Output.output_ids`` are exactly the ids the engine produced (a stop token is kept when the engine emitted it),
+``finish_reason`` is one of ``stop | length | abort``, ``meta`` is free-form engine metadata kept in the record.
+Engines are chosen by ``infer.engine`` (``hf``: in-process Hugging Face; ``sglang``: SGLang servers' /generate).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Every sampling parameter, explicit. temperature 0 means greedy."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    seed: int = 0
+    stop_token_ids: tuple = ()
+
+    @classmethod
+    def from_params(cls, p: dict, stop_token_ids) -> "Sampling":
+        return cls(temperature=float(p["temperature"]), top_p=float(p["top_p"]), top_k=int(p["top_k"]),
+                   min_p=float(p["min_p"]), max_new_tokens=int(p["max_new_tokens"]), seed=int(p["seed"]),
+                   stop_token_ids=tuple(sorted(stop_token_ids)))
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+
+@dataclass
+class Output:
+    output_ids: list
+    finish_reason: str
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Failure:
+    """A prompt the engine gave up on (after its retries); the reason goes to the failures file."""
+    reason: str
+
+
+def create(params: dict, folder, tokenizer):
+    """The engine named by ``infer.engine``."""
+    if params["engine"] == "hf":
+        from .. import target
+        from .hf import HFEngine
+
+        return HFEngine(target.load_model(folder), tokenizer.pad_token_id, int(params["batch_size"]))
+    raise ValueError(f"infer.engine={params['engine']!r}: expected 'hf' or 'sglang'")

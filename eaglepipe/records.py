@@ -1,0 +1,204 @@
+"""Every record the pipeline writes, defined once.
+
+Stages read and write only through this module, so a field means the same thing everywhere.
+
+Prompt (``data/prompts/{train,eval}.jsonl``, written by prepare)
+    id        str   stable hash of the content (messages + tools), 16 hex digits
+    source    str   name of the source in ``prepare.sources``
+    messages  list  OpenAI-style turns ``{role, content}`` (plus ``tool_calls``/``name`` where the data has them),
+                    ending with the last user (or tool) turn: the assistant answer to regenerate is dropped
+    tools     list  optional, OpenAI-style function definitions passed to the chat template
+
+Generation (one line of the infer cache; what an engine returned, nothing derived)
+    id, source, prompt_ids, output_ids, finish_reason ("stop" | "length" | "abort"), meta (engine metadata)
+
+Response (``data/responses/responses.jsonl``, written by infer)
+    id, source, prompt_ids, output_ids, finish_reason     exactly as the engine produced them
+    text          output_ids decoded with special tokens kept
+    reasoning     the reasoning part of the output, derived from the ids (empty for models without reasoning)
+    content       the answer part (tool-call tokens included), derived from the ids
+    reasoning_closed  False when the output opened a reasoning block and never closed it (truncated)
+    tool_calls    calls parsed out of ``content`` for families with known markers (may be empty)
+    sampling      the sampling parameters used
+    meta          engine metadata (engine name, model fingerprint, latency, ...)
+
+Training sequences (``data/sequences/{train,valid}/``, written by merge) are binary, see ``sequences.py``:
+    per sample ``input_ids`` (= prompt_ids + output_ids) and ``loss_mask`` (1 exactly on output ids).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+FINISH_REASONS = ("stop", "length", "abort")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class RecordError(ValueError):
+    """A record that breaks the schema; the message names file, line and field."""
+
+    def __init__(self, path, line: int | None, field_name: str | None, problem: str):
+        where = f"{path}" + (f":{line}" if line is not None else "")
+        what = f" field '{field_name}'" if field_name else ""
+        super().__init__(f"{where}:{what} {problem}")
+        self.path, self.line, self.field, self.problem = str(path), line, field_name, problem
+
+
+def content_id(messages: list, tools: list | None) -> str:
+    """Stable id of a prompt: sha256 of its canonical JSON, 16 hex digits."""
+    blob = json.dumps({"messages": messages, "tools": tools or None}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclass
+class Prompt:
+    id: str
+    source: str
+    messages: list
+    tools: list | None = None
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        if not self.tools:
+            d.pop("tools")
+        return d
+
+
+@dataclass
+class Generation:
+    id: str
+    source: str
+    prompt_ids: list
+    output_ids: list
+    finish_reason: str
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Response:
+    id: str
+    source: str
+    prompt_ids: list
+    output_ids: list
+    finish_reason: str
+    text: str
+    reasoning: str
+    content: str
+    reasoning_closed: bool
+    tool_calls: list
+    sampling: dict
+    meta: dict
+
+
+def _check(path, line, rec: dict, name: str, kind, nonempty: bool = False):
+    if name not in rec:
+        raise RecordError(path, line, name, "is missing")
+    value = rec[name]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise RecordError(path, line, name, f"should be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+    if nonempty and not value:
+        raise RecordError(path, line, name, "is empty")
+    return value
+
+
+def _check_ids(path, line, rec: dict, name: str, nonempty: bool):
+    ids = _check(path, line, rec, name, list, nonempty)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise RecordError(path, line, name, "should hold non-negative integer token ids")
+    return ids
+
+
+def prompt_from_json(rec: dict, path="<prompt>", line=None) -> Prompt:
+    _check(path, line, rec, "id", str, True)
+    _check(path, line, rec, "source", str, True)
+    messages = _check(path, line, rec, "messages", list, True)
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content", ""), str):
+            raise RecordError(path, line, "messages", f"holds a malformed turn: {str(m)[:80]}")
+    tools = rec.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RecordError(path, line, "tools", "should be a list")
+    return Prompt(rec["id"], rec["source"], messages, tools or None)
+
+
+def generation_from_json(rec: dict, path="<generation>", line=None) -> Generation:
+    _check(path, line, rec, "id", str, True)
+    _check(path, line, rec, "source", str)
+    _check_ids(path, line, rec, "prompt_ids", True)
+    _check_ids(path, line, rec, "output_ids", False)
+    if rec.get("finish_reason") not in FINISH_REASONS:
+        raise RecordError(path, line, "finish_reason", f"should be one of {FINISH_REASONS}, got {rec.get('finish_reason')!r}")
+    return Generation(rec["id"], rec["source"], rec["prompt_ids"], rec["output_ids"], rec["finish_reason"],
+                      rec.get("meta") or {})
+
+
+def response_from_json(rec: dict, path="<response>", line=None) -> Response:
+    gen = generation_from_json(rec, path, line)
+    for name in ("text", "reasoning", "content"):
+        _check(path, line, rec, name, str)
+    _check(path, line, rec, "reasoning_closed", bool)
+    _check(path, line, rec, "tool_calls", list)
+    _check(path, line, rec, "sampling", dict)
+    return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, rec["text"],
+                    rec["reasoning"], rec["content"], rec["reasoning_closed"], rec["tool_calls"], rec["sampling"],
+                    gen.meta)
+
+
+def read_jsonl(path) -> Iterator[tuple[int, dict]]:
+    """Yield (line number, object) for each non-blank line; a broken line raises RecordError naming it."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise RecordError(path, n, None, f"is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            except json.JSONDecodeError as e:
+                raise RecordError(path, n, None, f"is not valid JSON ({e.msg}, column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise RecordError(path, n, None, f"should be a JSON object, got {type(obj).__name__}")
+            yield n, obj
+
+
+def read_prompts(path) -> list[Prompt]:
+    return [prompt_from_json(obj, path, n) for n, obj in read_jsonl(path)]
+
+
+def read_responses(path) -> Iterator[Response]:
+    for n, obj in read_jsonl(path):
+        yield response_from_json(obj, path, n)
+
+
+def dumps(obj) -> str:
+    if hasattr(obj, "to_json"):
+        obj = obj.to_json()
+    elif not isinstance(obj, dict):
+        obj = asdict(obj)
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def write_jsonl(path, items) -> int:
+    """Write records atomically (temp file + rename): a crash never leaves a half-written output."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for item in items:
+            f.write(dumps(item) + "\n")
+            n += 1
+    os.replace(tmp, path)
+    return n
+
+
+def write_json(path, obj) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)

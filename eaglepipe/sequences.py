@@ -1,0 +1,113 @@
+"""Training sequences: responses -> ``prompt_ids + output_ids`` with a loss mask, shuffled, split, in shards.
+
+Layout of ``data/sequences/``:
+    index.json                       {"train": {"shards": [...], "samples", "tokens"}, "valid": {...}, "policy": ...}
+    train-00000.safetensors, ...     per shard: input_ids int32 [tokens], loss_mask uint8 [tokens],
+                                     offsets int64 [samples + 1] (sample i is input_ids[offsets[i]:offsets[i+1]])
+    each shard entry in index.json lists its file, samples, tokens, and the record ids and sources in order.
+
+Policy: the sequence is never re-tokenised from text. ``loss_mask`` is 1 exactly on the output ids (reasoning,
+answer, end-of-turn token). A ``stop`` record whose output lacks the end-of-turn id gets it appended (counted).
+``abort`` records are left out (counted). Sequences longer than ``merge.max_length`` keep their first
+``max_length`` tokens (counted as truncated); a record whose prompt alone fills ``max_length`` has nothing to train
+on and is left out (counted). The split is decided per record by a seeded hash of its id (adding data never moves
+a record between train and valid); the order within a split is a seeded shuffle.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from .records import Response, write_json
+
+
+def _unit(seed: int, salt: str, rid: str) -> float:
+    """A number in [0, 1) fixed by (seed, salt, id)."""
+    return int(hashlib.sha256(f"{seed}:{salt}:{rid}".encode()).hexdigest()[:12], 16) / 16 ** 12
+
+
+def build(r: Response, end_of_turn: int, max_length: int, counts: Counter):
+    """(input_ids, loss_mask) for one record, or None when it is left out (the reason is counted)."""
+    if r.finish_reason == "abort":
+        counts["left_out_abort"] += 1
+        return None
+    output = list(r.output_ids)
+    if r.finish_reason == "stop" and (not output or output[-1] != end_of_turn):
+        output.append(end_of_turn)
+        counts["end_of_turn_appended"] += 1
+    if len(r.prompt_ids) >= max_length:
+        counts["left_out_prompt_too_long"] += 1
+        return None
+    ids = list(r.prompt_ids) + output
+    mask = [0] * len(r.prompt_ids) + [1] * len(output)
+    if len(ids) > max_length:
+        counts["truncated"] += 1
+        ids, mask = ids[:max_length], mask[:max_length]
+    return ids, mask
+
+
+def split_and_shuffle(records: list, seed: int, valid_fraction: float) -> dict:
+    """{"train": [...], "valid": [...]} of (id, source, ids, mask), each split in seeded shuffled order."""
+    splits = {"train": [], "valid": []}
+    for rec in records:
+        splits["valid" if _unit(seed, "split", rec[0]) < valid_fraction else "train"].append(rec)
+    for items in splits.values():
+        items.sort(key=lambda rec: _unit(seed, "order", rec[0]))
+    return splits
+
+
+def write(folder: Path, splits: dict, shard_tokens: int, policy: str) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    index = {"policy": policy}
+    for name, items in splits.items():
+        shards, start = [], 0
+        while start < len(items) or not shards:
+            end, tokens = start, 0
+            while end < len(items) and (tokens == 0 or tokens + len(items[end][2]) <= shard_tokens):
+                tokens += len(items[end][2])
+                end += 1
+            chunk = items[start:end]
+            file = f"{name}-{len(shards):05d}.safetensors"
+            lengths = [len(c[2]) for c in chunk]
+            save_file({"input_ids": np.array([t for c in chunk for t in c[2]], dtype=np.int32),
+                       "loss_mask": np.array([m for c in chunk for m in c[3]], dtype=np.uint8),
+                       "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)}, folder / file)
+            shards.append({"file": file, "samples": len(chunk), "tokens": sum(lengths),
+                           "ids": [c[0] for c in chunk], "sources": [c[1] for c in chunk]})
+            start = end
+            if not items:
+                break
+        index[name] = {"shards": shards, "samples": len(items), "tokens": sum(s["tokens"] for s in shards)}
+    write_json(folder / "index.json", index)
+    return index
+
+
+def read(folder: Path, split: str):
+    """Yield (id, source, input_ids, loss_mask) for every sample of a split, in stored order."""
+    index = json.loads((Path(folder) / "index.json").read_text())
+    for shard in index[split]["shards"]:
+        t = load_file(Path(folder) / shard["file"])
+        off = t["offsets"]
+        for i, (rid, source) in enumerate(zip(shard["ids"], shard["sources"])):
+            yield rid, source, t["input_ids"][off[i]:off[i + 1]], t["loss_mask"][off[i]:off[i + 1]]
+
+
+def stats(splits: dict, counts: Counter) -> dict:
+    out = {"left_out": {k: v for k, v in counts.items() if k.startswith("left_out")},
+           "truncated": counts["truncated"], "end_of_turn_appended": counts["end_of_turn_appended"]}
+    for name, items in splits.items():
+        per_source = defaultdict(lambda: {"samples": 0, "tokens": 0, "trained_tokens": 0})
+        for rid, source, ids, mask in items:
+            s = per_source[source]
+            s["samples"] += 1
+            s["tokens"] += len(ids)
+            s["trained_tokens"] += sum(mask)
+        out[name] = {"samples": len(items), "tokens": sum(s["tokens"] for s in per_source.values()),
+                     "trained_tokens": sum(s["trained_tokens"] for s in per_source.values()),
+                     "per_source": dict(sorted(per_source.items()))}
+    return out

