@@ -2,7 +2,8 @@
 
 Stages read and write only through this module, so a field means the same thing everywhere.
 
-Prompt (``data/prompts/{train,eval}.jsonl``, written by prepare)
+Prompt (``data/prompts/prompts.jsonl`` written by prepare; the held-out ``data/eval/heldout.jsonl`` has the same
+        turns, read only by evaluate)
     id        str   stable hash of the content (messages + tools), 16 hex digits
     source    str   name of the source in ``prepare.sources``
     messages  list  OpenAI-style turns ``{role, content}`` (plus ``tool_calls``/``name`` where the data has them),

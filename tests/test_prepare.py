@@ -1,0 +1,314 @@
+"""Tests of the prepare stage: source readers, mixing, dedup, sampling, errors, the stage script, the shipped data."""
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglepipe.prepare import check_config, prepare
+from eaglepipe.records import RecordError, content_id, prompt_from_json, read_prompts
+from eaglepipe.sources import raw_records, read_source
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "sources"
+FIXTURE = {"sharegpt": "sharegpt.jsonl", "openai": "openai.json", "glaive": "glaive.json",
+           "opencodeinstruct": "opencodeinstruct.jsonl", "magicoder": "magicoder.jsonl", "alpaca": "alpaca.json"}
+
+
+def read_ok(path, fmt, source="src"):
+    """All prompts of a file, failing the test on any broken record."""
+    items = list(read_source(path, fmt, source))
+    errors = [str(e) for e in items if isinstance(e, RecordError)]
+    assert not errors, errors
+    return items
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def alpaca_file(path, texts):
+    return write_jsonl(path, [{"instruction": t, "input": "", "output": "ok"} for t in texts])
+
+
+def source(name, path, n, fmt="alpaca"):
+    return {"name": name, "path": str(path), "format": fmt, "n": n}
+
+
+def fixture_records(fmt):
+    return [rec for _, _, rec in raw_records(FIXTURES / FIXTURE[fmt])]
+
+
+# ----------------------------------------------------------------------------------------------------------- formats
+
+@pytest.mark.parametrize("container", ["jsonl", "json"])
+@pytest.mark.parametrize("fmt", sorted(FIXTURE))
+def test_every_format_parses_from_jsonl_and_json_array(tmp_path, fmt, container):
+    records = fixture_records(fmt)
+    path = tmp_path / f"{fmt}.{container}"
+    if container == "jsonl":
+        write_jsonl(path, records)
+    else:
+        path.write_text(json.dumps(records, indent=1), encoding="utf-8")
+    prompts = read_ok(path, fmt)
+    assert [p.to_json() for p in prompts] == [p.to_json() for p in read_ok(FIXTURES / FIXTURE[fmt], fmt)]
+    assert len(prompts) == len(records) >= 2
+    for p in prompts:
+        assert prompt_from_json(p.to_json()) == p  # valid under the shared schema
+        assert p.messages[-1]["role"] in ("user", "tool")
+        assert p.id == content_id(p.messages, p.tools)
+
+
+def test_last_assistant_turn_is_dropped_and_earlier_ones_kept():
+    chat = read_ok(FIXTURES / "sharegpt.jsonl", "sharegpt")
+    assert [m["role"] for m in chat[0].messages] == ["system", "user", "assistant", "user"]
+    assert chat[0].messages[-1]["content"] == "Is 21 prime?"
+    assert chat[0].messages[2]["content"].startswith("A whole number above 1")
+    assert [m["role"] for m in chat[1].messages] == ["user"]  # {role, content} turns
+    assert [m["role"] for m in chat[3].messages] == ["user"]  # no answer to drop
+    multi = read_ok(FIXTURES / "openai.json", "openai")[0]
+    assert [m["content"] for m in multi.messages] == ["Give me a synonym for 'quick'.", "Rapid.", "And an antonym?"]
+
+
+def test_single_turn_formats_keep_only_the_prompt():
+    code = read_ok(FIXTURES / "opencodeinstruct.jsonl", "opencodeinstruct")
+    assert code[0].messages == [{"role": "user", "content": fixture_records("opencodeinstruct")[0]["input"]}]
+    oss, evol = read_ok(FIXTURES / "magicoder.jsonl", "magicoder")
+    assert oss.messages[0]["content"] == fixture_records("magicoder")[0]["problem"]
+    assert evol.messages[0]["content"] == fixture_records("magicoder")[1]["instruction"]
+    plain, with_input = read_ok(FIXTURES / "alpaca.json", "alpaca")
+    assert plain.messages == [{"role": "user", "content": "List three uses for a paperclip."}]
+    assert with_input.messages[0]["content"] == "Translate the sentence into French.\n\nThe library opens at nine."
+
+
+def test_glaive_functions_become_tools_and_calls_become_turns():
+    with_tools, without = read_ok(FIXTURES / "glaive.json", "glaive")
+    assert [t["function"]["name"] for t in with_tools.tools] == ["calculate_tip", "get_local_time"]
+    assert with_tools.tools[0]["type"] == "function"
+    assert with_tools.tools[0]["function"]["parameters"]["required"] == ["bill", "percent"]
+    system = with_tools.messages[0]
+    assert system["role"] == "system" and not system["content"].startswith("SYSTEM:")
+    assert '"name": "calculate_tip"' in system["content"]  # templates without tools still see them
+    roles = [m["role"] for m in with_tools.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "user", "assistant", "tool"]
+    call = with_tools.messages[2]["tool_calls"][0]["function"]
+    assert call == {"name": "calculate_tip", "arguments": {"bill": 80, "percent": 15}}
+    assert with_tools.messages[3] == {"role": "tool", "content": '{"tip": 12.0}', "name": "calculate_tip"}
+    assert with_tools.messages[-1]["content"] == '{"time": "21:40"}'
+    assert not any("<|endoftext|>" in m["content"] for m in with_tools.messages)
+    assert without.tools is None and [m["role"] for m in without.messages] == ["system", "user"]
+
+
+def test_glaive_unparsable_functions_keep_the_system_text(tmp_path):
+    system = "SYSTEM: You are a helpful assistant with access to the following functions. Use them if required -\n{oops"
+    path = write_jsonl(tmp_path / "g.jsonl", [{"system": system, "chat": "USER: hi\nASSISTANT: hello <|endoftext|>"}])
+    [p] = read_ok(path, "glaive")
+    assert p.tools is None and p.messages[0]["content"].endswith("{oops")
+
+
+def test_sharegpt_tool_layout():
+    p = read_ok(FIXTURES / "sharegpt.jsonl", "sharegpt")[2]
+    assert [t["function"]["name"] for t in p.tools] == ["next_train"]
+    assert p.messages[0] == {"role": "system", "content": "You can look up train times."}
+    assert p.messages[2]["tool_calls"][0]["function"]["arguments"] == {"origin": "Leeds", "destination": "York"}
+    assert p.messages[3]["role"] == "tool" and p.messages[3]["name"] == "next_train"
+
+
+def test_ids_are_stable_and_content_based(tmp_path):
+    first = [p.id for p in read_ok(FIXTURES / "alpaca.json", "alpaca", "a")]
+    again = [p.id for p in read_ok(FIXTURES / "alpaca.json", "alpaca", "another_name")]
+    assert first == again and len(set(first)) == len(first)
+    text = "List three uses for a paperclip."
+    same, changed = read_ok(alpaca_file(tmp_path / "copy.jsonl", [text, text.replace(".", "!")]), "alpaca")
+    assert same.id == first[0] and changed.id != first[0]
+
+
+# ------------------------------------------------------------------------------------------------ mixing and sampling
+
+def test_duplicates_are_removed_across_sources_and_counted(tmp_path):
+    a = alpaca_file(tmp_path / "a.jsonl", ["one", "two", "three"])
+    b = alpaca_file(tmp_path / "b.jsonl", ["two", "four", "four", "five"])
+    prompts, report = prepare({"seed": 0, "sources": [source("a", a, 10), source("b", b, 10)]})
+    ids = [p.id for p in prompts]
+    assert len(ids) == len(set(ids)) == 5
+    assert [p.messages[0]["content"] for p in prompts if p.source == "b"] == ["four", "five"]
+    assert report["sources"]["a"]["duplicates"] == 0
+    assert report["sources"]["b"]["duplicates"] == 2
+    assert report["totals"]["duplicates"] == 2
+    assert report["sources"]["b"]["shortfall"] == 8
+
+
+def selection(cfg, name):
+    return [p.id for p in prepare(cfg)[0] if p.source == name]
+
+
+def test_sampling_of_a_source_ignores_the_other_sources(tmp_path):
+    x = alpaca_file(tmp_path / "x.jsonl", [f"Describe item {i} of list x." for i in range(30)])
+    y = alpaca_file(tmp_path / "y.jsonl", [f"Describe item {i} of list y." for i in range(30)])
+    z = alpaca_file(tmp_path / "z.jsonl", [f"Describe item {i} of list z." for i in range(30)])
+    base = selection({"seed": 3, "sources": [source("x", x, 10), source("y", y, 5)]}, "x")
+    assert len(base) == 10
+    assert selection({"seed": 3, "sources": [source("x", x, 10), source("y", y, 25)]}, "x") == base
+    assert selection({"seed": 3, "sources": [source("z", z, 7), source("x", x, 10), source("y", y, 5)]}, "x") == base
+    assert set(base) < set(selection({"seed": 3, "sources": [source("x", x, 15)]}, "x"))
+    assert selection({"seed": 4, "sources": [source("x", x, 10)]}, "x") != base
+    assert selection({"seed": 3, "sources": [source("renamed", x, 10)]}, "renamed") != base
+
+
+def test_shortfall_takes_everything_and_is_reported(tmp_path):
+    x = alpaca_file(tmp_path / "x.jsonl", ["a", "b", "c"])
+    prompts, report = prepare({"seed": 0, "sources": [source("x", x, 5)]})
+    assert [p.messages[0]["content"] for p in prompts] == ["a", "b", "c"]
+    assert (report["sources"]["x"]["selected"], report["sources"]["x"]["shortfall"]) == (3, 2)
+
+
+def test_config_is_checked(tmp_path):
+    x = alpaca_file(tmp_path / "x.jsonl", ["a"])
+    with pytest.raises(ValueError, match="format"):
+        check_config({"sources": [source("x", x, 1, fmt="csv")]})
+    with pytest.raises(ValueError, match="twice"):
+        check_config({"sources": [source("x", x, 1), source("x", x, 2)]})
+    with pytest.raises(ValueError, match="on_error"):
+        check_config({"on_error": "ignore", "sources": [source("x", x, 1)]})
+
+
+# ------------------------------------------------------------------------------------------------------- bad input
+
+GOOD = b'{"conversations": [{"from": "human", "value": "fine"}]}'
+BAD_LINES = {  # reason: (format, bad line, field named in the error)
+    "broken_json": ("sharegpt", b'{"conversations": [', None),
+    "not_utf8": ("alpaca", b'{"instruction": "caf\xe9"}', None),
+    "missing_field": ("alpaca", b'{"input": "no instruction"}', "instruction"),
+    "wrong_type": ("opencodeinstruct", b'{"input": 42}', "input"),
+    "unknown_role": ("sharegpt", b'{"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": ""}]}',
+                     "conversations[1].from"),
+    "empty_conversation": ("sharegpt", b'{"conversations": []}', "conversations"),
+    "no_user_turn": ("openai", b'{"messages": [{"role": "system", "content": "s"}, {"role": "tool", "content": "t"}]}',
+                     "messages"),
+    "empty_turn": ("openai", b'{"messages": [{"role": "user", "content": "  "}]}', "messages"),
+    "bad_tool_calls": ("openai", b'{"messages": [{"role": "user", "content": "u"}, {"role": "assistant", '
+                                 b'"content": "", "tool_calls": [{"function": {"arguments": {}}}]}, '
+                                 b'{"role": "tool", "content": "t"}]}', "messages[1].tool_calls"),
+    "not_object": ("magicoder", b'["problem"]', None),
+}
+
+
+def good_line(fmt):
+    return {"sharegpt": GOOD, "openai": b'{"messages": [{"role": "user", "content": "fine"}]}',
+            "alpaca": b'{"instruction": "fine"}', "opencodeinstruct": b'{"input": "fine"}',
+            "magicoder": b'{"problem": "fine"}'}[fmt]
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_LINES))
+def test_bad_line_fails_naming_file_line_and_field(tmp_path, reason):
+    fmt, bad, field = BAD_LINES[reason]
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(good_line(fmt) + b"\n\n" + bad + b"\n" + good_line(fmt).replace(b"fine", b"also fine") + b"\n")
+    with pytest.raises(RecordError) as e:
+        prepare({"sources": [source("bad", path, 5, fmt)]})
+    assert (e.value.path, e.value.line, e.value.field) == (str(path), 3, field)
+    assert str(e.value).startswith(f"{path}:3:")
+    _, report = prepare({"on_error": "skip", "sources": [source("bad", path, 5, fmt)]})
+    counts = report["sources"]["bad"]
+    assert (counts["read"], counts["valid"], counts["skipped"], counts["selected"]) == (3, 2, 1, 2)
+    assert counts["skipped_by_reason"] == {reason: 1} == report["totals"]["skipped_by_reason"]
+
+
+def test_bad_item_of_a_json_array_names_its_index(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"instruction": "a"}, {"instruction": "b"}, {"output": "no instruction"}]))
+    with pytest.raises(RecordError) as e:
+        prepare({"sources": [source("bad", path, 5)]})
+    assert (e.value.line, e.value.field) == (2, "instruction") and "JSON array index 2" in str(e.value)
+
+
+def test_broken_json_array_fails_even_with_skip(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[\n  {"instruction": "a"},\n  {"instruction": }\n]\n')
+    with pytest.raises(RecordError) as e:
+        prepare({"on_error": "skip", "sources": [source("bad", path, 5)]})
+    assert (e.value.path, e.value.line) == (str(path), 3)
+
+
+def test_skip_counts_every_reason(tmp_path):
+    lines = [good_line("sharegpt"), BAD_LINES["broken_json"][1], BAD_LINES["unknown_role"][1],
+             BAD_LINES["unknown_role"][1], BAD_LINES["empty_conversation"][1]]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines))
+    _, report = prepare({"on_error": "skip", "sources": [source("m", path, 5, "sharegpt")]})
+    counts = report["sources"]["m"]
+    assert counts["skipped_by_reason"] == {"broken_json": 1, "unknown_role": 2, "empty_conversation": 1}
+    assert counts["read"] == counts["valid"] + counts["skipped"] == 5
+
+
+# ------------------------------------------------------------------------------------------------------ stage script
+
+STAGE = ROOT / "stages" / "prepare.py"
+
+
+def params_file(tmp_path, sources, on_error="fail"):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"prepare": {"seed": 1, "on_error": on_error, "sources": sources}}))
+    return path
+
+
+def test_stage_runs_end_to_end_without_heavy_imports(tmp_path):
+    a = alpaca_file(tmp_path / "a.jsonl", [f"Question {i}?" for i in range(8)])
+    params = params_file(tmp_path, [source("chat", FIXTURES / "sharegpt.jsonl", 3, "sharegpt"), source("a", a, 5)])
+    out, report = tmp_path / "out" / "prompts.jsonl", tmp_path / "metrics" / "prepare.json"
+    run = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+           "except SystemExit as e:\n    assert not e.code, e.code\n"
+           "assert not {'torch', 'transformers'} & set(sys.modules), 'prepare imported a model library'\n")
+    args = [str(STAGE), "--params", str(params), "--out", str(out), "--report", str(report)]
+    outputs = []
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", run, *args], cwd=tmp_path, check=True, capture_output=True)
+        outputs.append((out.read_bytes(), report.read_bytes()))
+    assert outputs[0] == outputs[1]  # deterministic
+    prompts, counts = read_prompts(out), json.loads(report.read_text())
+    assert [p.source for p in prompts] == ["chat"] * 3 + ["a"] * 5
+    assert counts["totals"]["selected"] == len(prompts) == 8
+    assert counts["sources"]["chat"]["read"] == len(fixture_records("sharegpt"))
+
+
+def test_stage_help_explains_the_options():
+    result = subprocess.run([sys.executable, str(STAGE), "--help"], capture_output=True, text=True, check=True)
+    for option in ("--params", "--out", "--report"):
+        assert option in result.stdout
+
+
+def test_stage_stops_on_a_bad_record_with_a_clear_message(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(GOOD + b"\n" + BAD_LINES["broken_json"][1] + b"\n")
+    params = params_file(tmp_path, [source("bad", bad, 2, "sharegpt")])
+    result = subprocess.run([sys.executable, str(STAGE), "--params", str(params)], cwd=tmp_path,
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert f"{bad}:2:" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "data").exists()  # nothing half-written
+
+
+# ------------------------------------------------------------------------------------------------------ shipped data
+
+def test_shipped_sources_and_heldout_eval_are_clean_and_disjoint():
+    cfg = yaml.safe_load((ROOT / "params.yaml").read_text())["prepare"]
+    train = []
+    for src in cfg["sources"]:
+        prompts = read_ok(ROOT / src["path"], src["format"], src["name"])
+        assert len(prompts) >= 40, src["name"]
+        train += prompts
+    eval_path = ROOT / "data" / "eval" / "heldout.jsonl"
+    held = read_ok(eval_path, "openai", "heldout")
+    assert len(held) >= 40
+    assert all([m["role"] for m in p.messages] == ["user"] for p in held)
+    categories = Counter(rec["category"] for _, _, rec in raw_records(eval_path))
+    assert set(categories) == {"writing", "reasoning", "math", "coding", "extraction"}
+    assert min(categories.values()) >= 8
+    assert len({p.id for p in held}) == len(held)
+    assert not {p.id for p in held} & {p.id for p in train}
+    train_texts = {m["content"].strip().lower() for p in train for m in p.messages if m["role"] == "user"}
+    assert not {p.messages[0]["content"].strip().lower() for p in held} & train_texts
