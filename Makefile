@@ -21,5 +21,9 @@ repro: venv
 $(STAGES): venv
 	dvc repro $@
 
+# `make inspect ARGS="--n 5 --seed 1"`: a few random records, reasoning / content / tool calls apart, token counts.
+inspect: venv
+	python stages/inspect_run.py $(ARGS)
+
 test: venv
 	python -m pytest -q tests

@@ -1,54 +1,97 @@
 """Quality gates checked while infer runs, so a broken run stops before the rest of the compute is spent.
 
 ``infer.gates`` in params.yaml:
-    warmup          first check after this many completions, then every ``every`` completions, and at the end
-    min_reasoning   least share of records with non-empty reasoning (only when the reasoning preset expects it)
+    warmup          first check once this many records are complete, then every ``every`` more, and at the end
+    every           records between checks after the first
+    min_reasoning   least share of records with reasoning (only when target.reasoning expects reasoning): non-empty,
+                    and closed unless the output was cut short. A block that never closes although the model
+                    stopped is what a prefilled ``<think>`` leaves when the thinking was dropped, or when the model
+                    does not think: it is not counted as reasoning
     max_truncated   most share of records finished by length
-    max_empty       most share of records with no content and no reasoning
+    max_empty       most share of records with neither reasoning nor answer text (special tokens do not count)
+
+A breach raises GateBreach naming the gate, the observed rate, the limit and a few record ids. infer keeps every
+generated record in its cache (for ``make inspect``-style inspection) and publishes nothing.
 """
 from __future__ import annotations
 
+import re
+
+HINTS = {
+    "min_reasoning": "these records carry no reasoning (or a block that never closes although the model stopped): "
+                     "does target.reasoning match the model's markers and chat template (docs/reasoning-and-tools.md)"
+                     ", and do the served output ids still hold the thinking?",
+    "max_truncated": "too many outputs hit infer.max_new_tokens: raise it, or check for degenerate repetition",
+    "max_empty": "too many outputs are empty: check the chat template, the stop tokens and the engine",
+}
+
 
 class GateBreach(RuntimeError):
-    pass
+    def __init__(self, gate: str, rate: float, limit: float, seen: int, offenders: list):
+        self.gate, self.rate, self.limit, self.seen, self.offenders = gate, rate, limit, seen, offenders
+        low = gate.startswith("min_")
+        super().__init__(f"gate {gate} breached: observed {rate:.3f} {'<' if low else '>'} {limit} after {seen} "
+                         f"records (e.g. {', '.join(offenders) or '-'}); {HINTS[gate]}")
 
 
 class Gates:
-    def __init__(self, params: dict, expects_reasoning: bool):
-        self.warmup = int(params["warmup"])
-        self.every = int(params["every"])
+    def __init__(self, params: dict, expects_reasoning: bool, markup: tuple = ()):
+        """``markup``: strings (special and added tokens, see reasoning.markup) that are not answer text."""
+        missing = {"warmup", "every", "max_truncated", "max_empty"} - set(params) \
+            | ({"min_reasoning"} - set(params) if expects_reasoning else set())
+        if missing:
+            raise ValueError(f"infer.gates lacks {sorted(missing)}")
+        self.warmup, self.every = int(params["warmup"]), int(params["every"])
+        if self.warmup < 1 or self.every < 1:
+            raise ValueError(f"infer.gates: warmup and every must be >= 1, got {self.warmup} and {self.every}")
         self.limits = {"max_truncated": float(params["max_truncated"]), "max_empty": float(params["max_empty"])}
         if expects_reasoning:
-            self.limits["min_reasoning"] = float(params["min_reasoning"])
+            self.limits = {"min_reasoning": float(params["min_reasoning"]), **self.limits}
+        for gate, limit in self.limits.items():
+            if not 0.0 <= limit <= 1.0:
+                raise ValueError(f"infer.gates.{gate}={limit}: a share, between 0 and 1")
+        self._markup = re.compile("|".join(map(re.escape, sorted(markup, key=len, reverse=True)))) if markup else None
         self.seen = 0
+        self.checked_at: int | None = None
         self.hits = {"min_reasoning": [], "max_truncated": [], "max_empty": []}  # ids of records that count
         self.misses = {"min_reasoning": []}  # for min_reasoning the offenders are the records without reasoning
 
+    def empty(self, response) -> bool:
+        answer = self._markup.sub("", response.content) if self._markup else response.content
+        return not response.reasoning.strip() and not answer.strip()
+
+    @staticmethod
+    def reasoned(response) -> bool:
+        return bool(response.reasoning.strip()) and (response.reasoning_closed or response.finish_reason != "stop")
+
     def add(self, response) -> None:
         self.seen += 1
-        if response.reasoning.strip():
+        if self.reasoned(response):
             self.hits["min_reasoning"].append(response.id)
         else:
             self.misses["min_reasoning"].append(response.id)
         if response.finish_reason == "length":
             self.hits["max_truncated"].append(response.id)
-        if not response.reasoning.strip() and not response.content.strip():
+        if self.empty(response):
             self.hits["max_empty"].append(response.id)
 
     def due(self) -> bool:
-        return self.seen >= self.warmup and (self.seen - self.warmup) % self.every == 0
+        """True once ``warmup`` records are in and then every ``every`` records (records loaded from the cache
+        count, so a resumed run is checked at its first new completion)."""
+        if self.seen < self.warmup:
+            return False
+        return self.checked_at is None or self.seen - self.checked_at >= self.every
 
     def check(self) -> None:
         """Raise GateBreach naming the gate, the observed rate and a few record ids."""
         if not self.seen:
             return
+        self.checked_at = self.seen
         for gate, limit in self.limits.items():
             rate = len(self.hits[gate]) / self.seen
             low = gate.startswith("min_")
             if (rate < limit) if low else (rate > limit):
-                offenders = (self.misses if low else self.hits)[gate][:5]
-                raise GateBreach(f"gate {gate} breached: observed {rate:.3f} {'<' if low else '>'} {limit} after "
-                                 f"{self.seen} records (e.g. {', '.join(offenders)})")
+                raise GateBreach(gate, rate, limit, self.seen, (self.misses if low else self.hits)[gate][:5])
 
     def summary(self) -> dict:
         return {gate: round(len(self.hits[gate]) / max(self.seen, 1), 4) for gate in self.limits}

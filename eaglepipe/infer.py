@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import chat, reasoning
+from . import chat, reasoning, toolcalls
 from .engines import Failure, Sampling
 from .gates import Gates
 from .records import Generation, RecordError, Response, dumps, generation_from_json, read_jsonl
@@ -92,9 +92,12 @@ class Cache:
 
 
 def to_response(gen: Generation, tokenizer, spec: reasoning.Spec, sampling: Sampling) -> Response:
-    text, part = reasoning.derive(tokenizer, gen.prompt_ids, gen.output_ids, spec)
-    return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, text, part.reasoning,
-                    part.content, part.closed, [], sampling.to_json(), gen.meta)
+    """The published record: the generation's ids untouched, and every readable field derived from them
+    (reasoning split by ``spec``, tool calls parsed for ``spec.tools``; a call that does not parse is kept as an
+    ``{"error", "raw"}`` entry and counted in the report, never fatal)."""
+    f = reasoning.readable(tokenizer, gen.prompt_ids, gen.output_ids, spec)
+    return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, f["text"], f["reasoning"],
+                    f["content"], f["reasoning_closed"], f["tool_calls"], sampling.to_json(), gen.meta)
 
 
 def run(prompts, engine, tokenizer, sampling: Sampling, spec: reasoning.Spec, gates: Gates, cache: Cache,
@@ -148,8 +151,13 @@ def report(responses: list[Response], failures: list, cache_counts: Counter, gen
         "completions": len(responses),
         "finish_reason": dict(Counter(r.finish_reason for r in responses)),
         "empty_outputs": sum(1 for r in responses if not r.output_ids),
-        "with_reasoning": sum(1 for r in responses if r.reasoning.strip()),
+        "with_reasoning": sum(1 for r in responses if Gates.reasoned(r)),
         "unclosed_reasoning": sum(1 for r in responses if not r.reasoning_closed),
+        "unclosed_reasoning_at_stop": sum(1 for r in responses
+                                          if not r.reasoning_closed and r.finish_reason == "stop"),
+        "tool_calls": {"records": sum(1 for r in responses if r.tool_calls),
+                       "calls": sum(len(r.tool_calls) - toolcalls.count_errors(r.tool_calls) for r in responses),
+                       "parse_failures": sum(toolcalls.count_errors(r.tool_calls) for r in responses)},
         "failures": len(failures),
         "tokens_in": sum(len(r.prompt_ids) for r in responses),
         "tokens_out": sum(len(r.output_ids) for r in responses),

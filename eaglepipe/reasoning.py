@@ -1,76 +1,254 @@
-"""Reasoning and answer, derived from the output ids (never from a server's text field).
+"""Reasoning, answer and tool calls, derived from the output ids (never from a server's text field).
 
 ``target.reasoning`` names a preset or gives a custom ``{start, end}`` pair of markers:
-    none   the model does not reason: everything is content
-    think  ``<think>`` ... ``</think>`` (Qwen3, DeepSeek-R1, Kimi K2 thinking, GLM-4.5)
+    none     the model does not reason: everything is content
+    think    ``<think>`` ... ``</think>`` (Qwen3, Qwen3.5, DeepSeek-R1 / V3.1, Kimi K2 thinking / K2.5, GLM-4.5+)
+    harmony  gpt-oss: the ``analysis`` channel is reasoning, every other message is content
+``target.tool_calls`` names the tool-call family whose calls are parsed out of the content (see toolcalls.py).
+docs/reasoning-and-tools.md records each family's markers and template behaviour, with sources.
 
-The output is decoded with special tokens kept, then split on the markers. If the prompt already ends with the
-opening marker (templates that prefill it), the output starts inside the reasoning block. An opening marker that
-never closes (a truncated output) puts everything after it into ``reasoning`` and marks the split unclosed.
+The output is decoded with special tokens kept and split on the markers; nothing is dropped. Every character of the
+decoded output lands in exactly one segment (``reasoning``, ``content`` or ``marker``), in order, so the record can
+always be re-derived from its ids and ``"".join(segments) == text``. Cases handled (``think`` and custom specs):
+- the template ends the prompt with the opening marker (DeepSeek-R1, Qwen3-Thinking-2507, Qwen3.5, Kimi K2.5): the
+  output starts inside the reasoning block and only the closing marker appears;
+- the output closes a block it never opened (DeepSeek-R1 before its template opened the tag): everything before the
+  first closing marker is reasoning;
+- the model writes the opening marker again although the template opened the block: the repeat is a marker;
+- no closing marker (a truncated output): everything after the opening marker is reasoning, ``closed`` is False;
+- a tool-call section that starts inside an unclosed block (Kimi K2, GLM-4.5, Qwen3.5 do this) ends the reasoning
+  there: the call is content (SGLang's reasoning parsers do the same);
+- no markers at all (a template without think tags, or thinking switched off): everything is content;
+- several blocks: every block's body is reasoning (joined by a newline); the text between blocks is content.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
-PRESETS = {"none": None, "think": ("<think>", "</think>")}
+from . import toolcalls
+
+THINK = ("<think>", "</think>")
+# Tool-call openers that end an unclosed think block (Qwen/Hermes/GLM, Kimi K2 (both spellings), DeepSeek).
+TOOL_OPENERS = ("<tool_call>", "<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<｜tool▁calls▁begin｜>")
+# gpt-oss harmony (openai-cookbook articles/openai-harmony.md)
+H_START, H_CHANNEL, H_MESSAGE, H_CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+H_TERMINATORS = ("<|end|>", "<|return|>", "<|call|>")
+PRESETS = ("none", "think", "harmony")
+PROMPT_TAIL_TOKENS = 16  # how much of the prompt's end is decoded to see whether the template opened a block
 
 
 @dataclass(frozen=True)
 class Spec:
-    start: str | None
-    end: str | None
+    kind: str                        # none | tags | harmony
+    start: str | None = None         # tags: the opening marker; harmony: the analysis header (informational)
+    end: str | None = None
+    interrupts: tuple = ()           # tags: markers that end an unclosed block (kept in content)
+    tools: str | None = None         # tool-call family parsed out of content; None = not parsed, not checked
 
     @property
     def expects_reasoning(self) -> bool:
-        return self.start is not None
+        return self.kind != "none"
 
 
 @dataclass
 class Split:
     reasoning: str
     content: str
-    closed: bool
+    closed: bool                     # False when the output ends inside a reasoning block (truncated)
+    segments: list = field(default_factory=list)  # [(kind, text)], kind in reasoning | content | marker
 
 
-def spec_from_params(value) -> Spec:
+def spec_from_params(value, tool_calls: str | None = None) -> Spec:
+    """The spec for ``target.reasoning`` (preset name or ``{start, end}``) and ``target.tool_calls``."""
+    if tool_calls is not None and tool_calls not in toolcalls.FAMILIES:
+        raise ValueError(f"target.tool_calls={tool_calls!r}: expected one of {list(toolcalls.FAMILIES)}")
     if isinstance(value, dict):
-        if not value.get("start") or not value.get("end"):
-            raise ValueError(f"target.reasoning {value!r}: a custom spec needs non-empty 'start' and 'end'")
-        return Spec(value["start"], value["end"])
-    if value not in PRESETS:
-        raise ValueError(f"target.reasoning={value!r}: expected one of {sorted(PRESETS)} or {{start, end}}")
-    markers = PRESETS[value]
-    return Spec(*markers) if markers else Spec(None, None)
+        if set(value) - {"start", "end"} or not isinstance(value.get("start"), str) or not value.get("start") \
+                or not isinstance(value.get("end"), str) or not value.get("end") or value["start"] == value["end"]:
+            raise ValueError(f"target.reasoning {value!r}: a custom spec is {{start: <marker>, end: <marker>}}, two "
+                             "different non-empty strings")
+        return Spec("tags", value["start"], value["end"], (), tool_calls)
+    if value == "none":
+        return Spec("none", tools=tool_calls)
+    if value == "think":
+        return Spec("tags", *THINK, TOOL_OPENERS, tool_calls)
+    if value == "harmony":
+        return Spec("harmony", f"{H_CHANNEL}analysis{H_MESSAGE}", "<|end|>", (), tool_calls)
+    raise ValueError(f"target.reasoning={value!r}: expected one of {list(PRESETS)} or {{start, end}}")
 
+
+# --- think-style tags -------------------------------------------------------------------------------------------
+
+def _prefilled(tail: str, start: str) -> bool:
+    """The template ended the prompt with the opening marker (whitespace after it allowed)."""
+    return tail.rstrip().endswith(start)
+
+
+def _split_tags(text: str, spec: Spec, tail: str) -> Split:
+    start, end = spec.start, spec.end
+    segs: list = []  # (kind, text, block number)
+    closed, block = True, 0
+    in_block = _prefilled(tail, start)
+    if not in_block:
+        s, e = text.find(start), text.find(end)
+        in_block = e >= 0 and (s < 0 or e < s)  # closes a block it never opened: the block was open from the start
+    fresh = in_block  # inside a block and nothing but whitespace read of it yet
+    repeat = re.compile(r"\s*" + re.escape(start))
+    pos, n = 0, len(text)
+    while pos < n:
+        if not in_block:
+            s = text.find(start, pos)
+            if s < 0:
+                segs.append(("content", text[pos:], None))
+                break
+            block += 1
+            segs += [("content", text[pos:s], None), ("marker", start, None)]
+            pos, in_block, fresh = s + len(start), True, True
+            continue
+        # Repeats of the opening marker at a block's start are markers (DeepSeek-R1-0528 writes <think> although
+        # the template opened it already).
+        m = repeat.match(text, pos) if fresh else None
+        if m:
+            segs += [("reasoning", m.group(0)[:-len(start)], block), ("marker", start, None)]
+            pos = m.end()
+            continue
+        fresh = False
+        e = text.find(end, pos)
+        if e < 0:
+            cut = min((i for i in (text.find(x, pos) for x in spec.interrupts) if i >= 0), default=-1)
+            if cut >= 0:  # a tool-call section opened inside the block: it ends the reasoning, the call is content
+                segs.append(("reasoning", text[pos:cut], block))
+                pos, in_block = cut, False
+                continue
+            segs.append(("reasoning", text[pos:], block))
+            pos = n
+            break
+        segs += [("reasoning", text[pos:e], block), ("marker", end, None)]
+        pos, in_block = e + len(end), False
+    if in_block and pos >= n:  # the output ends inside a block: truncated (or it opened a block and stopped)
+        closed = False
+    return _assemble(segs, closed)
+
+
+# --- gpt-oss harmony --------------------------------------------------------------------------------------------
+
+_CHANNEL = re.compile(re.escape(H_CHANNEL) + r"\s*([A-Za-z0-9_\-]+)")
+_RECIPIENT = re.compile(r"(?:^|\s|>)to=([^\s<]+)")
+
+
+def harmony_header(header: str) -> tuple[str | None, str | None]:
+    """(channel, recipient) of a harmony message header such as
+    ``assistant<|channel|>commentary to=functions.get_weather <|constrain|>json``."""
+    c, r = _CHANNEL.search(header), _RECIPIENT.search(header)
+    return (c.group(1) if c else None), (r.group(1) if r else None)
+
+
+def harmony_messages(text: str):
+    """Yield (start, body_start, body_end, end, header, terminator) for each message in ``text``; the first message
+    may begin without ``<|start|>`` (the prompt wrote it). A message without ``<|message|>`` ends the scan."""
+    pos, n = 0, len(text)
+    while pos < n:
+        b = text.find(H_MESSAGE, pos)
+        if b < 0:
+            return
+        s = text.rfind(H_START, pos, b)
+        start = s if s >= 0 else pos
+        body = b + len(H_MESSAGE)
+        ends = [(i, t) for t in H_TERMINATORS if (i := text.find(t, body)) >= 0]
+        if ends:
+            i, t = min(ends)
+            yield start, body, i, i + len(t), text[start:b], t
+            pos = i + len(t)
+        else:
+            yield start, body, n, n, text[start:b], ""
+            return
+
+
+def _split_harmony(text: str, tail: str) -> Split:
+    # The prompt ends with an open header (``<|start|>assistant``, maybe more): parse it together with the output,
+    # then drop the prompt's part from the segments.
+    i = tail.rfind(H_START)
+    head = tail[i:] if i >= 0 and not any(t in tail[i:] for t in H_TERMINATORS) else ""
+    full = head + text
+    segs: list = []  # (kind, text, message number)
+    closed, pos = True, 0
+    for k, (start, body, body_end, end, header, term) in enumerate(harmony_messages(full)):
+        channel, recipient = harmony_header(header)
+        if start > pos:
+            segs.append(("content", full[pos:start], None))
+        if channel == "analysis" and recipient is None:
+            segs += [("marker", full[start:body], None), ("reasoning", full[body:body_end], k), ("marker", term, None)]
+            closed = bool(term)
+        elif recipient is not None:  # a tool call: kept whole, so its header reaches the tool-call parser
+            segs.append(("content", full[start:end], None))
+        else:  # final answer, commentary preamble: the body is content, the framing is markup
+            segs += [("marker", full[start:body], None), ("content", full[body:body_end], None),
+                     ("marker", term, None)]
+        pos = end
+    if pos < len(full):
+        segs.append(("content", full[pos:], None))
+    cut, out = len(head), []
+    for kind, s, g in segs:  # drop the part that came from the prompt
+        if cut >= len(s):
+            cut -= len(s)
+            continue
+        out.append((kind, s[cut:], g))
+        cut = 0
+    return _assemble(out, closed)
+
+
+def _assemble(segs: list, closed: bool) -> Split:
+    bodies: dict = {}
+    for kind, s, g in segs:
+        if kind == "reasoning":
+            bodies[g] = bodies.get(g, "") + s
+    reasoning = "\n".join(b for b in bodies.values() if b)
+    content = "".join(s for k, s, _ in segs if k == "content")
+    return Split(reasoning, content, closed, [(k, s) for k, s, _ in segs if s])
+
+
+# --- entry points -----------------------------------------------------------------------------------------------
 
 def split(text: str, spec: Spec, prompt_tail: str = "") -> Split:
     """Split decoded output ``text``; ``prompt_tail`` is the end of the decoded prompt."""
-    if spec.start is None:
-        return Split("", text, True)
-    prefilled = prompt_tail.rstrip().endswith(spec.start)
-    if not prefilled:
-        head, sep, rest = text.partition(spec.start)
-        if not sep or head.strip():  # no reasoning block at the start of the output
-            return Split("", text, True)
-        text = rest
-    reasoning, sep, content = text.partition(spec.end)
-    if not sep:
-        return Split(reasoning, "", False)
-    return Split(reasoning, content, True)
+    if spec.kind == "none":
+        return Split("", text, True, [("content", text)] if text else [])
+    if spec.kind == "harmony":
+        return _split_harmony(text, prompt_tail)
+    return _split_tags(text, spec, prompt_tail)
 
 
 def derive(tokenizer, prompt_ids: list, output_ids: list, spec: Spec) -> tuple[str, Split]:
     """(text, split) for one record: the output decoded with special tokens kept, and its reasoning split."""
     text = tokenizer.decode(output_ids, skip_special_tokens=False)
-    tail = tokenizer.decode(prompt_ids[-16:], skip_special_tokens=False) if spec.start else ""
+    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) \
+        if spec.kind != "none" else ""
     return text, split(text, spec, tail)
 
 
+def readable(tokenizer, prompt_ids: list, output_ids: list, spec: Spec) -> dict:
+    """Every readable field of a record, derived from its ids: text, reasoning, content, reasoning_closed, and
+    tool_calls (parsed from content for ``spec.tools``; a call that does not parse is an ``{"error", "raw"}``
+    entry, never an exception)."""
+    text, part = derive(tokenizer, prompt_ids, output_ids, spec)
+    return {"text": text, "reasoning": part.reasoning, "content": part.content, "reasoning_closed": part.closed,
+            "tool_calls": toolcalls.parse(part.content, spec.tools)}
+
+
 def mismatch(response, tokenizer, spec: Spec) -> str | None:
-    """Re-derive a record's readable fields from its ids; return the first field that disagrees, or None."""
-    text, part = derive(tokenizer, response.prompt_ids, response.output_ids, spec)
-    for name, want in (("text", text), ("reasoning", part.reasoning), ("content", part.content),
-                       ("reasoning_closed", part.closed)):
-        if getattr(response, name) != want:
+    """Re-derive a record's readable fields from its ids; return the first field that disagrees, or None.
+    ``tool_calls`` is checked only when the spec names a tool-call family."""
+    want = readable(tokenizer, response.prompt_ids, response.output_ids, spec)
+    names = ["text", "reasoning", "content", "reasoning_closed"] + (["tool_calls"] if spec.tools is not None else [])
+    for name in names:
+        if getattr(response, name) != want[name]:
             return name
     return None
+
+
+def markup(tokenizer) -> tuple[str, ...]:
+    """The strings of the tokenizer's special and added tokens: framing, not answer text (used by the gates to
+    tell an empty answer from one that holds only an end-of-turn token)."""
+    added = [getattr(t, "content", str(t)) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
+    return tuple(sorted(set(added) | set(tokenizer.all_special_tokens), key=len, reverse=True))

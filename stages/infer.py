@@ -32,18 +32,19 @@ def main(params, prompts, out, report, cache):
     tokenizer = target.load_tokenizer(folder)
     p = cfg["infer"]
     sampling = Sampling.from_params(p, target.stop_ids(folder, tokenizer))
-    spec = reasoning.spec_from_params(cfg["target"]["reasoning"])
-    engine = create(p, folder, tokenizer)
-    template_kwargs = cfg["target"].get("chat_template_kwargs") or {}
-    fp = infer.fingerprint(target.fingerprint(folder), engine.name, engine.identity(), sampling, template_kwargs)
-    try:
-        responses, rep = infer.run(read_prompts(prompts), engine, tokenizer, sampling, spec,
-                                   Gates(p["gates"], spec.expects_reasoning), infer.Cache(Path(cache) / fp),
-                                   template_kwargs, float(p["max_failure_rate"]))
-    except GateBreach as e:
-        raise click.ClickException(f"{e}. Nothing was published; the records are in {Path(cache) / fp}")
-    write_jsonl(Path(out) / "responses.jsonl", responses)
-    write_json(Path(out) / "engine.json", {"fingerprint": fp, **engine.describe()})
+    spec = reasoning.spec_from_params(cfg["target"]["reasoning"], cfg["target"].get("tool_calls", "none"))
+    with create(p, folder, tokenizer) as engine:  # leaving it closes the engine (and a server it launched)
+        template_kwargs = cfg["target"].get("chat_template_kwargs") or {}
+        fp = infer.fingerprint(target.fingerprint(folder), engine.name, engine.identity(), sampling, template_kwargs)
+        try:
+            responses, rep = infer.run(read_prompts(prompts), engine, tokenizer, sampling, spec,
+                                       Gates(p["gates"], spec.expects_reasoning, reasoning.markup(tokenizer)),
+                                       infer.Cache(Path(cache) / fp),
+                                       template_kwargs, float(p["max_failure_rate"]))
+        except GateBreach as e:
+            raise click.ClickException(f"{e}. Nothing was published; the records are in {Path(cache) / fp}")
+        write_jsonl(Path(out) / "responses.jsonl", responses)
+        write_json(Path(out) / "engine.json", {"fingerprint": fp, **engine.describe()})
     write_json(report, {"fingerprint": fp, "model": cfg["target"]["model"], **rep})
     logging.info("wrote %d records to %s: %s", len(responses), out, rep["finish_reason"])
 

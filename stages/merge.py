@@ -26,8 +26,8 @@ def main(params, responses, out, report):
     folder = target.resolve(cfg["target"]["model"])
     tokenizer = target.load_tokenizer(folder)
     end_of_turn = target.end_of_turn_id(folder, tokenizer)
-    stats = merge.run(Path(responses), Path(out), tokenizer, reasoning.spec_from_params(cfg["target"]["reasoning"]),
-                      end_of_turn, cfg["merge"])
+    spec = reasoning.spec_from_params(cfg["target"]["reasoning"], cfg["target"].get("tool_calls", "none"))
+    stats = merge.run(Path(responses), Path(out), tokenizer, spec, end_of_turn, cfg["merge"])
     write_json(report, stats)
 
 

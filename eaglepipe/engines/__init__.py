@@ -49,10 +49,17 @@ class Failure:
 
 
 def create(params: dict, folder, tokenizer):
-    """The engine named by ``infer.engine``."""
+    """The engine named by ``infer.engine``, as a context manager: ``with create(...) as engine:``. Leaving it
+    releases what the engine holds (connections, an SGLang server it launched), also on errors."""
     if params["engine"] == "hf":
+        from contextlib import nullcontext
+
         from .. import target
         from .hf import HFEngine
 
-        return HFEngine(target.load_model(folder), tokenizer.pad_token_id, int(params["batch_size"]))
+        return nullcontext(HFEngine(target.load_model(folder), tokenizer.pad_token_id, int(params["batch_size"])))
+    if params["engine"] == "sglang":
+        from .sglang import SGLangEngine
+
+        return SGLangEngine(params.get("sglang"), tokenizer)
     raise ValueError(f"infer.engine={params['engine']!r}: expected 'hf' or 'sglang'")

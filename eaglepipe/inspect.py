@@ -1,0 +1,135 @@
+"""What a user checks by eye before trusting a run: a few random records with reasoning, content and tool calls
+shown apart, their token counts, and whether each still re-derives from its ids (``make inspect``).
+
+It reads published responses, or the generations in an infer cache (``.cache/infer/<fingerprint>/generations.jsonl``,
+what a run stopped by a gate leaves), deriving their readable fields from the ids. The file is read twice without
+holding it, once to count its lines and once to parse only the sampled ones, so it works on a run of any size.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from . import reasoning, toolcalls
+from .records import Response, generation_from_json, response_from_json
+
+RULE = 100
+
+
+def count_lines(path: Path) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        for line in f:
+            n += bool(line.strip())
+    return n
+
+
+def record(obj: dict, path, line_no: int, tokenizer=None, spec=None):
+    """A response record; a bare generation (an infer cache line) gets its readable fields derived from its ids."""
+    if "text" in obj:
+        return response_from_json(obj, path, line_no)
+    gen = generation_from_json(obj, path, line_no)
+    if tokenizer is None or spec is None:
+        raise ValueError(f"{path}:{line_no} is a generation without readable fields: deriving them needs params.yaml")
+    f = reasoning.readable(tokenizer, gen.prompt_ids, gen.output_ids, spec)
+    return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, f["text"], f["reasoning"],
+                    f["content"], f["reasoning_closed"], f["tool_calls"], {}, gen.meta)
+
+
+def sample(path: Path, n: int, seed: int, source: str | None = None, tokenizer=None, spec=None) -> tuple[int, list]:
+    """(records in the file, up to ``n`` of them picked at random with ``seed``, in file order)."""
+    path = Path(path)
+    if source is None:
+        total = count_lines(path)
+        picked = set(random.Random(seed).sample(range(total), min(n, total)))
+        out, k = [], 0
+        with open(path, "rb") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                if k in picked:
+                    out.append(record(json.loads(line), path, line_no, tokenizer, spec))
+                k += 1
+        return total, out
+    matching = []  # filtering by source needs a look at every record
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            if line.strip():
+                obj = json.loads(line)
+                if obj.get("source") == source:
+                    matching.append((line_no, obj))
+    picked = sorted(random.Random(seed).sample(range(len(matching)), min(n, len(matching))))
+    return len(matching), [record(matching[i][1], path, matching[i][0], tokenizer, spec) for i in picked]
+
+
+def clip(text: str, max_chars: int) -> str:
+    if max_chars <= 0 or len(text) <= max_chars:
+        return text
+    head, tail = text[:max_chars * 2 // 3], text[-(max_chars // 3):]
+    return f"{head}\n[... {len(text) - len(head) - len(tail)} more characters ...]\n{tail}"
+
+
+def tokens(tokenizer, text: str) -> str:
+    return f"~{len(tokenizer(text, add_special_tokens=False)['input_ids'])}" if tokenizer is not None and text \
+        else "0" if not text else "?"
+
+
+def closed_note(r) -> str:
+    if r.reasoning_closed:
+        return "closed" if r.reasoning else "none"
+    if r.finish_reason == "stop":
+        return "NEVER CLOSED although the model stopped: is the thinking missing?"
+    return f"never closed: cut short ({r.finish_reason})"
+
+
+def call_line(call: dict) -> str:
+    if toolcalls.is_error(call):
+        return f"PARSE FAILURE: {call['error']}\n     raw: {call['raw']!r}"
+    f = call["function"]
+    args = f["arguments"] if isinstance(f["arguments"], str) else json.dumps(f["arguments"], ensure_ascii=False)
+    return f"{f['name']}({args})" + (f"  [id {call['id']}]" if call.get("id") else "")
+
+
+def show(r, tokenizer=None, spec=None, max_chars: int = 1200, index: str = "") -> str:
+    """One record, its parts apart."""
+    check = ""
+    if tokenizer is not None and spec is not None:
+        bad = reasoning.mismatch(r, tokenizer, spec)
+        check = " | re-derived from ids: " + ("ok" if bad is None else f"MISMATCH in '{bad}'")
+    head = f"== {index}id {r.id} | source {r.source} | finish {r.finish_reason} "
+    lines = [head + "=" * max(3, RULE - len(head)),
+             f"tokens: prompt {len(r.prompt_ids)} | output {len(r.output_ids)} (reasoning "
+             f"{tokens(tokenizer, r.reasoning)}, content {tokens(tokenizer, r.content)}) | tool calls "
+             f"{len(r.tool_calls) - toolcalls.count_errors(r.tool_calls)}"
+             + (f" + {toolcalls.count_errors(r.tool_calls)} unparsed" if toolcalls.count_errors(r.tool_calls) else "")
+             + check]
+    for title, body in ((f"reasoning ({closed_note(r)})", r.reasoning), ("content", r.content)):
+        shown = body.strip("\n")  # the blank lines around a field are not shown
+        lines += [f"-- {title} " + "-" * max(3, RULE - len(title) - 4),
+                  clip(shown, max_chars) if shown else "(empty)" if not body else "(blank lines only)"]
+    if r.tool_calls:
+        lines.append("-- tool calls " + "-" * (RULE - 14))
+        lines += [f"  {i}. {call_line(c)}" for i, c in enumerate(r.tool_calls, start=1)]
+    return "\n".join(lines)
+
+
+def report_line(report: dict) -> str:
+    """One line of the run report (metrics/infer.json) for context."""
+    n = report.get("completions", 0) or 1
+    tc = report.get("tool_calls", {})
+    return (f"run report: {report.get('completions', 0)} records | with reasoning {report.get('with_reasoning', 0)} "
+            f"({100 * report.get('with_reasoning', 0) / n:.1f}%) | unclosed {report.get('unclosed_reasoning', 0)} | "
+            f"finish {report.get('finish_reason', {})} | tool calls {tc.get('calls', 0)} in {tc.get('records', 0)} "
+            f"records, {tc.get('parse_failures', 0)} unparsed | gates {report.get('gates', {})}")
+
+
+def render(path: Path, n: int = 3, seed: int = 0, tokenizer=None, spec=None, max_chars: int = 1200,
+           source: str | None = None, report: dict | None = None) -> str:
+    total, picked = sample(Path(path), n, seed, source, tokenizer, spec)
+    where = f"{path}" + (f" (source {source})" if source else "")
+    out = [report_line(report)] if report else []
+    out.append(f"{where}: {total} records; showing {len(picked)} picked at random (--seed {seed})")
+    for i, r in enumerate(picked, start=1):
+        out += ["", show(r, tokenizer, spec, max_chars, f"{i}/{len(picked)} ")]
+    return "\n".join(out)

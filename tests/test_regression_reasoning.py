@@ -1,0 +1,205 @@
+"""Regression: a reasoning model's thinking silently lost from the training data (../shared/seed).
+
+The real infer run (real cache, real gates, params.yaml's gate settings) is driven by a scripted engine that serves a
+reasoning model's answers as token ids of the test tokenizer (reasoning_fixtures.py), so these tests run offline:
+1. the seed's run replayed: every record keeps non-empty reasoning, and merge accepts every record;
+2. the same run with the reasoning dropped from the served answers fails its gate within the warm-up, keeps what it
+   generated in the cache and publishes nothing; merge refuses a published record whose reasoning was blanked;
+3. the prefilled-opening-tag template, an output with no closing tag, gpt-oss harmony channels;
+4. the real stage, as a subprocess, on the embedded model (not a reasoning model) under ``target.reasoning: think``.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglepipe import infer, inspect, merge, reasoning, target
+from eaglepipe.engines import Sampling
+from eaglepipe.gates import GateBreach, Gates
+from eaglepipe.records import Prompt, RecordError, content_id, write_json, write_jsonl
+from reasoning_fixtures import (ScriptedEngine, harmony_model, model_folder, reasoning_dropped, reasoning_model,
+                                reasoning_tokenizer, think_answer)
+
+ROOT = Path(__file__).resolve().parent.parent
+GATES = yaml.safe_load((ROOT / "params.yaml").read_text())["infer"]["gates"]  # the project's own settings
+TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the web",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"query": {"type": "string"}}}}}]
+MERGE = {"seed": 0, "valid_fraction": 0.1, "max_length": 1024, "shard_tokens": 100000}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return reasoning_tokenizer(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return model_folder(tmp_path_factory)
+
+
+def prompts(n, tools_every=4, source="glaive"):
+    out = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"Question {i}: what is {i} times {i + 1}?"}]
+        tools = TOOLS if tools_every and i % tools_every == 0 else None
+        out.append(Prompt(content_id(messages, tools), source, messages, tools))
+    return out
+
+
+def run(ps, engine, tok, folder, cache_dir, spec, template_kwargs=None, max_new_tokens=256):
+    sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(target.stop_ids(folder, tok)))
+    gates = Gates(GATES, spec.expects_reasoning, reasoning.markup(tok))
+    return infer.run(ps, engine, tok, sampling, spec, gates, infer.Cache(Path(cache_dir)), template_kwargs or {})
+
+
+def test_1_seed_run_replayed_every_record_keeps_its_reasoning(tok, folder, tmp_path):
+    ps = prompts(40)
+    spec = reasoning.spec_from_params("think", "hermes")
+    engine = ScriptedEngine(tok, reasoning_model)
+    responses, rep = run(ps, engine, tok, folder, tmp_path / "cache", spec)
+    assert len(responses) == 40 and engine.served == 40
+    think = tok.convert_tokens_to_ids("</think>")
+    for p, r in zip(ps, responses):
+        thought, _ = think_answer(p.messages[-1]["content"], p.tools)
+        assert think in r.output_ids                      # the thinking is in the ids ...
+        assert r.reasoning.strip() == thought             # ... and in the readable field
+        assert r.reasoning_closed and r.content.endswith("<|im_end|>") and "</think>" not in r.content
+        if p.tools:
+            assert r.tool_calls == [{"type": "function", "function": {
+                "name": "search", "arguments": {"query": p.messages[-1]["content"]}}}]
+            assert "<tool_call>" in r.content
+    assert rep["with_reasoning"] == 40 and rep["unclosed_reasoning"] == 0
+    assert rep["gates"]["min_reasoning"] == 1.0
+    assert rep["tool_calls"] == {"records": 10, "calls": 10, "parse_failures": 0}
+    # published, then merged: merge re-validates every record against its ids and accepts them all
+    write_jsonl(tmp_path / "responses.jsonl", responses)
+    stats = merge.run(tmp_path / "responses.jsonl", tmp_path / "seq", tok, reasoning.spec_from_params("think"),
+                      target.end_of_turn_id(folder, tok), MERGE)
+    assert stats["train"]["samples"] + stats["valid"]["samples"] == 40
+    # what a user checks by eye: the inspection command, run as `make inspect` runs it
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["target"].update({"model": str(folder), "reasoning": "think", "tool_calls": "hermes"})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    write_json(tmp_path / "infer.json", rep)
+    proc = subprocess.run([sys.executable, "stages/inspect_run.py", "--responses", str(tmp_path / "responses.jsonl"),
+                           "--params", str(tmp_path / "params.yaml"), "--report", str(tmp_path / "infer.json"),
+                           "--n", "40", "--seed", "3", "--source", "glaive"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "with reasoning 40 (100.0%)" in out and "(source glaive): 40 records; showing 40" in out
+    assert out.count("-- reasoning (closed) --") == 40 and out.count("-- content --") == 40
+    assert out.count("re-derived from ids: ok") == 40 and out.count("  1. search({\"query\": ") == 10
+
+
+@pytest.mark.parametrize("template", [{}, {"prefill_think": False}], ids=["prefilled", "model-opens-tag"])
+def test_2_reasoning_dropped_fails_its_gate_within_the_warmup(tok, folder, tmp_path, template):
+    ps = prompts(64)
+    engine = ScriptedEngine(tok, reasoning_dropped, "reasoning dropped")
+    cache = tmp_path / "cache"
+    with pytest.raises(GateBreach) as e:
+        run(ps, engine, tok, folder, cache, reasoning.spec_from_params("think"), template)
+    warmup = int(GATES["warmup"])
+    msg = str(e.value)
+    assert f"gate min_reasoning breached: observed 0.000 < {GATES['min_reasoning']} after {warmup} records" in msg
+    assert ", ".join(p.id for p in ps[:5]) in msg  # a few record ids to look at
+    assert engine.served == warmup                   # stopped at the first check: the rest was never asked for
+    done, _ = infer.Cache(cache).load()              # what was generated stays on disk for inspection
+    assert list(done) == [p.id for p in ps[:warmup]]
+    assert not (tmp_path / "responses.jsonl").exists()
+    # the stopped run's records can be inspected where they are
+    shown = inspect.render(cache / "generations.jsonl", 2, 0, tok, reasoning.spec_from_params("think"))
+    assert f"generations.jsonl: {warmup} records; showing 2" in shown
+    assert shown.count("NEVER CLOSED although the model stopped" if not template else "-- reasoning (none) --") == 2
+    # resuming the broken run stops again at its first new record, before spending more compute
+    engine2 = ScriptedEngine(tok, reasoning_dropped, "reasoning dropped")
+    with pytest.raises(GateBreach, match=f"after {warmup + 1} records"):
+        run(ps, engine2, tok, folder, cache, reasoning.spec_from_params("think"), template)
+    assert engine2.served == 1
+
+
+def test_2b_merge_refuses_a_published_record_whose_reasoning_was_blanked(tok, folder, tmp_path):
+    spec = reasoning.spec_from_params("think")
+    responses, _ = run(prompts(3, 0), ScriptedEngine(tok, reasoning_model), tok, folder, tmp_path / "c", spec)
+    responses[1].reasoning = ""  # the seed's record: thinking in the ids, nothing in the field
+    write_jsonl(tmp_path / "r.jsonl", responses)
+    with pytest.raises(RecordError, match=r"r\.jsonl:2: field 'reasoning'.*inconsistent"):
+        merge.run(tmp_path / "r.jsonl", tmp_path / "seq", tok, spec, target.end_of_turn_id(folder, tok), MERGE)
+
+
+def test_3_prefilled_template_only_the_closing_tag_is_generated(tok, folder, tmp_path):
+    ps = prompts(20, 0)
+    spec = reasoning.spec_from_params("think")
+    responses, _ = run(ps, ScriptedEngine(tok, reasoning_model), tok, folder, tmp_path, spec)
+    open_id, close_id = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    for r in responses:
+        assert r.prompt_ids[-2] == open_id and open_id not in r.output_ids and close_id in r.output_ids
+        assert r.reasoning.startswith("The user asks:")
+
+
+def test_3_output_without_closing_tag_is_reasoning_flagged_unclosed(tok, folder, tmp_path):
+    def sometimes_cut(prompt_text):
+        text, finish = reasoning_model(prompt_text)
+        return (text, "length") if "Question 3:" in prompt_text else (text, finish)
+
+    ps = prompts(20, 0)
+    responses, rep = run(ps, ScriptedEngine(tok, sometimes_cut), tok, folder, tmp_path,
+                         reasoning.spec_from_params("think"), max_new_tokens=6)
+    cut = [r for r in responses if r.finish_reason == "length"]
+    assert len(cut) == 1 and len(cut[0].output_ids) == 6
+    assert cut[0].reasoning and cut[0].content == "" and not cut[0].reasoning_closed
+    assert cut[0].reasoning == cut[0].text  # reasoning holds it all
+    assert rep["unclosed_reasoning"] == 1 and rep["finish_reason"] == {"stop": 19, "length": 1}
+
+
+def test_3_gpt_oss_harmony_channels(tok, folder, tmp_path):
+    ps = prompts(24)
+    spec = reasoning.spec_from_params("harmony", "harmony")
+    responses, rep = run(ps, ScriptedEngine(tok, harmony_model), tok, folder, tmp_path, spec, {"harmony": True})
+    assert tok.decode(responses[0].prompt_ids).endswith("<|start|>assistant")
+    for p, r in zip(ps, responses):
+        assert r.reasoning.startswith("User asks: Question") and r.reasoning_closed
+        assert "<|channel|>analysis" not in r.content
+        if p.tools:
+            assert r.tool_calls == [{"type": "function", "function": {
+                "name": "search", "arguments": {"query": p.messages[-1]["content"]}}}]
+            assert r.content.endswith("<|call|>") and "to=functions.search" in r.content
+        else:
+            assert r.content == f"Answer: {p.messages[-1]['content']}" and r.tool_calls == []
+    assert rep["with_reasoning"] == 24 and rep["tool_calls"]["parse_failures"] == 0
+    # the same output read with the think preset has no reasoning: the gate would stop such a misconfigured run
+    with pytest.raises(GateBreach, match="min_reasoning"):
+        run(ps, ScriptedEngine(tok, harmony_model), tok, folder, tmp_path / "other",
+            reasoning.spec_from_params("think"), {"harmony": True})
+
+
+def test_4_stage_on_a_non_reasoning_model_under_think_fails_its_gate(tmp_path):
+    """The embedded SmolLM2 never writes think tags: under ``target.reasoning: think`` the real stage stops at its
+    first check, names the gate, the rate and the records, and publishes nothing."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["target"].update({"model": "embedded", "reasoning": "think", "chat_template_kwargs": {}})
+    params["infer"].update({"engine": "hf", "batch_size": 1, "max_new_tokens": 8, "temperature": 0.0,
+                            "max_failure_rate": 0.0,
+                            "gates": {"warmup": 2, "every": 2, "min_reasoning": 0.9, "max_truncated": 1.0,
+                                      "max_empty": 1.0}})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    ps = [Prompt(content_id(m, None), "chat", m) for m in
+          ([{"role": "user", "content": q}] for q in ["What is 2+2?", "Name a colour.", "Say hi."])]
+    write_jsonl(tmp_path / "prompts.jsonl", ps)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "stages/infer.py"), "--params", str(tmp_path / "params.yaml"),
+         "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "responses"),
+         "--report", str(tmp_path / "metrics/infer.json"), "--cache", str(tmp_path / "cache")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert f"gate min_reasoning breached: observed 0.000 < 0.9 after 2 records (e.g. {ps[0].id}, {ps[1].id})" \
+        in proc.stderr, proc.stderr
+    assert "Nothing was published" in proc.stderr
+    assert not (tmp_path / "responses").exists() and not (tmp_path / "metrics").exists()
+    [cache] = list((tmp_path / "cache").iterdir())
+    kept = [json.loads(line) for line in (cache / "generations.jsonl").read_text().splitlines()]
+    assert [g["id"] for g in kept] == [ps[0].id, ps[1].id]  # generated, kept for inspection, not published
