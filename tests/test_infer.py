@@ -1,0 +1,128 @@
+"""infer: token-exact records, resumable after Ctrl-C or kill -9, incremental, never mixing fingerprints."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from eaglepipe import chat, infer, reasoning, target
+from eaglepipe.engines import Sampling
+from eaglepipe.engines.hf import HFEngine
+from eaglepipe.gates import Gates
+from eaglepipe.records import Prompt, content_id, read_responses, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
+             "Say hello in Spanish.", "Name a planet.", "What do bees make?", "Spell 'cat' backwards.",
+             "What is the opposite of hot?"]
+GATES = {"warmup": 4, "every": 4, "min_reasoning": 0.9, "max_truncated": 1.0, "max_empty": 0.5}
+
+
+def prompts(questions, source="t"):
+    out = []
+    for q in questions:
+        messages = [{"role": "user", "content": q}]
+        out.append(Prompt(content_id(messages, None), source, messages))
+    return out
+
+
+def run(prompt_list, model, tokenizer, folder, cache_dir, max_new_tokens=12, batch_size=4):
+    engine = HFEngine(model, tokenizer.pad_token_id, batch_size)
+    sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(target.stop_ids(folder, tokenizer)))
+    fp = infer.fingerprint(target.fingerprint(folder), "hf", engine.identity(), sampling, {})
+    spec = reasoning.spec_from_params("none")
+    return infer.run(prompt_list, engine, tokenizer, sampling, spec, Gates(GATES, False),
+                     infer.Cache(Path(cache_dir) / fp), {})
+
+
+def test_records_are_token_exact(model, tokenizer, target_folder, tmp_path):
+    ps = prompts(QUESTIONS[:3])
+    responses, report = run(ps, model, tokenizer, target_folder, tmp_path)
+    assert [r.id for r in responses] == [p.id for p in ps]
+    stops = target.stop_ids(target_folder, tokenizer)
+    for p, r in zip(ps, responses):
+        assert r.prompt_ids == chat.prompt_ids(tokenizer, p.messages)
+        assert r.text == tokenizer.decode(r.output_ids, skip_special_tokens=False)
+        assert r.content == r.text and r.reasoning == ""
+        # the same ids as a bare, unbatched greedy model.generate
+        bare = model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=12, do_sample=False,
+                              eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)[0, len(r.prompt_ids):].tolist()
+        assert r.output_ids == bare[:len(r.output_ids)]
+        assert r.finish_reason == ("stop" if r.output_ids[-1] in stops else "length")
+    assert report["tokens_out"] == sum(len(r.output_ids) for r in responses)
+    assert sum(report["finish_reason"].values()) == 3
+
+
+def test_adding_a_source_generates_only_its_prompts(model, tokenizer, target_folder, tmp_path):
+    first = prompts(QUESTIONS[:3], "a")
+    _, report = run(first, model, tokenizer, target_folder, tmp_path)
+    assert report["this_run"]["generated"] == 3
+    responses, report = run(first + prompts(QUESTIONS[3:5], "b"), model, tokenizer, target_folder, tmp_path)
+    assert report["this_run"]["generated"] == 2
+    assert len(responses) == 5 and report["per_source"] == {"a": 3, "b": 2}
+
+
+def test_other_params_never_reuse_a_cache(model, tokenizer, target_folder, tmp_path):
+    ps = prompts(QUESTIONS[:2])
+    run(ps, model, tokenizer, target_folder, tmp_path, max_new_tokens=6)
+    _, report = run(ps, model, tokenizer, target_folder, tmp_path, max_new_tokens=7)
+    assert report["this_run"]["generated"] == 2
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_torn_last_line_and_duplicates_are_dropped_and_counted(tmp_path):
+    cache = infer.Cache(tmp_path)
+    line = json.dumps({"id": "a", "source": "s", "prompt_ids": [1], "output_ids": [2], "finish_reason": "stop"})
+    cache.path.write_text(line + "\n" + line + "\n" + line[:20])
+    done, counts = cache.load()
+    assert list(done) == ["a"] and counts == {"duplicates": 1, "torn_last_line": 1}
+    assert cache.path.read_text() == line + "\n"
+
+
+def write_params(tmp_path, **infer_overrides):
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["infer"].update(batch_size=1, max_new_tokens=24, **infer_overrides)
+    params["infer"]["gates"].update(GATES)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def stage(tmp_path, params):
+    return [sys.executable, str(ROOT / "stages/infer.py"), "--params", str(params), "--prompts",
+            str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "out"), "--report", str(tmp_path / "report.json"),
+            "--cache", str(tmp_path / "cache")]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
+    ps = prompts(QUESTIONS)
+    write_jsonl(tmp_path / "prompts.jsonl", ps)
+    cmd = stage(tmp_path, write_params(tmp_path))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    cache_file = None
+    while time.time() < deadline and proc.poll() is None:  # wait until some, not all, records are in the cache
+        files = list((tmp_path / "cache").glob("*/generations.jsonl"))
+        if files and 2 <= len(files[0].read_text().splitlines()) < len(ps):
+            cache_file = files[0]
+            break
+        time.sleep(0.05)
+    assert cache_file is not None, "the stage never reached the middle of its run"
+    os.kill(proc.pid, sig)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert not (tmp_path / "out" / "responses.jsonl").exists()
+    done_before = len({json.loads(l)["id"] for l in cache_file.read_text().splitlines() if l.endswith("}")})
+
+    subprocess.run(cmd, check=True, capture_output=True)
+    records = list(read_responses(tmp_path / "out" / "responses.jsonl"))
+    assert sorted(r.id for r in records) == sorted(p.id for p in ps)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["this_run"]["generated"] == len(ps) - done_before

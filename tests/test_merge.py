@@ -1,0 +1,98 @@
+"""merge: sequences are prompt_ids + output_ids exactly, the loss mask covers exactly the output, the policy for
+end-of-turn, truncation and aborts is applied and counted, splits are deterministic, bad records are refused."""
+import json
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from eaglepipe import merge, reasoning, sequences, target
+from eaglepipe.infer import to_response
+from eaglepipe.engines import Sampling
+from eaglepipe.records import Generation, RecordError, write_jsonl
+
+NONE = reasoning.spec_from_params("none")
+PARAMS = {"seed": 0, "valid_fraction": 0.25, "max_length": 64, "shard_tokens": 100}
+
+
+def response(tokenizer, rid, prompt_len, output, finish="stop", source="s"):
+    gen = Generation(rid, source, list(range(10, 10 + prompt_len)), output, finish)
+    return to_response(gen, tokenizer, NONE, Sampling())
+
+
+@pytest.fixture(scope="module")
+def eot(target_folder, tokenizer):
+    return target.end_of_turn_id(target_folder, tokenizer)
+
+
+def test_end_of_turn_is_the_chatml_im_end(eot, tokenizer):
+    assert tokenizer.convert_ids_to_tokens(eot) == "<|im_end|>"
+
+
+def test_sequence_is_prompt_plus_output_and_mask_is_the_output(tokenizer, eot):
+    counts = Counter()
+    r = response(tokenizer, "a", 5, [100, 101, eot])
+    ids, mask = sequences.build(r, eot, 64, counts)
+    assert ids == r.prompt_ids + r.output_ids
+    assert mask == [0] * 5 + [1] * 3
+    assert not counts
+
+
+def test_stop_without_end_of_turn_gets_it_appended_and_counted(tokenizer, eot):
+    counts = Counter()
+    ids, mask = sequences.build(response(tokenizer, "a", 4, [100, 101]), eot, 64, counts)
+    assert ids[-1] == eot and mask == [0] * 4 + [1] * 3
+    assert counts == {"end_of_turn_appended": 1}
+    ids, _ = sequences.build(response(tokenizer, "b", 4, [100, 101], "length"), eot, 64, counts)
+    assert ids[-1] == 101 and counts["end_of_turn_appended"] == 1
+
+
+def test_length_cap_abort_and_long_prompts_are_counted(tokenizer, eot):
+    counts = Counter()
+    ids, mask = sequences.build(response(tokenizer, "a", 6, list(range(200, 220)), "length"), eot, 10, counts)
+    assert len(ids) == 10 and mask == [0] * 6 + [1] * 4
+    assert sequences.build(response(tokenizer, "b", 10, [100], "length"), eot, 10, counts) is None
+    assert sequences.build(response(tokenizer, "c", 3, [100], "abort"), eot, 10, counts) is None
+    assert counts == {"truncated": 1, "left_out_prompt_too_long": 1, "left_out_abort": 1}
+
+
+def run_merge(tmp_path, tokenizer, eot, records, name="out"):
+    path = tmp_path / f"{name}.jsonl"
+    write_jsonl(path, records)
+    stats = merge.run(path, tmp_path / name, tokenizer, NONE, eot, PARAMS)
+    return stats, {split: list(sequences.read(tmp_path / name, split)) for split in ("train", "valid")}
+
+
+def test_shards_split_and_shuffle_are_deterministic_and_stable(tmp_path, tokenizer, eot):
+    records = [response(tokenizer, f"r{i}", 3 + i % 5, [100 + i, eot], source=f"s{i % 2}") for i in range(40)]
+    stats, data = run_merge(tmp_path, tokenizer, eot, records)
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert len(index["train"]["shards"]) > 1  # shard_tokens=100 forces several shards
+    assert stats["train"]["samples"] + stats["valid"]["samples"] == 40
+    assert 0 < stats["valid"]["samples"] < 20
+    by_id = {r.id: r for r in records}
+    for rid, source, ids, mask in data["train"] + data["valid"]:
+        assert list(ids) == by_id[rid].prompt_ids + by_id[rid].output_ids and source == by_id[rid].source
+        assert mask.sum() == len(by_id[rid].output_ids)
+    assert stats["train"]["trained_tokens"] == sum(int(m.sum()) for *_, m in data["train"])
+
+    again, data2 = run_merge(tmp_path, tokenizer, eot, list(reversed(records)), "again")
+    assert [d[0] for d in data2["train"]] == [d[0] for d in data["train"]]  # input order does not matter
+    more, data3 = run_merge(tmp_path, tokenizer, eot, records + [response(tokenizer, f"n{i}", 4, [7, eot])
+                                                                  for i in range(20)], "more")
+    assert {d[0] for d in data["valid"]} <= {d[0] for d in data3["valid"]}  # adding data moves nothing
+    assert {d[0] for d in data["train"]} <= {d[0] for d in data3["train"]}
+
+
+def test_an_inconsistent_record_is_refused_with_file_line_and_field(tmp_path, tokenizer, eot):
+    good = response(tokenizer, "a", 3, [100, eot])
+    bad = replace(response(tokenizer, "b", 3, [101, eot]), content="something else")
+    path = tmp_path / "r.jsonl"
+    write_jsonl(path, [good, bad])
+    with pytest.raises(RecordError, match=r"r\.jsonl:2: field 'text'|r\.jsonl:2: field 'content'"):
+        merge.run(path, tmp_path / "out", tokenizer, NONE, eot, PARAMS)
+    broken = json.loads(path.read_text().splitlines()[0])
+    del broken["output_ids"]
+    path.write_text(json.dumps(broken) + "\n")
+    with pytest.raises(RecordError, match=r"r\.jsonl:1: field 'output_ids' is missing"):
+        merge.run(path, tmp_path / "out", tokenizer, NONE, eot, PARAMS)
