@@ -126,3 +126,20 @@ def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
     assert sorted(r.id for r in records) == sorted(p.id for p in ps)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["this_run"]["generated"] == len(ps) - done_before
+
+
+def test_hf_engine_ignores_sampling_defaults_of_the_model_folder(target_folder, tokenizer, tmp_path):
+    """Only the explicit sampling params count: a generation_config.json with a repetition penalty and a top_k
+    (which transformers would otherwise apply) changes nothing."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(target_folder, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    config.update(repetition_penalty=1.8, top_k=3, no_repeat_ngram_size=2)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    ids = [chat.prompt_ids(tokenizer, [{"role": "user", "content": "Write a haiku about rain."}])]
+    sampling = Sampling(max_new_tokens=24, stop_token_ids=(tokenizer.eos_token_id,))
+    plain = HFEngine(target.load_model(target_folder), tokenizer.pad_token_id).generate(ids, sampling)[0]
+    tweaked = HFEngine(target.load_model(folder), tokenizer.pad_token_id).generate(ids, sampling)[0]
+    assert tweaked.output_ids == plain.output_ids

@@ -6,6 +6,7 @@ import hashlib
 import time
 
 import torch
+from transformers import GenerationConfig
 
 from . import Output, Sampling
 
@@ -14,6 +15,9 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model, pad_token_id: int, batch_size: int = 16):
+        # transformers fills every knob left at its default from the model's generation_config.json (a
+        # repetition_penalty, a top_k, ...); a neutral config leaves only the explicit Sampling in force.
+        model.generation_config = GenerationConfig(pad_token_id=pad_token_id)
         self.model = model
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size

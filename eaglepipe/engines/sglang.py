@@ -1,0 +1,637 @@
+"""SGLang engine: the target runs on one or many SGLang servers; this client sends token ids to their native
+``POST /generate`` and checks every answer before the driver keeps it.
+
+Why the native API with ``input_ids``: ids in, ids out, nothing re-tokenised and nothing parsed out of text (the
+OpenAI-compatible endpoints split reasoning only with ``--reasoning-parser`` and drop it silently without one).
+
+Before the first request, for every server in ``infer.sglang.urls`` (or the one it launched, ``launch``):
+    /health      waited for (``health_timeout_s``, 503 while SGLang starts)
+    /model_info  and /server_info (falling back to SGLang's older /get_model_info, /get_server_info): kept for
+                 ``describe()`` (the stage writes them to engine.json) and reduced to ``identity()`` (what decides the
+                 ids: model path, weight version, dtype, quantization, KV-cache dtype, SGLang version; never urls or
+                 concurrency, so a resumed run against a restarted or an added server reuses the cache). All servers
+                 must agree on it.
+    /tokenize    on probe strings (the chat template rendered, every special and added token, plain text): the
+                 server's tokenizer must give the local tokenizer's ids, or the run stops saying which probes differ.
+
+Every request: ``input_ids``, every sampling parameter explicit (SGLang fills missing ones from the model's
+generation_config.json), ``stop_token_ids`` = infer's stop ids, ``skip_special_tokens: false``, ``rid`` = the record id
+(a retry sends ``<id>#<attempt>``: SGLang rejects, or in older versions hangs on, a rid that is still in flight).
+At most ``concurrency`` requests are in flight, each sent to the healthy server with the fewest in flight.
+
+Every answer (``check_answer``): a known ``finish_reason`` (an abort is retried); ``meta_info.id`` and
+``prompt_tokens`` match what was sent; ``output_ids`` do not start with the prompt's last ids (sglang #10896, #17240:
+the detokenizer's context ids leaked into ``output_ids``); ``len(output_ids) == completion_tokens``; no stop id before
+the end; a stop on an id outside infer's stop ids is refused. Records keep the matched stop id at the end of
+``output_ids``, as the embedded engine does: SGLang's scheduler appends the sampled id before it checks it against the
+stop ids (``Req.check_finished``; ``output_ids_through_stop``: "stop position is included") and trims it only from
+``text`` (``DetokenizerManager.trim_matched_stop``), so it is in ``output_ids``; a server that leaves it out but counts
+it gets it put back. SGLang checks ``max_new_tokens`` before the stop ids, so an answer whose last allowed id is a
+stop id says ``length``; the record says ``stop``, like the embedded engine.
+
+Faults: timeouts, refused/reset connections, HTTP 408/429/5xx, malformed JSON and answers that fail a check are
+retried ``retries`` times with exponential backoff and jitter (tenacity), then the prompt is a ``Failure`` with every
+attempt's reason. Another 4xx is retried once (with a fresh rid), then it is a failure. A server that refuses
+connections or answers 503 is taken out of rotation and watched: back within ``health_timeout_s`` it is checked again
+(identity and tokenizer) and rejoins; a server that comes back serving something else stops the run; when no server is
+left the run stops (everything finished is already in the driver's cache).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import queue
+import random
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+
+from . import Failure, Output, Sampling
+
+_dumps, _loads = orjson.dumps, orjson.loads  # JSON at 256 requests in flight: the client's CPU time matters
+
+log = logging.getLogger(__name__)
+
+DEFAULTS = {"urls": ["http://127.0.0.1:30000"], "concurrency": 256, "timeout_s": 1800.0, "health_timeout_s": 600.0,
+            "retries": 5, "backoff_s": 1.0, "backoff_max_s": 60.0, "launch": None}
+# SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET: the number of prompt ids the #10896/#17240 bug puts in front.
+PROMPT_TAIL = 5
+FINISH_TYPES = ("stop", "length", "abort")
+IDENTITY_KEYS = ("dtype", "quantization", "kv_cache_dtype")
+JSON = {"Content-Type": "application/json"}
+
+
+class SGLangError(RuntimeError):
+    """The run cannot go on: no server, a server that disagrees with the local tokenizer or with the others."""
+
+
+class BadAnswer(ValueError):
+    """An answer that fails a check (retried, then recorded as a failure with this reason)."""
+
+
+class _Unhealthy(SGLangError):
+    """A server that did not answer /health in time."""
+
+
+class _Retry(Exception):
+    pass
+
+
+class _Permanent(Exception):
+    pass
+
+
+def seed_for(seed: int, record_id: str) -> int:
+    """The per-record sampling seed sent as ``sampling_seed`` when sampling (temperature > 0)."""
+    return int(hashlib.sha256(f"{seed}:{record_id}".encode()).hexdigest()[:8], 16)
+
+
+def sampling_params(s: Sampling, record_id: str) -> dict:
+    """Every sampling parameter /generate takes that changes ids, explicit (plus the text flags the issue asks for)."""
+    sp = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+          "min_p": s.min_p, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+          "min_new_tokens": 0, "stop_token_ids": list(s.stop_token_ids), "ignore_eos": False,
+          "skip_special_tokens": False, "spaces_between_special_tokens": False, "no_stop_trim": True}
+    if s.temperature > 0:
+        sp["sampling_seed"] = seed_for(s.seed, record_id)
+    return sp
+
+
+def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = None) -> tuple[list, str, dict]:
+    """Check one /generate answer; return (output_ids, finish_reason, meta_info) in the records' terms, or raise
+    BadAnswer saying what is wrong."""
+    if isinstance(body, list):  # a batch-shaped answer to one request
+        if len(body) != 1:
+            raise BadAnswer(f"{len(body)} answers for one request")
+        body = body[0]
+    if not isinstance(body, dict):
+        raise BadAnswer(f"answer is a JSON {type(body).__name__}, not an object")
+    if "error" in body:
+        raise BadAnswer(f"error in answer: {str(body['error'])[:200]}")
+    ids, meta = body.get("output_ids"), body.get("meta_info")
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise BadAnswer("output_ids missing or not a list of token ids")
+    if not isinstance(meta, dict):
+        raise BadAnswer("meta_info missing")
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else None
+    if kind not in FINISH_TYPES:
+        raise BadAnswer(f"unknown finish_reason {finish!r}")
+    if kind == "abort":
+        raise BadAnswer(f"aborted by the server: {str(finish.get('message'))[:200]}")
+    if rid is not None and meta.get("id") not in (None, rid):
+        raise BadAnswer(f"answer is for rid {meta.get('id')!r}, not {rid!r}")
+    if meta.get("prompt_tokens") not in (None, len(prompt_ids)):
+        raise BadAnswer(f"prompt_tokens={meta.get('prompt_tokens')} but {len(prompt_ids)} ids were sent")
+    count = meta.get("completion_tokens")
+    if type(count) is not int:
+        raise BadAnswer("meta_info.completion_tokens missing")
+    tail = min(PROMPT_TAIL, len(prompt_ids))
+    if tail >= 2 and ids[:tail] == prompt_ids[-tail:]:
+        raise BadAnswer(f"output_ids start with the prompt's last {tail} ids (sglang #10896/#17240)")
+    stops = set(sampling.stop_token_ids)
+    reason = kind
+    if kind == "stop":
+        matched = finish.get("matched")
+        if type(matched) is not int:
+            raise BadAnswer(f"stopped on {matched!r}, not on a stop id (no stop strings are sent)")
+        if matched not in stops:
+            raise BadAnswer(f"stopped on id {matched}, which is not one of infer's stop ids {sorted(stops)}")
+        if not ids or ids[-1] != matched:
+            if len(ids) + 1 != count:
+                raise BadAnswer(f"finish_reason stop on id {matched} but output_ids end with "
+                                f"{ids[-1] if ids else None} and completion_tokens={count}")
+            ids = ids + [matched]  # a server that leaves the matched id out of output_ids (but counts it)
+    if len(ids) != count:
+        raise BadAnswer(f"len(output_ids)={len(ids)} != completion_tokens={count}")
+    if len(ids) > sampling.max_new_tokens:
+        raise BadAnswer(f"{len(ids)} output ids for max_new_tokens={sampling.max_new_tokens}")
+    if kind == "length":
+        if len(ids) != sampling.max_new_tokens:
+            raise BadAnswer(f"finish_reason length after {len(ids)} of {sampling.max_new_tokens} ids")
+        if ids and ids[-1] in stops:
+            reason = "stop"
+    inner = next((n for n, t in enumerate(ids[:-1]) if t in stops), None)
+    if inner is not None:
+        raise BadAnswer(f"stop id {ids[inner]} at position {inner}, before the end of the output")
+    return ids, reason, meta
+
+
+def tokenizer_probes(tokenizer) -> list[str]:
+    """Strings whose ids must be the same on the server and here: the chat template rendered (its special tokens in
+    place), every special and added token, and plain text with unicode, digits, code and odd whitespace."""
+    from .. import chat
+
+    probes = []
+    for turns in ([{"role": "user", "content": "Hi! What is 2+2?"}],
+                  [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Q1"},
+                   {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2 ünï 中文 🤖"}]):
+        try:
+            probes.append(chat.render(tokenizer, turns))
+        except Exception as e:  # a template that refuses a system turn, say
+            log.debug("chat template probe skipped: %s", e)
+    special = list(dict.fromkeys([*tokenizer.all_special_tokens,
+                                  *(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values())]))
+    probes += special[:2048]
+    if special:
+        probes.append("x" + " y".join(special[:64]) + " z")
+    probes += ["<think>\nreasoning\n</think>\n\nanswer", "Hello, world! The year 2024; 3.14159 ≈ π.",
+               "def f(x):\n\treturn x ** 2  # tabs, spaces  \n\n", "  leading and trailing spaces  ", "Ünïcödé 中文 🤖✓"]
+    return list(dict.fromkeys(p for p in probes if p))
+
+
+@dataclass
+class _Server:
+    url: str
+    up: bool = False
+    dead: str | None = None  # why it was given up on
+    inflight: int = 0
+    sent: int = 0
+    model_info: dict = field(default_factory=dict)
+    server_info: dict = field(default_factory=dict)
+    identity: dict = field(default_factory=dict)
+    recovery: asyncio.Task | None = None
+
+
+class SGLangEngine:
+    """The engine for ``infer.engine: sglang``; ``params`` is ``infer.sglang``. Use as a context manager (the stage
+    does, through ``engines.create``): entering launches the server if asked, waits for health and checks every
+    server; leaving closes the connections and stops a launched server."""
+    name = "sglang"
+
+    def __init__(self, params: dict | None, tokenizer):
+        cfg = {**DEFAULTS, **(params or {})}
+        urls = cfg["urls"]
+        self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else list(urls or []))]
+        self.concurrency = int(cfg["concurrency"])
+        self.timeout_s = float(cfg["timeout_s"])
+        self.health_timeout_s = float(cfg["health_timeout_s"])
+        self.retries = int(cfg["retries"])
+        self.backoff_s = float(cfg["backoff_s"])
+        self.backoff_max_s = float(cfg["backoff_max_s"])
+        self.launch = cfg["launch"] or None
+        if self.concurrency < 1 or self.retries < 0 or self.timeout_s <= 0:
+            raise ValueError(f"infer.sglang: concurrency >= 1, retries >= 0 and timeout_s > 0 expected, got {cfg}")
+        if not self.urls and not self.launch:
+            raise ValueError("infer.sglang: give 'urls' (running servers) or 'launch' (a server to start)")
+        self.tokenizer = tokenizer
+        self.stats = Counter()
+        self._servers: list[_Server] = []
+        self._identity: dict | None = None
+        self._launched = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._fatal: SGLangError | None = None
+        self._changed: asyncio.Event | None = None
+        self._probes: list[str] = []
+        self._probe_ids: list[list[int]] = []
+        self._old_sigterm = None
+        self._tasks: set = set()
+
+    # ---- lifetime -------------------------------------------------------------------------------------------
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def start(self) -> "SGLangEngine":
+        if self._loop is not None:
+            return self
+        try:
+            if self.launch:
+                from .launch import LaunchedServer
+
+                self._catch_sigterm()
+                self._launched = LaunchedServer(self.launch)
+                self._launched.start()
+                self.urls = [self._launched.url]
+            self._probes = tokenizer_probes(self.tokenizer)
+            self._probe_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in self._probes]
+            self._servers = [_Server(u) for u in dict.fromkeys(self.urls)]
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-client", daemon=True)
+            self._thread.start()
+            self._call(self._connect())
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=30)
+            except Exception as e:  # noqa: BLE001 - closing must go on
+                log.debug("closing the client: %s", e)
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                loop.close()
+        if self._launched is not None:
+            self._launched.stop()
+            self._launched = None
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+    def _catch_sigterm(self):
+        """A launched server is stopped on SIGTERM too: turn it into SystemExit so ``close`` runs."""
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+    def _call(self, coro):
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            fut.cancel()
+            raise
+
+    async def _shutdown(self):
+        pending = [s.recovery for s in self._servers if s.recovery is not None] + list(self._tasks)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    # ---- the engine interface --------------------------------------------------------------------------------
+    def identity(self) -> dict:
+        """What, beyond the local model files, decides the ids (part of the cache fingerprint); never the urls."""
+        self.start()
+        return dict(self._identity)
+
+    def describe(self) -> dict:
+        """What the stage keeps about the servers (engine.json): model_info and server_info of each, as read."""
+        return {"engine": self.name, "identity": self._identity,
+                "launched": self._launched.describe() if self._launched else None,
+                "servers": [{"url": s.url, "model_info": s.model_info, "server_info": s.server_info}
+                            for s in self._servers]}
+
+    def stream(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
+        """Yield (index into prompts, Output | Failure) as answers arrive, ``concurrency`` requests in flight."""
+        if not prompts:
+            return
+        self.start()
+        results: queue.Queue = queue.Queue()
+        finished = threading.Event()
+        end = object()
+
+        async def produce():
+            try:
+                await self._produce(prompts, sampling, rids, results.put)
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                results.put(e)
+            finally:
+                results.put(end)
+                finished.set()
+
+        fut = asyncio.run_coroutine_threadsafe(produce(), self._loop)
+        try:
+            while True:
+                item = results.get()
+                if item is end:
+                    break
+                if isinstance(item, BaseException):
+                    if isinstance(item, asyncio.CancelledError):
+                        break
+                    raise item
+                yield item
+        finally:
+            if not fut.done():  # the consumer stopped early (a gate, Ctrl-C): cancel what is in flight
+                fut.cancel()
+                finished.wait(timeout=30)
+            self._log_stats()
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, rids: list[str] | None = None) -> list[Output]:
+        rids = rids or [str(i) for i in range(len(prompts))]
+        out: list = [None] * len(prompts)
+        for i, o in self.stream(prompts, sampling, rids):
+            out[i] = o
+        failed = [f"{rids[i]}: {o.reason}" for i, o in enumerate(out) if isinstance(o, Failure)]
+        if failed:
+            raise SGLangError(f"{len(failed)} of {len(prompts)} prompts failed: " + "; ".join(failed[:5]))
+        return out
+
+    def _log_stats(self):
+        if self.stats:
+            log.info("sglang client: %s", ", ".join(f"{k}={v}" for k, v in sorted(self.stats.items())))
+
+    # ---- connecting and checking servers ---------------------------------------------------------------------
+    async def _connect(self):
+        self._changed = asyncio.Event()
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        deadline = time.monotonic() + self.health_timeout_s
+        results = await asyncio.gather(*(self._check_server(s, deadline) for s in self._servers),
+                                       return_exceptions=True)
+        errors = [f"{s.url}: {r}" for s, r in zip(self._servers, results) if isinstance(r, BaseException)]
+        if errors:
+            raise SGLangError("SGLang server check failed:\n  " + "\n  ".join(errors))
+        first = self._servers[0].identity
+        differ = [f"{s.url}: {s.identity}" for s in self._servers if s.identity != first]
+        if differ:
+            raise SGLangError(f"the servers serve different models: {self._servers[0].url}: {first}; "
+                              + "; ".join(differ))
+        self._identity = first
+        for s in self._servers:
+            s.up = True
+        log.info("sglang: %d server(s) ready, %s", len(self._servers), first)
+
+    async def _check_server(self, server: _Server, deadline: float) -> None:
+        """Wait for /health, read /model_info and /server_info, compare tokenizers; fill ``server``."""
+        await self._wait_healthy(server, deadline)
+        model_info = await self._get_info(server, "/model_info", "/get_model_info")
+        server_info = await self._get_info(server, "/server_info", "/get_server_info")
+        if model_info.get("is_generation") is False:
+            raise SGLangError(f"{server.url} serves a model that does not generate (is_generation false)")
+        if server_info.get("skip_tokenizer_init"):
+            raise SGLangError(f"{server.url} runs with --skip-tokenizer-init: its tokenizer cannot be compared with "
+                              "the local one; start it without that flag")
+        await self._compare_tokenizer(server)
+        server_info.pop("internal_states", None)  # load and memory figures of the moment, not the server's setup
+        server.model_info, server.server_info = model_info, server_info
+        server.identity = {"model_path": model_info.get("model_path", server_info.get("model_path")),
+                           "weight_version": model_info.get("weight_version", server_info.get("weight_version")),
+                           **{k: server_info.get(k) for k in IDENTITY_KEYS},
+                           "sglang_version": server_info.get("version")}
+
+    async def _wait_healthy(self, server: _Server, deadline: float) -> None:
+        wait, last = 0.25, "no answer yet"
+        while True:
+            if self._launched is not None and self._launched.exited():
+                raise SGLangError(f"the launched server exited with code {self._launched.returncode()}; "
+                                  f"the end of {self._launched.log_path}:\n{self._launched.tail()}")
+            try:
+                async with self._session.get(server.url + "/health",
+                                             timeout=aiohttp.ClientTimeout(total=max(5.0, min(30.0, self.timeout_s)))
+                                             ) as r:
+                    await r.read()
+                    if r.status == 200:
+                        return
+                    last = f"/health answered {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.monotonic() + wait > deadline:
+                raise _Unhealthy(f"not healthy within health_timeout_s={self.health_timeout_s:g}s ({last})")
+            await asyncio.sleep(wait)
+            wait = min(wait * 1.5, 5.0)
+
+    async def _get_info(self, server: _Server, *paths) -> dict:
+        for path in paths:
+            async with self._session.get(server.url + path, timeout=aiohttp.ClientTimeout(total=60)) as r:
+                raw = await r.read()
+                if r.status == 404:
+                    continue
+                if r.status != 200:
+                    raise SGLangError(f"GET {path} answered {r.status}: {raw[:200]!r}")
+                try:
+                    info = _loads(raw)
+                except ValueError:
+                    raise SGLangError(f"GET {path} answered malformed JSON: {raw[:200]!r}") from None
+                if not isinstance(info, dict):
+                    raise SGLangError(f"GET {path} answered a JSON {type(info).__name__}")
+                return info
+        raise SGLangError(f"none of {', '.join(paths)} exists")
+
+    async def _compare_tokenizer(self, server: _Server) -> None:
+        body = {"prompt": self._probes, "add_special_tokens": False}
+        async with self._session.post(server.url + "/tokenize", data=_dumps(body), headers=JSON,
+                                      timeout=aiohttp.ClientTimeout(total=120)) as r:
+            raw = await r.read()
+            if r.status != 200:
+                raise SGLangError(f"POST /tokenize answered {r.status}: {raw[:200]!r} (the tokenizer check needs an "
+                                  "SGLang with /tokenize)")
+        try:
+            tokens = _loads(raw)["tokens"]
+        except (ValueError, KeyError, TypeError):
+            raise SGLangError(f"POST /tokenize answered malformed JSON: {raw[:200]!r}") from None
+        if not isinstance(tokens, list) or len(tokens) != len(self._probes):
+            raise SGLangError(f"POST /tokenize answered {len(tokens) if isinstance(tokens, list) else tokens!r} "
+                              f"token lists for {len(self._probes)} probes")
+        differ = [(p, theirs, ours) for p, theirs, ours in zip(self._probes, tokens, self._probe_ids)
+                  if theirs != ours]
+        if differ:
+            lines = []
+            for p, theirs, ours in differ[:8]:
+                at = next((i for i, (x, y) in enumerate(zip(theirs, ours)) if x != y), min(len(theirs), len(ours)))
+                lines.append(f"{p[:60]!r}: from position {at}: server {theirs[at:at + 8]} vs local {ours[at:at + 8]} "
+                             f"({len(theirs)} vs {len(ours)} ids)")
+            raise SGLangError(f"the server's tokenizer disagrees with the local one ({self.tokenizer.name_or_path}) "
+                              f"on {len(differ)} of {len(self._probes)} probes:\n    " + "\n    ".join(lines))
+
+    # ---- servers leaving and coming back ---------------------------------------------------------------------
+    def _notify(self):
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _mark_down(self, server: _Server, why: str) -> None:
+        if not server.up:
+            return
+        server.up = False
+        self.stats["server_down"] += 1
+        log.warning("sglang: %s out of rotation (%s); waiting up to %gs for it to come back", server.url, why,
+                    self.health_timeout_s)
+        server.recovery = asyncio.get_running_loop().create_task(self._recover(server))
+        self._notify()
+
+    async def _recover(self, server: _Server) -> None:
+        before = server.identity
+        try:
+            await self._check_server(server, time.monotonic() + self.health_timeout_s)
+        except _Unhealthy as e:
+            server.dead = str(e)
+            log.error("sglang: giving up on %s: %s", server.url, e)
+        except SGLangError as e:
+            self._fatal = SGLangError(f"{server.url} came back changed: {e}")
+        except Exception as e:  # noqa: BLE001
+            server.dead = f"{type(e).__name__}: {e}"
+        else:
+            if server.identity != before:
+                self._fatal = SGLangError(f"{server.url} came back serving {server.identity}, not {before}: "
+                                          "records would mix; stopping (the cache keeps what was generated)")
+            else:
+                server.up = True
+                self.stats["server_back"] += 1
+                log.warning("sglang: %s is back", server.url)
+        finally:
+            server.recovery = None
+            self._notify()
+
+    async def _acquire(self) -> _Server:
+        while True:
+            if self._fatal is not None:
+                raise self._fatal
+            best = None
+            for s in self._servers:
+                if s.up and (best is None or (s.inflight, s.sent) < (best.inflight, best.sent)):
+                    best = s
+            if best is not None:
+                return best
+            if all(s.dead for s in self._servers):
+                raise SGLangError("no SGLang server left: " + "; ".join(f"{s.url}: {s.dead}" for s in self._servers))
+            await self._changed.wait()
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    async def _produce(self, prompts, sampling: Sampling, rids, put) -> None:
+        order = iter(range(len(prompts)))
+
+        async def worker():
+            for i in order:
+                put((i, await self._one(prompts[i], sampling, rids[i])))
+
+        workers = [asyncio.ensure_future(worker()) for _ in range(min(self.concurrency, len(prompts)))]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+
+    async def _one(self, prompt_ids: list, sampling: Sampling, record_id: str):
+        """One prompt: attempts until an answer passes the checks; a Failure when retries are spent."""
+        params = sampling_params(sampling, record_id)
+        reasons: list[str] = []
+        try:  # the first attempt outside tenacity: it is nearly always the only one, and the client's hot path
+            return await self._attempt(prompt_ids, params, sampling, record_id, 1, reasons)
+        except _Permanent:
+            return self._failed(reasons)
+        except _Retry:
+            if self.retries == 0:
+                return self._failed(reasons)
+        # Retry k waits backoff_s * 2**(k-1) plus up to backoff_s of jitter, at most backoff_max_s.
+        retrying = AsyncRetrying(stop=stop_after_attempt(self.retries), retry=retry_if_exception_type(_Retry),
+                                 wait=wait_exponential_jitter(multiplier=2 * self.backoff_s, max=self.backoff_max_s,
+                                                              jitter=self.backoff_s), reraise=True)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    k = attempt.retry_state.attempt_number
+                    if k == 1:
+                        await asyncio.sleep(min(self.backoff_s + random.uniform(0, self.backoff_s),
+                                                self.backoff_max_s))
+                    return await self._attempt(prompt_ids, params, sampling, f"{record_id}#{k + 1}", k + 1,
+                                               reasons)
+        except (_Retry, _Permanent):
+            return self._failed(reasons)
+
+    def _failed(self, reasons: list[str]) -> Failure:
+        self.stats["failed"] += 1
+        return Failure(f"{len(reasons)} attempt(s): " + "; ".join(reasons))
+
+    async def _attempt(self, prompt_ids, params, sampling, rid, n, reasons) -> Output:
+        def retry(kind: str, why: str, permanent: bool = False):
+            reasons.append(f"{kind}: {why}")
+            self.stats[kind] += 1
+            return (_Permanent if permanent else _Retry)(why)
+
+        server = await self._acquire()
+        server.inflight += 1
+        server.sent += 1
+        body = _dumps({"input_ids": prompt_ids, "sampling_params": params, "rid": rid, "stream": False})
+        start = time.perf_counter()
+        try:
+            async with self._session.post(server.url + "/generate", data=body, headers=JSON,
+                                          timeout=aiohttp.ClientTimeout(total=self.timeout_s,
+                                                                        sock_connect=min(30.0, self.timeout_s))) as r:
+                status, raw = r.status, await r.read()
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            self._mark_down(server, f"cannot connect: {e}")
+            raise retry("refused", f"cannot connect to {server.url}") from None
+        except asyncio.TimeoutError:
+            self._abort(server, rid)
+            raise retry("timeout", f"no answer within {self.timeout_s:g}s from {server.url}") from None
+        except aiohttp.ClientError as e:  # reset, disconnected, truncated body
+            raise retry("connection", f"{type(e).__name__} from {server.url}") from None
+        finally:
+            server.inflight -= 1
+        latency = time.perf_counter() - start
+        if status != 200:
+            message = f"{status} from {server.url}: {raw[:200].decode('utf-8', 'replace')}"
+            if status == 503:
+                self._mark_down(server, "HTTP 503")
+            if status in (408, 429) or status >= 500:
+                raise retry(f"http{status}", message)
+            seen = sum(1 for r in reasons if r.startswith("http4xx"))  # 4xx: once more with a fresh rid, then give up
+            raise retry("http4xx", message, permanent=seen >= 1)
+        try:
+            answer = _loads(raw)
+        except ValueError:
+            raise retry("malformed", f"JSON from {server.url}: {raw[:80]!r}") from None
+        try:
+            ids, reason, meta = check_answer(answer, prompt_ids, sampling, rid)
+        except BadAnswer as e:
+            raise retry("check", f"{e} ({server.url})") from None
+        self.stats["ok"] += 1
+        return Output(ids, reason, {
+            "engine": self.name, "server": server.url, "rid": rid, "attempts": n,
+            "prompt_tokens": meta.get("prompt_tokens"), "completion_tokens": meta.get("completion_tokens"),
+            "cached_tokens": meta.get("cached_tokens"), "weight_version": meta.get("weight_version"),
+            "latency_s": round(latency, 4)})
+
+    def _abort(self, server: _Server, rid: str) -> None:
+        """Best effort: tell the server to stop working on a request this client gave up on."""
+        async def abort():
+            try:
+                async with self._session.post(server.url + "/abort_request", data=_dumps({"rid": rid}),
+                                              headers=JSON, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    await r.read()
+            except Exception:  # noqa: BLE001
+                pass
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+

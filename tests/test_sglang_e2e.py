@@ -1,0 +1,261 @@
+"""End to end: stages/infer.py with infer.engine: sglang against tests/sglang_server.py over loopback.
+
+The compute server generates with the embedded model through HFEngine (batch size 1, one request at a time), so a
+clean greedy run must give the records of the embedded engine run with batch_size 1, field for field (meta aside).
+Faults, kill -9 of the stage and a restart of the server must all end with every record present exactly once."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglepipe.records import Prompt, content_id, write_jsonl
+from test_sglang import CLEAN, configure, free_port, start_server, stats, stop_server
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
+             "Say hello in Spanish.", "Name a planet.", "What do bees make?"]
+STAGE_TIMEOUT = 300
+
+
+def make_prompts(questions, source="t") -> list[Prompt]:
+    out = []
+    for q in questions:
+        messages = [{"role": "user", "content": q}]
+        out.append(Prompt(content_id(messages, None), source, messages))
+    return out
+
+
+PROMPTS = make_prompts(QUESTIONS)
+
+
+def write_params(folder: Path, engine: str = "sglang", **sglang) -> Path:
+    cfg = yaml.safe_load((ROOT / "params.yaml").read_text())
+    infer = cfg["infer"]
+    infer.update(engine=engine, batch_size=1, max_new_tokens=16, temperature=0.0, max_failure_rate=0.0)
+    infer["gates"].update(warmup=4, every=4, max_truncated=1.0, max_empty=1.0)
+    infer["sglang"] = {"urls": [], "concurrency": 2, "timeout_s": 30, "health_timeout_s": 60, "retries": 5,
+                       "backoff_s": 0.05, "backoff_max_s": 0.5, "launch": None, **sglang}
+    path = folder / f"params-{engine}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def stage_cmd(folder: Path, params: Path, prompts: Path, name: str) -> list[str]:
+    return [sys.executable, "stages/infer.py", "--params", str(params), "--prompts", str(prompts),
+            "--out", str(folder / name / "out"), "--report", str(folder / name / "report.json"),
+            "--cache", str(folder / "cache")]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_stage(folder: Path, params: Path, prompts: Path, name: str) -> subprocess.CompletedProcess:
+    return subprocess.run(stage_cmd(folder, params, prompts, name), cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=STAGE_TIMEOUT)
+
+
+def records(folder: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (folder / name / "out" / "responses.jsonl").read_text().splitlines()]
+
+
+def cache_lines(folder: Path) -> list[dict]:
+    """Complete lines of the generation cache (a line torn by kill -9 is left out)."""
+    out = []
+    for path in (folder / "cache").glob("*/generations.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def assert_same_records(got: list[dict], reference: list[dict]) -> None:
+    """Byte for byte in format: the same fields in the same order with the same values; only meta may differ."""
+    assert [r["id"] for r in got] == [r["id"] for r in reference]
+    for g, ref in zip(got, reference):
+        assert list(g) == list(ref), (list(g), list(ref))
+        assert {k: v for k, v in g.items() if k != "meta"} == {k: v for k, v in ref.items() if k != "meta"}, g["id"]
+        assert g["meta"]["engine"] == "sglang" and ref["meta"]["engine"] == "hf"
+
+
+def port_closed(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("e2e")
+    write_jsonl(folder / "prompts.jsonl", PROMPTS)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def compute_server(work):
+    port = free_port()
+    proc = start_server(port, work / "compute-server.log")
+    yield f"http://127.0.0.1:{port}"
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def fast_server(work):
+    port = free_port()
+    proc = start_server(port, work / "fast-server.log", "--no-compute")
+    yield f"http://127.0.0.1:{port}"
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def reference(work):
+    """The embedded engine's records (batch_size 1) for PROMPTS."""
+    folder = work / "reference"
+    folder.mkdir()
+    out = run_stage(folder, write_params(folder, "hf"), work / "prompts.jsonl", "hf")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return records(folder, "hf")
+
+
+def test_a_clean_run_gives_the_embedded_engines_records(work, compute_server, reference, tmp_path):
+    configure(compute_server, **CLEAN)
+    out = run_stage(tmp_path, write_params(tmp_path, urls=[compute_server]), work / "prompts.jsonl", "sg")
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = records(tmp_path, "sg")
+    assert_same_records(got, reference)
+    assert {r["finish_reason"] for r in got} == {"stop", "length"}  # both kinds of ending are covered
+    assert all(r["output_ids"][-1] == 2 for r in got if r["finish_reason"] == "stop")  # <|im_end|> kept
+    engine = json.loads((tmp_path / "sg" / "out" / "engine.json").read_text())
+    server = engine["servers"][0]
+    assert engine["engine"] == "sglang" and server["url"] == compute_server
+    assert server["model_info"]["model_path"] == engine["identity"]["model_path"]
+    assert server["server_info"]["tp_size"] == 1 and "internal_states" not in server["server_info"]
+    report = json.loads((tmp_path / "sg" / "report.json").read_text())
+    assert report["completions"] == len(PROMPTS) and report["failures"] == 0
+
+
+def test_faulty_answers_never_reach_the_records(work, compute_server, reference, tmp_path):
+    configure(compute_server, **{**CLEAN, "fault_rate": 0.3, "fault_mode": "cycle",
+                                 "faults": "prefix,count,abort,finish,malformed,reset,truncated,http500,http503"})
+    out = run_stage(tmp_path, write_params(tmp_path, urls=[compute_server]), work / "prompts.jsonl", "sg")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_records(records(tmp_path, "sg"), reference)
+    assert sum(stats(compute_server)["faults"].values()) >= 2
+
+
+def test_ten_percent_faults_still_complete_every_prompt(fast_server, tmp_path):
+    prompts = make_prompts([f"Question number {i}: what is {i} plus {i}?" for i in range(200)])
+    write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    configure(fast_server, **{**CLEAN, "fault_rate": 0.1, "fault_mode": "cycle", "faults": "all", "hang_s": 4})
+    params = write_params(tmp_path, urls=[fast_server], concurrency=16, timeout_s=2, retries=6)
+    out = run_stage(tmp_path, params, tmp_path / "prompts.jsonl", "sg")
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = records(tmp_path, "sg")
+    assert [r["id"] for r in got] == [p.id for p in prompts]
+    assert len(cache_lines(tmp_path)) == 200 and not list((tmp_path / "cache").glob("*/failures.jsonl"))
+    faults = stats(fast_server)["faults"]
+    assert sum(faults.values()) >= 20 and len(faults) == 11, faults  # every kind of fault, twice or more
+    assert max(r["meta"]["attempts"] for r in got) >= 2
+
+
+def test_kill_9_mid_run_then_resume_keeps_every_record_once(work, compute_server, reference, tmp_path):
+    configure(compute_server, **{**CLEAN, "latency": 0.3})
+    params = write_params(tmp_path, urls=[compute_server])
+    proc = subprocess.Popen(stage_cmd(tmp_path, params, work / "prompts.jsonl", "sg"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(cache_lines(tmp_path)) >= 2 or proc.poll() is not None, 180, "two cached records")
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = len(cache_lines(tmp_path))
+    assert 2 <= done < len(PROMPTS), f"the run was not interrupted mid-way ({done} records cached)"
+    out = run_stage(tmp_path, params, work / "prompts.jsonl", "sg")
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads((tmp_path / "sg" / "report.json").read_text())
+    assert report["this_run"]["generated"] == len(PROMPTS) - done
+    cached = cache_lines(tmp_path)
+    assert sorted(c["id"] for c in cached) == sorted(p.id for p in PROMPTS)  # each once
+    assert_same_records(records(tmp_path, "sg"), reference)
+
+
+def test_a_server_restart_mid_run_loses_nothing(work, reference, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    servers = [start_server(port, tmp_path / "server-1.log")]
+    configure(url, **{**CLEAN, "latency": 0.3})
+    params = write_params(tmp_path, urls=[url], health_timeout_s=180, retries=6, backoff_s=0.2, backoff_max_s=2)
+    log = open(tmp_path / "stage.log", "w")
+    proc = subprocess.Popen(stage_cmd(tmp_path, params, work / "prompts.jsonl", "sg"), cwd=ROOT, env=ENV,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(cache_lines(tmp_path)) >= 2 or proc.poll() is not None, 180, "two cached records")
+        servers[0].kill()  # the server dies with requests in flight ...
+        servers[0].wait(timeout=30)
+        assert proc.poll() is None, "the stage finished before the server was killed"
+        time.sleep(1.0)  # ... connections are refused for a while ...
+        servers.append(start_server(port, tmp_path / "server-2.log", "--startup-delay", 2))  # ... 503 while starting
+        assert proc.wait(timeout=STAGE_TIMEOUT) == 0, (tmp_path / "stage.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        for s in servers:
+            stop_server(s)
+    text = (tmp_path / "stage.log").read_text()
+    assert "out of rotation" in text and "is back" in text
+    assert sorted(c["id"] for c in cache_lines(tmp_path)) == sorted(p.id for p in PROMPTS)
+    assert_same_records(records(tmp_path, "sg"), reference)
+
+
+def test_failures_over_the_limit_fail_the_stage_and_keep_the_rest(fast_server, work, tmp_path):
+    configure(fast_server, **{**CLEAN, "fail_rids": [PROMPTS[2].id]})
+    params = write_params(tmp_path, urls=[fast_server], retries=2)
+    out = run_stage(tmp_path, params, work / "prompts.jsonl", "sg")
+    assert out.returncode != 0 and "max_failure_rate" in out.stderr
+    failures = [json.loads(line) for path in (tmp_path / "cache").glob("*/failures.jsonl")
+                for line in path.read_text().splitlines()]
+    assert [f["id"] for f in failures] == [PROMPTS[2].id] and "http500" in failures[0]["reason"]
+    assert sorted(c["id"] for c in cache_lines(tmp_path)) == sorted(p.id for i, p in enumerate(PROMPTS) if i != 2)
+    configure(fast_server, **CLEAN)  # the fault is gone: a rerun generates only the failed prompt
+    out = run_stage(tmp_path, params, work / "prompts.jsonl", "sg")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((tmp_path / "sg" / "report.json").read_text())["this_run"]["generated"] == 1
+    assert len(records(tmp_path, "sg")) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_launched_server_is_stopped_at_the_end_and_on_failure(work, tmp_path, ok):
+    port = free_port()
+    launch = {"model_path": "embedded", "tp": 1, "dp": 1, "port": port, "log": str(tmp_path / "launched.log"),
+              "command": [sys.executable, "tests/sglang_server.py", "--no-compute"], "stop_timeout_s": 10,
+              "extra_args": [] if ok else ["--tokenize-skew"]}
+    out = run_stage(tmp_path, write_params(tmp_path, launch=launch), work / "prompts.jsonl", "sg")
+    assert port_closed(port), "the launched server outlived the stage"
+    assert "serving" in (tmp_path / "launched.log").read_text()
+    if ok:
+        assert out.returncode == 0, out.stderr[-3000:]
+        engine = json.loads((tmp_path / "sg" / "out" / "engine.json").read_text())
+        assert engine["launched"]["argv"][:2] == ["--model-path", "embedded"]
+        assert engine["servers"][0]["url"] == f"http://127.0.0.1:{port}"
+    else:
+        assert out.returncode != 0 and "tokenizer disagrees" in out.stderr
