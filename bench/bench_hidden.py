@@ -1,0 +1,90 @@
+"""Benchmark: the hidden stage's extraction speed against a bare forward pass of the target with
+``output_hidden_states=True`` on the same sequences and the same batches (tokens/s counts real tokens, not padding).
+
+    .venv/bin/python bench/bench_hidden.py [--sequences data/sequences] [--samples 48] [--repeats 3]
+
+Without a sequences folder it uses random sequences with lengths like the merged data (40..400 tokens). Each
+measurement is repeated and the best time kept (the machine is shared); the methods alternate within a repeat.
+Prints tokens/s of both and their ratio (hidden / bare; the goal is at least 0.85), and a stricter ratio against the
+decoder stack alone (no lm_head) with output_hidden_states=True.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from eaglepipe import hidden, sequences, target  # noqa: E402
+
+
+def load_samples(folder, n, seed):
+    if folder and (Path(folder) / "index.json").exists():
+        items = [(rid, ids, mask) for rid, _s, ids, mask in sequences.read(folder, "train")]
+        return items[:n], f"{folder} (train, first {min(n, len(items))})"
+    rng = np.random.default_rng(seed)
+    items = []
+    for i in range(n):
+        length = int(rng.integers(40, 401))
+        items.append((str(i), rng.integers(3, 40000, length).astype(np.int32), np.ones(length, np.uint8)))
+    return items, f"{n} random sequences, 40..400 tokens"
+
+
+@torch.inference_mode()
+def bare(model, samples, batch_tokens, base_only):
+    """The same batches through a bare forward with all hidden states (full model, or the decoder stack only)."""
+    lengths = [len(s[1]) for s in samples]
+    fwd = hidden.base_model(model) if base_only else model
+    for batch in hidden.plan_batches(lengths, batch_tokens):
+        width = lengths[batch[0]]
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, :lengths[i]] = torch.from_numpy(np.asarray(samples[i][1], dtype=np.int64))
+        fwd(input_ids=ids, output_hidden_states=True, use_cache=False)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sequences", default="data/sequences")
+    ap.add_argument("--samples", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--model", default="embedded")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = target.resolve(args.model)
+    model = target.load_model(folder)
+    layers = hidden.layer_ids("auto", model.config.num_hidden_layers)
+    samples, what = load_samples(args.sequences, args.samples, 0)
+    tokens = sum(len(s[1]) for s in samples)
+    runs = {
+        "hidden": lambda: hidden.extract_shard(model, samples, layers, args.batch_tokens, torch.bfloat16),
+        "bare_forward": lambda: bare(model, samples, args.batch_tokens, base_only=False),
+        "bare_decoder_stack": lambda: bare(model, samples, args.batch_tokens, base_only=True),
+    }
+    runs["hidden"]()  # warm-up
+    best = {k: float("inf") for k in runs}
+    for _ in range(args.repeats):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    speed = {k: tokens / v for k, v in best.items()}
+    result = {"data": what, "tokens": tokens, "batch_tokens": args.batch_tokens, "threads": torch.get_num_threads(),
+              "tokens_per_s": {k: round(v, 1) for k, v in speed.items()},
+              "ratio_vs_bare_forward": round(speed["hidden"] / speed["bare_forward"], 3),
+              "ratio_vs_bare_decoder_stack": round(speed["hidden"] / speed["bare_decoder_stack"], 3)}
+    print(json.dumps(result, indent=2))
+    ok = result["ratio_vs_bare_forward"] >= 0.85
+    print(f"hidden: {speed['hidden']:.0f} tokens/s, bare forward with output_hidden_states: "
+          f"{speed['bare_forward']:.0f} tokens/s, ratio {result['ratio_vs_bare_forward']:.3f} "
+          f"({'>=' if ok else '<'} 0.85)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""hidden: layer convention against a bare forward, final = the normed state lm_head reads, bf16 storage, bytes per
+token, resume after an interruption, and no reuse across different inputs or params."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from eaglepipe import hidden, sequences
+
+PARAMS = {"layers": "auto", "dtype": "bfloat16", "batch_tokens": 64, "shard_tokens": 60}
+
+
+def make_sequences(folder, seed=0, n=5):
+    rng = np.random.default_rng(seed)
+    items = []
+    for i in range(n):
+        length = int(rng.integers(9, 31))
+        prompt = int(rng.integers(3, length - 2))
+        ids = [1] + rng.integers(3, 5000, length - 1).tolist()
+        items.append((f"r{seed}-{i}", "s", ids, [0] * prompt + [1] * (length - prompt)))
+    sequences.write(folder, {"train": items[:-1], "valid": items[-1:]}, shard_tokens=1000, policy="test")
+    return items
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory, model, target_folder):
+    tmp = tmp_path_factory.mktemp("hidden")
+    items = make_sequences(tmp / "seq")
+    rep = hidden.run(tmp / "seq", tmp / "out", model, PARAMS, "model-fp", tmp / "cache")
+    return tmp, items, rep
+
+
+def test_layer_ids_auto_explicit_and_invalid():
+    assert hidden.layer_ids("auto", 30) == [2, 15, 27]
+    assert hidden.layer_ids("auto", 32) == [2, 16, 29]
+    assert hidden.layer_ids([1, 5, 9], 30) == [1, 5, 9]
+    for bad in ([1, 1, 2], [2, 15], [0, 5, 30], "2,15,27", [-1, 3, 4]):
+        with pytest.raises(ValueError):
+            hidden.layer_ids(bad, 30)
+
+
+def test_index_format_and_dtypes(extracted, model):
+    tmp, items, rep = extracted
+    index = json.loads((tmp / "out" / "index.json").read_text())
+    H = model.config.hidden_size
+    assert index["layers"] == [2, 15, 27] and index["hidden_size"] == H and index["dtype"] == "bfloat16"
+    assert "entering decoder layer i" in index["layer_convention"] and index["fingerprint"] == rep["fingerprint"]
+    assert len(index["train"]["shards"]) > 1, "shard_tokens=60 should split the train split"
+    for split in ("train", "valid"):
+        assert set(index[split]) == {"shards", "samples", "tokens"}
+        for shard in index[split]["shards"]:
+            assert set(shard) == {"file", "samples", "tokens", "ids"}
+    shard, t = next(hidden.read_shards(tmp / "out", "train"))
+    assert t["input_ids"].dtype == torch.int32 and t["loss_mask"].dtype == torch.uint8
+    assert t["offsets"].dtype == torch.int64 and t["aux"].dtype == torch.bfloat16 and t["final"].dtype == torch.bfloat16
+    assert t["aux"].shape == (shard["tokens"], 3 * H) and t["final"].shape == (shard["tokens"], H)
+    assert not list((tmp / "cache").glob(f"{rep['fingerprint']}*")), "the work folder is moved, not copied"
+
+
+def test_ids_and_mask_are_the_sequences(extracted):
+    tmp, items, _ = extracted
+    stored = {s["id"]: s for split in ("train", "valid") for s in hidden.read(tmp / "out", split)}
+    want = {rid: (ids, mask) for rid, _src, ids, mask in
+            [*sequences.read(tmp / "seq", "train"), *sequences.read(tmp / "seq", "valid")]}
+    assert list(stored) == list(want)  # stored order = sequences order
+    for rid, (ids, mask) in want.items():
+        assert stored[rid]["input_ids"].tolist() == ids.tolist()
+        assert stored[rid]["loss_mask"].tolist() == mask.tolist()
+
+
+def test_aux_rows_are_the_states_entering_layers_2_mid_and_L_minus_3(extracted, model):
+    """Against a separate, unbatched forward of the full model: aux block j == hidden_states[layers[j]] (and not
+    its neighbours: an off-by-one fails), final == hidden_states[-1] == the normed state, lm_head(final) == logits."""
+    tmp, _, _ = extracted
+    H, L = model.config.hidden_size, model.config.num_hidden_layers
+    for sample in hidden.read(tmp / "out", "train"):
+        ids = sample["input_ids"].long()[None]
+        with torch.inference_mode():
+            out = model(input_ids=ids, output_hidden_states=True)
+            # hidden_states[L] is the *normed* state in transformers 5 (tied to last_hidden_state)
+            assert torch.equal(out.hidden_states[L], model.model.norm(model.model.layers[-1](
+                out.hidden_states[L - 1], position_embeddings=model.model.rotary_emb(out.hidden_states[0],
+                torch.arange(ids.shape[1])[None]), attention_mask=None, position_ids=torch.arange(ids.shape[1])[None])))
+            assert torch.allclose(model.lm_head(out.hidden_states[L]), out.logits, atol=1e-5)
+        for j, layer in enumerate([2, L // 2, L - 3]):
+            block = sample["aux"][:, j * H:(j + 1) * H].float()
+            ref = out.hidden_states[layer][0]
+            torch.testing.assert_close(block, ref.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
+            for wrong in (layer - 1, layer + 1):
+                assert not torch.allclose(block, out.hidden_states[wrong][0], rtol=2e-2, atol=2e-2)
+        final = sample["final"].float()
+        torch.testing.assert_close(final, out.hidden_states[L][0].to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
+        logits = final @ model.lm_head.weight.T
+        torch.testing.assert_close(logits, out.logits[0], rtol=0.05, atol=0.3)
+        agree = (logits.argmax(-1) == out.logits[0].argmax(-1)).float().mean()
+        assert agree >= 0.9
+
+
+def test_bytes_per_token_is_8H_of_hidden_state(extracted, model):
+    _, _, rep = extracted
+    H = model.config.hidden_size
+    assert rep["hidden_bytes_per_token"] == 8 * H == rep["max_hidden_bytes_per_token_bf16"]
+    assert 8 * H <= rep["bytes_per_token"] <= 8 * H + 5 + 200  # ids, mask, offsets and safetensors headers
+    assert rep["tokens"] == rep["computed_tokens"] and rep["tokens_per_s"] > 0 and rep["layers"] == [2, 15, 27]
+
+
+def test_resume_keeps_finished_shards_and_a_changed_input_reuses_nothing(tmp_path, model, monkeypatch):
+    make_sequences(tmp_path / "seq")
+    real = hidden.extract_shard
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hidden, "extract_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hidden.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "model-fp", tmp_path / "cache")
+    (work,) = list((tmp_path / "cache").iterdir())
+    kept = {p.name: p.stat().st_mtime_ns for p in work.glob("*.safetensors")}
+    assert len(kept) == 2 and not (tmp_path / "out").exists()
+    monkeypatch.setattr(hidden, "extract_shard", real)
+    rep = hidden.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "model-fp", tmp_path / "cache")
+    assert rep["reused_shards"] == 2 and rep["computed_shards"] >= 1 and rep["fingerprint"] == work.name
+    for name, mtime in kept.items():
+        assert (tmp_path / "out" / name).stat().st_mtime_ns == mtime  # moved, not rewritten
+    resumed = [s["aux"].clone() for split in ("train", "valid") for s in hidden.read(tmp_path / "out", split)]
+
+    # an interrupted run on other inputs (or params) leaves shards that a different fingerprint never touches
+    monkeypatch.setattr(hidden, "extract_shard", interrupted)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        hidden.run(tmp_path / "seq", tmp_path / "out2", model, PARAMS, "model-fp", tmp_path / "cache")
+    monkeypatch.setattr(hidden, "extract_shard", real)
+    make_sequences(tmp_path / "seq", seed=1)  # changed input
+    rep2 = hidden.run(tmp_path / "seq", tmp_path / "out2", model, PARAMS, "model-fp", tmp_path / "cache")
+    assert rep2["reused_shards"] == 0 and rep2["fingerprint"] != rep["fingerprint"]
+    rep3 = hidden.run(tmp_path / "seq", tmp_path / "out3", model, {**PARAMS, "batch_tokens": 32}, "model-fp",
+                      tmp_path / "cache")
+    assert rep3["reused_shards"] == 0 and rep3["fingerprint"] != rep2["fingerprint"]
+    # and an uninterrupted run gives the same shards as the resumed one
+    make_sequences(tmp_path / "seq", seed=0)
+    fresh = hidden.run(tmp_path / "seq", tmp_path / "out4", model, PARAMS, "model-fp", tmp_path / "cache2")
+    assert fresh["fingerprint"] == rep["fingerprint"]
+    again = [s["aux"] for split in ("train", "valid") for s in hidden.read(tmp_path / "out4", split)]
+    assert all(torch.equal(a, b) for a, b in zip(resumed, again))
