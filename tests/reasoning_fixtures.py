@@ -8,8 +8,10 @@ thinking off), ``prefill_think=false`` leaves the tag to the model (Qwen3 hybrid
 ``harmony=true`` renders gpt-oss's harmony format, ending with ``<|start|>assistant``.
 
 It is saved as a model folder (tokenizer + the embedded model's config and generation config, no weights) so
-``target.resolve``, ``target.stop_ids`` and ``target.fingerprint`` work on it. The scripted engine implements the
-engine interface and answers with token ids made by this tokenizer, as a reasoning model served token-exact would.
+``target.resolve``, ``target.stop_ids`` and ``target.fingerprint`` work on it; ``served_model_folder`` adds the
+embedded weights (a link), for the stage and tests/sglang_server.py (``--reasoning``) to load the same folder. The
+scripted engine implements the engine interface and answers with token ids made by this tokenizer, as a reasoning
+model served token-exact would.
 """
 from __future__ import annotations
 
@@ -91,8 +93,10 @@ CHAT_TEMPLATE = r"""
 """
 
 
-def build_model_folder(folder: Path) -> Path:
-    """Write the test model folder (tokenizer with the markers, the template, the embedded config) to ``folder``."""
+def build_model_folder(folder: Path, weights: bool = False) -> Path:
+    """Write the test model folder (tokenizer with the markers, the template, the embedded config) to ``folder``;
+    ``weights``: with the embedded model's weights too (linked, not copied). The markers' ids lie past the model's
+    embeddings (config vocab_size): the weights never generate them and cannot read them."""
     embedded = target.resolve("embedded")
     tok = target.load_tokenizer(embedded)
     tok.add_special_tokens({"additional_special_tokens": MARKERS})
@@ -101,6 +105,9 @@ def build_model_folder(folder: Path) -> Path:
     tok.save_pretrained(folder)
     for name in ("config.json", "generation_config.json"):
         shutil.copy(embedded / name, folder / name)
+    if weights:
+        for path in embedded.glob("*.safetensors"):
+            (folder / path.name).symlink_to(path)
     return folder
 
 
@@ -112,6 +119,13 @@ def model_folder(tmp_path_factory) -> Path:
     if "folder" not in _CACHE:
         _CACHE["folder"] = build_model_folder(tmp_path_factory.mktemp("reasoning-model") / "model")
     return _CACHE["folder"]
+
+
+def served_model_folder(tmp_path_factory) -> Path:
+    """The test model folder with the embedded weights, built once per test session."""
+    if "served" not in _CACHE:
+        _CACHE["served"] = build_model_folder(tmp_path_factory.mktemp("reasoning-model") / "served", weights=True)
+    return _CACHE["served"]
 
 
 def reasoning_tokenizer(tmp_path_factory):

@@ -3,6 +3,7 @@
     python tests/sglang_server.py --port 30000 [--model-path embedded] [--no-compute] [--latency 0.2]
         [--fault-rate 0.1] [--faults all|http429,reset,...] [--fault-mode random|cycle] [--fault-budget N]
         [--hang-s 30] [--startup-delay 2] [--batch-arrays] [--exclude-stop] [--old-api] [--tokenize-skew]
+        [--reasoning wrap|drop]
 
 Endpoints as SGLang's python/sglang/srt/entrypoints/http_server.py has them:
     GET  /health, /health_generate     200, or 503 while starting (--startup-delay) or when set unhealthy
@@ -22,6 +23,17 @@ Generation is the embedded engine's: eaglepipe.engines.hf.HFEngine at batch size
 SGLang's finish rules on top (the length limit is checked before the stop ids; the matched stop id stays in
 output_ids and is trimmed from text unless no_stop_trim). --no-compute answers made-up ids after --latency only
 (the client benchmark). Test-harness endpoints: POST /_test/config (JSON of the knobs below), GET /_test/stats.
+
+A reasoning model (--reasoning; knob "reasoning", null = off), for a --model-path whose tokenizer has <think> and
+</think> as special tokens (tests/reasoning_fixtures.py builds one around the embedded weights):
+    wrap    every answer is a think block, then the answer the embedded model generates, as token ids:
+            "<think>\n" (left out when the prompt already ends with <think>, whitespace after it allowed),
+            THOUGHT, "\n</think>\n\n", then the model's ids with the stop id at the end. The block counts against
+            max_new_tokens (the model gets what is left) and SGLang's finish rules apply to the whole output.
+    drop    the same model with its thinking dropped from the served answers (a broken server or parser): the
+            model's answer alone, generated under the whole max_new_tokens.
+The model is fed the prompt without a trailing opened <think> and without the ids it has no embedding for (the
+markers the test tokenizer adds), so its answer is the one it gives to the plain prompt.
 
 Faults (--fault-rate of /generate requests, kinds from --faults; "cycle" faults exactly every 1/rate-th request):
     http429 http500 http503 http400   an error status with SGLang's error body
@@ -71,8 +83,10 @@ SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temp
                  "sampling_seed"}
 KNOBS = {"latency": 0.0, "fault_rate": 0.0, "faults": list(FAULTS), "fault_mode": "random", "fault_budget": None,
          "hang_s": 30.0, "batch_arrays": False, "exclude_stop": False, "old_api": False, "tokenize_skew": False,
-         "unhealthy": False, "seed": 0, "fail_rids": [], "fake_stop_after": None}
+         "unhealthy": False, "seed": 0, "fail_rids": [], "fake_stop_after": None, "reasoning": None}
 TAIL = 5  # SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET
+REASONING_MODES = (None, "wrap", "drop")
+THOUGHT = "Let me think."  # the reasoning text of --reasoning wrap (short: it counts against max_new_tokens)
 
 
 class RequestError(Exception):
@@ -125,6 +139,10 @@ class FakeSGLang:
         config = json.loads((self.folder / "config.json").read_text())
         self.model_type, self.architectures = config.get("model_type"), config.get("architectures")
         self.random_seed = args.seed
+        self.embeddings = int(config.get("vocab_size") or self.vocab_size)  # ids the model can read
+        vocab = self.tokenizer.get_vocab()
+        self.think_ids = (vocab.get("<think>"), vocab.get("</think>"))
+        self.check_reasoning(self.knobs["reasoning"])
 
     @staticmethod
     def parse_faults(text: str) -> list[str]:
@@ -133,6 +151,31 @@ class FakeSGLang:
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {FAULTS + EXTRA_FAULTS}")
         return kinds
+
+    def check_reasoning(self, mode) -> None:
+        if mode not in REASONING_MODES:
+            raise ValueError(f"reasoning={mode!r}: expected one of {REASONING_MODES}")
+        if mode == "wrap" and None in self.think_ids:
+            raise ValueError(f"reasoning='wrap' needs <think> and </think> tokens; {self.folder} has none")
+
+    def think_open(self, ids: list) -> int | None:
+        """Where the prompt's trailing opened <think> is (whitespace after it allowed), or None."""
+        open_id = self.think_ids[0]
+        if open_id is None:
+            return None
+        k = len(ids)
+        while k and ids[k - 1] != open_id and not self.tokenizer.decode(ids[k - 1:k]).strip():
+            k -= 1
+        return k - 1 if k and ids[k - 1] == open_id else None
+
+    def reasoning_parts(self, ids: list) -> tuple[list, list]:
+        """--reasoning: (ids served before the model's answer, the model's input)."""
+        opened = self.think_open(ids)
+        model_ids = [t for t in (ids if opened is None else ids[:opened]) if t < self.embeddings]
+        if self.knobs["reasoning"] != "wrap":
+            return [], model_ids
+        block = ("" if opened is not None else "<think>\n") + THOUGHT + "\n</think>\n\n"
+        return self.tokenizer.encode(block, add_special_tokens=False), model_ids
 
     # ---- info ---------------------------------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -209,6 +252,11 @@ class FakeSGLang:
         unknown = set(body) - set(KNOBS)
         if unknown:
             return web.json_response({"error": f"unknown knobs {sorted(unknown)}"}, status=400)
+        if "reasoning" in body:
+            try:
+                self.check_reasoning(body["reasoning"])
+            except ValueError as e:
+                return web.json_response({"error": str(e)}, status=400)
         if isinstance(body.get("faults"), str):
             body["faults"] = self.parse_faults(body["faults"])
         self.knobs.update(body)
@@ -319,20 +367,23 @@ class FakeSGLang:
         start = time.perf_counter()
         stops = set() if sp["ignore_eos"] else set(sp["stop_token_ids"]) | self.eos
         limit = sp["max_new_tokens"]
-        if limit == 0:
+        block, model_ids = self.reasoning_parts(ids) if self.knobs["reasoning"] else ([], ids)
+        budget = max(limit - len(block), 0)  # a think block counts against max_new_tokens
+        if budget == 0:
             gen = []
         elif self.engine is None:  # --no-compute: ids made up from the prompt, never a stop id unless asked
-            h = zlib.crc32(repr(ids).encode())
-            gen = [1000 + (h + 7919 * k) % 20000 for k in range(limit)]
+            h = zlib.crc32(repr(model_ids).encode())
+            gen = [1000 + (h + 7919 * k) % 20000 for k in range(budget)]
             after = self.knobs["fake_stop_after"]
-            if after and sp["stop_token_ids"] and after <= limit:
+            if after and sp["stop_token_ids"] and after <= budget:
                 gen = gen[:after - 1] + [min(sp["stop_token_ids"])]
         else:
             top_k = sp["top_k"] if sp["top_k"] > 0 else -1
             sampling = Sampling(temperature=sp["temperature"], top_p=sp["top_p"], top_k=top_k, min_p=sp["min_p"],
-                                max_new_tokens=limit, seed=int(sp.get("sampling_seed") or 0),
+                                max_new_tokens=budget, seed=int(sp.get("sampling_seed") or 0),
                                 stop_token_ids=tuple(sorted(stops)))
-            gen = self.engine.generate([ids], sampling, [rid])[0].output_ids
+            gen = self.engine.generate([model_ids], sampling, [rid])[0].output_ids
+        gen = block + gen
         # SGLang's Req.check_finished: the length limit first, then the stop ids; the matched id stays in output_ids.
         if len(gen) >= limit:
             gen, finish = gen[:limit], {"type": "length", "length": limit}
@@ -488,6 +539,10 @@ def parse_args(argv=None):
                     help="only the old /get_model_info and /get_server_info")
     ap.add_argument("--tokenize-skew", dest="tokenize_skew", action="store_const", const=True,
                     help="/tokenize maps special tokens to other ids (a mismatched tokenizer)")
+    ap.add_argument("--reasoning", choices=("wrap", "drop"),
+                    help="serve a reasoning model: 'wrap' puts a think block before the model's answer (needs "
+                         "<think> and </think> in the tokenizer), 'drop' serves the answer without it (thinking "
+                         "lost); see the module docstring")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fake-stop-after", dest="fake_stop_after", type=int,
                     help="--no-compute: answers end with a stop id after this many ids")
