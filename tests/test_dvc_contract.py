@@ -67,6 +67,8 @@ def tiny_params(params: dict) -> dict:
         source["n"] = 2
     params["infer"].update(max_new_tokens=8, batch_size=4)
     params["infer"]["gates"].update(max_truncated=1.0, warmup=4, every=4)
+    params["train"].update(epochs=1, draft_vocab_size=256)
+    params["evaluate"].update(limit=2, max_new_tokens=8)
     return params
 
 
@@ -74,7 +76,7 @@ def tiny_params(params: dict) -> dict:
 def project(tmp_path_factory, target_folder):
     """A copy of the project (code, data sources, DVC config) in a fresh git repo, with tiny params."""
     dst = tmp_path_factory.mktemp("project")
-    skip = {".git", ".venv", ".cache", ".pytest_cache", "__pycache__", "models", "dvc.lock"}
+    skip = {".git", ".venv", ".cache", ".pytest_cache", "__pycache__", "models", "dvc.lock", "docs"}
     outputs = {"prompts", "responses", "sequences", "hidden"}
 
     def ignore(folder, names):
@@ -101,7 +103,8 @@ def dvc(project: Path, *args) -> subprocess.CompletedProcess:
 
 def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     first = dvc(project, "repro")
-    assert "Running stage 'merge'" in first.stdout
+    for name in stages():
+        assert f"Running stage '{name}'" in first.stdout
     index = json.loads((project / "data/sequences/index.json").read_text())
     assert index["train"]["samples"] + index["valid"]["samples"] > 0
 

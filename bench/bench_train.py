@@ -1,0 +1,65 @@
+"""Benchmark: the train stage's tokens/s against bare forward+backward steps of the drafter on the same batches.
+
+    python bench/bench_train.py [--hidden data/hidden] [--params params.yaml] [--epochs N]
+
+Train side: ``train.run`` from scratch, timed whole (loading the shards, the target's argmax, batching, target
+distributions, metrics, validation, checkpoints). Bare side: the same drafter (same seed and init) on the same
+batches, collated beforehand, timing only TTT forward + loss, backward, clipping and the AdamW step. Both count the
+tokens of the training batches. Prints both throughputs and their ratio (the goal is >= 0.85).
+"""
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from eaglepipe import target, train  # noqa: E402
+
+
+def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
+    steps = int(p["ttt_steps"])
+    model, train_set, _, head_draft, _ = train.setup(hidden_folder, folder, p)
+    lengths = [s.ids.shape[0] for s in train_set]
+    batches = [train.collate([train_set[i] for i in idx], steps, head_draft)
+               for e in range(int(p["epochs"])) for idx in train.plan_batches(lengths, int(p["batch_tokens"]),
+                                                                             int(p["seed"]), e)]
+    opt = torch.optim.AdamW(model.parameters(), lr=float(p["lr"]), betas=(0.9, 0.95), weight_decay=0.0)
+    model.train()
+    start = time.perf_counter()
+    for batch in batches:
+        loss, _ = train.ttt_forward(model, batch, steps)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), float(p["grad_clip"]))
+        opt.step()
+    return sum(b["tokens"] for b in batches), time.perf_counter() - start
+
+
+@click.command(help=__doc__)
+@click.option("--hidden", "hidden_folder", default="data/hidden", show_default=True)
+@click.option("--params", default="params.yaml", show_default=True)
+@click.option("--epochs", default=None, type=int, help="Epochs on each side [default: params train.epochs].")
+def main(hidden_folder, params, epochs):
+    cfg = yaml.safe_load(Path(params).read_text())
+    folder = target.resolve(cfg["target"]["model"])
+    p = {**cfg["train"], "epochs": epochs or cfg["train"]["epochs"]}
+    if int(p["threads"]):  # as train.run does
+        torch.set_num_threads(int(p["threads"]))
+    bare_tokens, bare_s = bare_steps(hidden_folder, folder, p)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        _, report, _ = train.run(hidden_folder, folder, p, tmp)
+        train_s = time.perf_counter() - start
+    bare, full = bare_tokens / bare_s, bare_tokens / train_s
+    print(f"tokens: {bare_tokens} in {p['epochs']} epochs, {report['steps']} batches")
+    print(f"bare forward+backward steps: {bare:.1f} tokens/s ({bare_s:.1f} s)")
+    print(f"train stage (train.run):     {full:.1f} tokens/s ({train_s:.1f} s)")
+    print(f"ratio: {full / bare:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""The EAGLE-3 drafter: config, module, draft vocabulary, export in SGLang's ``LlamaForCausalLMEagle3`` layout.
+
+Architecture (one decoder layer over the target's features, as in SafeAILab/EAGLE ``traineagle3/cnets.py`` and
+SGLang ``models/llama_eagle3.py``)::
+
+    g  = fc(aux)                                    aux = cat(low, mid, high) [.., 3H] -> g [.., H]
+    x  = cat(input_layernorm(embed(token)), hidden_norm(h))       [.., 2H]   (h = g at step 0)
+    a  = h + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))   q/k/v take 2H inputs; RoPE; GQA
+    h' = a + mlp(post_attention_layernorm(a))                     pre-norm output, fed back as h
+    draft_logits = lm_head(norm(h'))                               [.., draft_vocab_size]
+
+``embed_tokens`` is the target's input embedding, frozen, kept as a non-persistent buffer: it is neither trained nor
+saved (SGLang and vLLM give the drafter the target's embedding when the checkpoint has none). Everything is float32.
+
+Inference API (what the evaluate stage calls; chain drafting, top-1, batch rows share one length)::
+
+    model = draft.load("models/draft", target_embeddings)   # Eagle3Draft in eval mode; target_embeddings [V, H] =
+        # target_model.get_input_embeddings().weight, or train.target_tensors(folder, 0)["embed"] (no model load)
+    model.aux_layers                   # [2, 15, 27]: HF output_hidden_states indices to concatenate (low, mid, high)
+    g = model.project(aux)             # aux [B, T, 3H] (any float dtype) -> [B, T, H] float32
+    logits, h_out, cache = model(input_ids, hidden, cache=None, position_ids=None)
+        input_ids [B, T] target-vocabulary ids, hidden [B, T, H] (project(aux) or a previous h_out),
+        cache a DraftCache (None starts one); position_ids default to len(cache) + arange(T)
+        -> logits [B, T, draft_vocab_size] float32, h_out [B, T, H] pre-norm, cache (the same object, extended by T)
+    model.to_target(draft_ids)         # draft ids -> target ids: draft_id + d2t[draft_id]
+    cache.crop(n); len(cache)          # keep the first n positions / number of positions held
+
+Alignment (the same in training): the target's hidden state at position t is paired with the token at t + 1, and the
+drafter's output there predicts the token at t + 2. Position ids are the hidden state's position: ``t`` for a pair
+built from the target's own hidden state at t, and ``t + k`` at draft step k of a chain that starts from it
+(training-time test unrolls exactly these steps). Hence the cache length always equals the next position id.
+
+Chain drafting, prompt x_0..x_{n-1}, the target's prefill gives aux_0..aux_{n-1} and its own next token x_n:
+    1. extend:  logits, h, cache = model(x[1..n], project(aux[0..n-1]))          positions 0..n-1
+               d_1 = model.to_target(logits[:, -1].argmax(-1))                     (drafts x_{n+1})
+    2. step k = 1..K-1:  logits, h, cache = model(d_k[:, None], h[:, -1:], cache)  position n-1+k
+               d_{k+1} = model.to_target(logits[:, -1].argmax(-1))
+    3. the target verifies x_n, d_1..d_K, accepts m drafts and appends its bonus token; then cache.crop(n)
+       (drop the chain) and extend with the tokens x_{n+1}..x_{n+m+1} paired with project(aux[n..n+m]) (the
+       target's states at the verified positions), positions n..n+m; n becomes n+m+1; go to 2.
+
+Initialisation (``init_from_target``): fc passes the high aux state through, the midlayer is a copy of the target's
+decoder layer that consumes it (the embedding half of q/k/v zero), lm_head = the target's rows of the draft vocabulary,
+norm = the target's final norm: step 0 starts as exactly that target layer.
+
+Draft vocabulary: the N most frequent loss-masked (trained) token ids, sorted ascending (ties: lower id first), padded
+with the lowest unused ids when the data has fewer distinct ids. ``d2t`` int64 [N]: target_id = draft_id +
+d2t[draft_id]; ``t2d`` bool [V]: whether a target id is in the draft vocabulary.
+
+Checkpoint (``save``/``load``): ``config.json`` + ``model.safetensors`` with exactly ``fc.weight``,
+``midlayer.self_attn.{q,k,v,o}_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
+``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``, ``norm.weight``, ``lm_head.weight``
+(float32), ``d2t`` (int64), ``t2d`` (bool). ``config.json``: ``architectures: ["LlamaForCausalLMEagle3"]``,
+``model_type: llama``, ``num_hidden_layers: 1``, ``tie_word_embeddings: false`` (SGLang would make lm_head the
+embedding otherwise), ``vocab_size`` (target), ``draft_vocab_size``, the target's Llama fields (sizes, heads,
+head_dim, rms_norm_eps, rope_theta/rope_scaling and rope_parameters, max_position_embeddings, hidden_act) and
+``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang's convention: SGLang captures the state entering layer
+id + 1, so its ids are the HF indices minus one ([1, 14, 26] for a 30-layer target = hidden_states [2, 15, 27]).
+vLLM reads the same key as "state entering layer id" (no + 1): for vLLM pass the HF indices ([2, 15, 27]).
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    max_position_embeddings: int
+    hidden_act: str
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layers: list  # HF output_hidden_states indices (state entering decoder layer i), low, mid, high
+
+    @classmethod
+    def from_target(cls, config, draft_vocab_size: int, aux_layers: list) -> "DraftConfig":
+        """The drafter's config from the target's (a transformers config): same widths, heads and RoPE."""
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                   num_attention_heads=c.num_attention_heads,
+                   num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                   rms_norm_eps=float(c.rms_norm_eps), rope_parameters=dict(c.rope_parameters),
+                   max_position_embeddings=c.max_position_embeddings, hidden_act=c.hidden_act,
+                   vocab_size=c.vocab_size, draft_vocab_size=int(draft_vocab_size), aux_layers=list(aux_layers))
+
+    def to_json(self) -> dict:
+        """config.json in the LlamaForCausalLMEagle3 layout SGLang and vLLM load."""
+        rope = dict(self.rope_parameters)
+        legacy_scaling = None if rope.get("rope_type", "default") == "default" else \
+            {k: v for k, v in rope.items() if k != "rope_theta"}
+        return {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+                "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "hidden_act": self.hidden_act,
+                "max_position_embeddings": self.max_position_embeddings, "rope_theta": rope["rope_theta"],
+                "rope_scaling": legacy_scaling, "rope_parameters": rope, "vocab_size": self.vocab_size,
+                "draft_vocab_size": self.draft_vocab_size, "tie_word_embeddings": False,
+                "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+                "eagle_config": {"use_aux_hidden_state": True,
+                                 "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers]}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DraftConfig":
+        if ARCHITECTURE not in d.get("architectures", []) or d.get("num_hidden_layers") != 1:
+            raise ValueError(f"not a one-layer {ARCHITECTURE} config: {d.get('architectures')}")
+        rope = d.get("rope_parameters") or {"rope_theta": d["rope_theta"], **(d.get("rope_scaling") or
+                                                                             {"rope_type": "default"})}
+        return cls(**{k: d[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                        "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+                                        "hidden_act", "vocab_size", "draft_vocab_size")},
+                   rope_parameters=rope,
+                   aux_layers=[i + 1 for i in d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]])
+
+
+# ------------------------------------------------------------------------------------------------- draft vocabulary
+def build_vocab(counts: Counter, size: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t int64 [size], t2d bool [vocab_size]) from token counts of the loss-masked tokens."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft_vocab_size {size} should be in [1, {vocab_size}]")
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    chosen = {tok for tok, _ in ranked[:size]}
+    for tok in range(vocab_size):  # pad with the lowest unused ids
+        if len(chosen) == size:
+            break
+        chosen.add(tok)
+    ids = torch.tensor(sorted(chosen), dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(size), t2d
+
+
+# ------------------------------------------------------------------------------------------------------------ module
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotate(x, cos, sin):
+    """RoPE (HF's rotate-half layout); cos/sin [B, T, head_dim] broadcast over heads of x [B, heads, T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        H, d = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(2 * H, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * H, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * H, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, H, bias=False)
+
+    def _split(self, y, heads):
+        return y.view(*y.shape[:2], heads, self.head_dim).transpose(1, 2)
+
+    def queries(self, x, cos, sin):
+        """[B, heads, T, d], rotated."""
+        return rotate(self._split(self.q_proj(x), self.heads), cos, sin)
+
+    def keys_values(self, x, cos, sin):
+        """Keys (rotated) and values [B, heads, T, d], the KV heads already repeated for grouped-query attention."""
+        rep = self.heads // self.kv_heads
+        k = rotate(self._split(self.k_proj(x), self.kv_heads), cos, sin)
+        v = self._split(self.v_proj(x), self.kv_heads)
+        return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+    def merge(self, out):
+        """[B, heads, T, d] -> [B, T, heads * d]."""
+        return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def attn_input(self, embeds, hidden):
+        return torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+
+    def finish(self, attn, residual):
+        """attention output [B, T, heads * d] and the layer's input hidden state -> pre-norm output."""
+        h = residual + self.self_attn.o_proj(attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftCache:
+    """Rotated keys and values [B, heads, L, d] of the positions processed so far (position ids 0..L-1)."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def __len__(self):
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k, v):
+        self.k = k if self.k is None else torch.cat((self.k, k), dim=2)
+        self.v = v if self.v is None else torch.cat((self.v, v), dim=2)
+        return self.k, self.v
+
+    def crop(self, n: int):
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_tokens: torch.Tensor):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        if tuple(embed_tokens.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"target embeddings {tuple(embed_tokens.shape)} do not match the config "
+                             f"({cfg.vocab_size}, {cfg.hidden_size})")
+        self.cfg = cfg
+        self.aux_layers = list(cfg.aux_layers)
+        H = cfg.hidden_size
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("embed_tokens", embed_tokens.detach().float().clone(), persistent=False)
+        rope_cfg = LlamaConfig(hidden_size=H, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
+                               max_position_embeddings=cfg.max_position_embeddings,
+                               rope_parameters=dict(cfg.rope_parameters))
+        self.rotary = LlamaRotaryEmbedding(rope_cfg)  # buffers only (not persistent)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor):
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def project(self, aux):
+        return self.fc(aux.float())
+
+    def embed(self, input_ids):
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def rope(self, position_ids):
+        """cos, sin [B, T, head_dim] for position ids [B, T] (or [T])."""
+        position_ids = position_ids if position_ids.dim() == 2 else position_ids[None]
+        return self.rotary(self.embed_tokens, position_ids)
+
+    def logits(self, h):
+        return self.lm_head(self.norm(h))
+
+    def to_target(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+    def forward(self, input_ids, hidden, cache: DraftCache | None = None, position_ids=None):
+        cache = DraftCache() if cache is None else cache
+        B, T = input_ids.shape
+        past = len(cache)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T)[None].expand(B, T)
+        cos, sin = self.rope(position_ids)
+        layer = self.midlayer
+        x = layer.attn_input(self.embed(input_ids), hidden)
+        q = layer.self_attn.queries(x, cos, sin)
+        k, v = cache.append(*layer.self_attn.keys_values(x, cos, sin))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(layer.self_attn.head_dim)
+        visible = torch.arange(past + T)[None, :] <= torch.arange(past, past + T)[:, None]
+        attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
+        h = layer.finish(layer.self_attn.merge(attn), hidden)
+        return self.logits(h), h, cache
+
+
+# ------------------------------------------------------------------------------------------------------- save / load
+def init_from_target(model: Eagle3Draft, target: dict):
+    """Start from the target instead of noise (``target`` from ``train.target_tensors``):
+    - ``fc`` passes the high aux state through (identity on its last H inputs), so the residual stream starts as the
+      target's state entering layer ``aux_layers[2]``;
+    - the midlayer is that target decoder layer: its q/k/v weights on the hidden-state half (the embedding half is
+      zero), ``hidden_norm`` = its input norm, o_proj, post-attention norm and MLP copied; at step 0 the drafter
+      then computes exactly the target's layer over the target's own states (training teaches it the next token);
+    - ``lm_head`` = the target's output rows of the draft vocabulary, ``norm`` = the target's final norm."""
+    H = model.cfg.hidden_size
+    layer, attn = target["layer"], model.midlayer.self_attn
+    draft_ids = torch.arange(model.cfg.draft_vocab_size) + model.d2t
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.weight[:, 2 * H:] = torch.eye(H)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(attn, name).weight
+            w.zero_()
+            w[:, H:] = layer[f"self_attn.{name}.weight"]
+        attn.o_proj.weight.copy_(layer["self_attn.o_proj.weight"])
+        model.midlayer.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
+        model.midlayer.post_attention_layernorm.weight.copy_(layer["post_attention_layernorm.weight"])
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(model.midlayer.mlp, name).weight.copy_(layer[f"mlp.{name}.weight"])
+        model.lm_head.weight.copy_(target["head"][draft_ids])
+        model.norm.weight.copy_(target["norm"])
+
+
+def save(model: Eagle3Draft, folder) -> None:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(model.cfg.to_json(), indent=2, sort_keys=True) + "\n")
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def load(folder, target_embeddings: torch.Tensor) -> Eagle3Draft:
+    folder = Path(folder)
+    cfg = DraftConfig.from_json(json.loads((folder / "config.json").read_text()))
+    model = Eagle3Draft(cfg, target_embeddings)
+    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
+    return model.eval()

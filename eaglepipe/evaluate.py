@@ -1,0 +1,103 @@
+"""The evaluate run: plain greedy, EAGLE-3 speculative and prompt-lookup (n-gram) speculative decoding on the held-out
+prompts, interleaved prompt by prompt in one process (so the speeds are measured under the same conditions), with a
+losslessness check against plain greedy for every prompt. See speculative.py for the loops and the definitions."""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from . import chat, draft, speculative
+from .records import read_jsonl
+
+log = logging.getLogger(__name__)
+
+METHODS = ("plain", "eagle", "ngram")
+
+
+def load_prompts(path, tokenizer, template_kwargs: dict | None = None) -> list[dict]:
+    """[{"index", "category", "ids"}] from a JSONL file of OpenAI ``messages`` (optional ``tools``, ``category``)."""
+    prompts = []
+    for n, obj in read_jsonl(path):
+        messages = obj.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"{path}:{n}: field 'messages' should be a non-empty list")
+        ids = chat.prompt_ids(tokenizer, messages, obj.get("tools"), template_kwargs)
+        prompts.append({"index": len(prompts), "category": str(obj.get("category", "all")), "ids": ids})
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def first_difference(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run(prompts: list[dict], model, drafter_model, stop_ids, params: dict) -> dict:
+    """Decode every prompt three ways; return the metrics (``lossless`` False lists the mismatches)."""
+    num_steps, max_new = int(params.get("num_steps", 3)), int(params.get("max_new_tokens", 64))
+    ngram = params.get("ngram", {}) or {}
+    eagle = speculative.EagleDrafter(drafter_model)
+    lookup = speculative.NgramDrafter(int(ngram.get("max", 3)), int(ngram.get("min", 1)))
+    layers = model.config.get_text_config().num_hidden_layers
+    if any(not 0 <= i < layers for i in eagle.layers):
+        raise ValueError(f"the drafter reads hidden states {eagle.layers}, the target has {layers} layers")
+
+    def decode(method, ids, stats, limit=max_new):
+        if method == "plain":
+            return speculative.greedy(model, ids, limit, stop_ids, stats)
+        return speculative.speculative(model, eagle if method == "eagle" else lookup, ids, limit, stop_ids,
+                                       num_steps, stats)
+
+    for method in METHODS:  # warm-up (first-call allocations, lazy hooks), not counted
+        decode(method, prompts[0]["ids"], speculative.Stats(), min(8, max_new))
+    totals = {m: speculative.Stats() for m in METHODS}
+    per_cat = defaultdict(lambda: {m: speculative.Stats() for m in METHODS})
+    mismatches = []
+    for p in prompts:
+        outputs = {}
+        order = METHODS[p["index"] % 3:] + METHODS[:p["index"] % 3]  # rotate: no method always runs first
+        for method in order:
+            stats = speculative.Stats()
+            outputs[method] = decode(method, p["ids"], stats)
+            totals[method].merge(stats)
+            per_cat[p["category"]][method].merge(stats)
+        for method in ("eagle", "ngram"):
+            if outputs[method] != outputs["plain"]:
+                mismatches.append({"prompt": p["index"], "method": method,
+                                   "first_difference": first_difference(outputs[method], outputs["plain"])})
+        log.info("prompt %d/%d (%s): %d tokens; acceptance length so far eagle %.3f, n-gram %.3f", p["index"] + 1,
+                 len(prompts), p["category"], len(outputs["plain"]), totals["eagle"].acceptance_length,
+                 totals["ngram"].acceptance_length)
+    plain, spec, base = totals["plain"], totals["eagle"], totals["ngram"]
+    return {
+        "prompts": len(prompts), "num_steps": num_steps, "max_new_tokens": max_new, "threads": torch.get_num_threads(),
+        "lossless": not mismatches, "mismatches": mismatches,
+        "acceptance_length": round(spec.acceptance_length, 4),
+        "acceptance_rate_per_position": [round(r, 4) for r in spec.acceptance_rate],
+        "conditional_acceptance_rate_per_position": [round(r, 4) for r in spec.conditional_rate],
+        "verification_steps": spec.steps,
+        "tokens": plain.tokens,
+        "plain_tokens_per_s": round(plain.tokens_per_s, 2),
+        "speculative_tokens_per_s": round(spec.tokens_per_s, 2),
+        "speedup": round(spec.tokens_per_s / plain.tokens_per_s, 4) if plain.tokens_per_s else None,
+        "baseline_acceptance_length": round(base.acceptance_length, 4),
+        "baseline_acceptance_rate_per_position": [round(r, 4) for r in base.acceptance_rate],
+        "baseline_tokens_per_s": round(base.tokens_per_s, 2),
+        "baseline_speedup": round(base.tokens_per_s / plain.tokens_per_s, 4) if plain.tokens_per_s else None,
+        "beats_baseline": spec.acceptance_length > base.acceptance_length,
+        "per_category": {cat: {"prompts": sum(1 for p in prompts if p["category"] == cat),
+                               "acceptance_length": round(s["eagle"].acceptance_length, 4),
+                               "baseline_acceptance_length": round(s["ngram"].acceptance_length, 4),
+                               "speedup": round(s["eagle"].tokens_per_s / s["plain"].tokens_per_s, 4)
+                               if s["plain"].tokens_per_s else None}
+                         for cat, s in sorted(per_cat.items())},
+        "seconds": {m: round(totals[m].seconds, 2) for m in METHODS},
+    }
+
+
+def load_drafter(folder, model):
+    """The trained drafter, given the target's input embedding (the drafter does not store one)."""
+    return draft.load(Path(folder), model.get_input_embeddings().weight)

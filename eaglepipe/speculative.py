@@ -1,0 +1,253 @@
+"""Decoding loops: plain greedy with a KV cache, and chain speculative decoding with greedy verification.
+
+Speculative loop (one sequence, top-k 1 chain, greedy):
+    prefill the target on the prompt -> its first token ``t0`` (not a verification step);
+    ``drafter.reset(prompt_ids, aux, t0)``;
+    repeat: ``draft = drafter.propose(k)`` (k = num_steps, fewer near max_new_tokens); the target runs once on
+    ``[pending] + draft`` with its ``DynamicCache``; the longest prefix of the draft that equals the target's own
+    argmax is accepted (n tokens) and the target's next argmax is the bonus token; the cache is cropped to the
+    accepted prefix; ``drafter.accept(n, aux of the n + 1 committed positions, bonus)``.
+Every emitted token is the target's greedy choice given the tokens before it, so the output equals plain greedy
+decoding (up to float ties); the evaluate stage checks it per prompt.
+
+Drafter interface (duck-typed):
+    needs_hidden: bool                         the loop computes the target's aux hidden states only if True
+    layers: list[int]                          which ones (HF hidden_states indices, see hidden.py), if needed
+    reset(prompt_ids, aux, next_token)         aux: [len(prompt), n·H] target states at the prompt positions (or None);
+                                               next_token: the target's first token (follows the prompt)
+    propose(k) -> list[int]                    up to k draft tokens that follow the last committed token
+    accept(n, aux, next_token)                 the first n proposed tokens were accepted; aux: [n + 1, n·H] states
+                                               at the committed positions (the previous pending token and the n
+                                               accepted ones); next_token: the target's bonus token
+
+Acceptance bookkeeping (``Stats``), SGLang's definition: acceptance length = tokens emitted by verification steps /
+verification steps, i.e. accepted draft tokens plus one per step, averaged over steps (weighted, all prompts
+together). A final step cut short by a stop token or ``max_new_tokens`` counts the tokens it emitted. A step that
+proposes nothing (the n-gram drafter without a match) is still a target forward and counts with length 1.
+Per draft position i: ``acceptance_rate[i]`` = steps whose draft tokens 0..i were all accepted / steps that
+proposed a token at position i; ``conditional_rate[i]`` = the same over steps that accepted tokens 0..i-1.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class Stats:
+    """Counts over one or more generations with the same drafter."""
+
+    steps: int = 0                  # verification steps (target forwards after the prefill)
+    emitted: int = 0                # tokens emitted by verification steps
+    tokens: int = 0                 # all generated tokens (prefill's first token included)
+    seconds: float = 0.0
+    proposed: list = field(default_factory=list)   # per draft position: steps that proposed a token there
+    accepted: list = field(default_factory=list)   # per draft position: steps that accepted it
+
+    def add_step(self, proposed: int, accepted: int, emitted: int):
+        self.steps += 1
+        self.emitted += emitted
+        while len(self.proposed) < proposed:
+            self.proposed.append(0)
+            self.accepted.append(0)
+        for i in range(proposed):
+            self.proposed[i] += 1
+            self.accepted[i] += i < accepted
+
+    def merge(self, other: "Stats") -> "Stats":
+        self.steps += other.steps
+        self.emitted += other.emitted
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        for i in range(len(other.proposed)):
+            if i >= len(self.proposed):
+                self.proposed.append(0)
+                self.accepted.append(0)
+            self.proposed[i] += other.proposed[i]
+            self.accepted[i] += other.accepted[i]
+        return self
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+    @property
+    def conditional_rate(self) -> list[float]:
+        reached = [self.proposed[0] if self.proposed else 0] + self.accepted[:-1]
+        return [a / r if r else 0.0 for a, r in zip(self.accepted, reached)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def report(self) -> dict:
+        return {"acceptance_length": round(self.acceptance_length, 4),
+                "acceptance_rate_per_position": [round(r, 4) for r in self.acceptance_rate],
+                "conditional_acceptance_rate_per_position": [round(r, 4) for r in self.conditional_rate],
+                "verification_steps": self.steps, "tokens": self.tokens, "seconds": round(self.seconds, 3),
+                "tokens_per_s": round(self.tokens_per_s, 2)}
+
+
+def _aux(hidden_states, layers, rows=None) -> torch.Tensor:
+    parts = [hidden_states[i][0] for i in layers]
+    if rows is not None:
+        parts = [p[:rows] for p in parts]
+    return torch.cat(parts, dim=-1)
+
+
+def _new_cache(model) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+@torch.inference_mode()
+def greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids, stats: Stats | None = None) -> list[int]:
+    """Plain greedy decoding with a KV cache, one token per target forward; stops after a stop id (kept)."""
+    stops = set(stop_ids)
+    start = time.perf_counter()
+    cache = _new_cache(model)
+    out = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    token = int(out.logits[0, -1].argmax())
+    generated = [token]
+    while len(generated) < max_new_tokens and token not in stops:
+        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+    if stats is not None:
+        stats.seconds += time.perf_counter() - start
+        stats.tokens += len(generated)
+    return generated
+
+
+@torch.inference_mode()
+def speculative(model, drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int,
+                stats: Stats | None = None) -> list[int]:
+    """Chain speculative decoding with greedy verification (see the module docstring); returns the generated ids."""
+    stops = set(stop_ids)
+    stats = stats if stats is not None else Stats()
+    layers = list(drafter.layers) if drafter.needs_hidden else None
+    want = layers if layers else False
+    start = time.perf_counter()
+    cache = _new_cache(model)
+    out = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True,
+                output_hidden_states=want, logits_to_keep=1)
+    pending = int(out.logits[0, -1].argmax())
+    generated = [pending]
+    if pending not in stops and max_new_tokens > 1:
+        drafter.reset(list(prompt_ids), _aux(out.hidden_states, layers) if layers else None, pending)
+        while True:
+            remaining = max_new_tokens - len(generated)
+            k = min(num_steps, remaining - 1)
+            draft = [int(t) for t in drafter.propose(k)][:k] if k > 0 else []
+            out = model(input_ids=torch.tensor([[pending] + draft]), past_key_values=cache, use_cache=True,
+                        output_hidden_states=want)
+            target = out.logits[0].argmax(-1).tolist()
+            n = 0
+            while n < len(draft) and draft[n] == target[n]:
+                n += 1
+            new = draft[:n] + [target[n]]
+            done = False
+            for j, t in enumerate(new):
+                if t in stops:
+                    new, done = new[:j + 1], True
+                    break
+            if len(new) >= remaining:
+                new, done = new[:remaining], True
+            generated.extend(new)
+            stats.add_step(len(draft), min(n, len(new)), len(new))
+            if done:
+                break
+            if n < len(draft):  # drop the rejected draft tokens (a negative count works in transformers 4.x and 5.x)
+                cache.crop(-(len(draft) - n))
+            pending = target[n]
+            drafter.accept(n, _aux(out.hidden_states, layers, n + 1) if layers else None, pending)
+    stats.seconds += time.perf_counter() - start
+    stats.tokens += len(generated)
+    return generated
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: the tokens that followed the most recent earlier occurrence of the last n tokens
+    (n from ``max_ngram`` down to ``min_ngram``) in the prompt and the output so far; nothing without a match."""
+
+    needs_hidden = False
+    layers = ()
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        self.last: list[int] = []
+
+    def reset(self, prompt_ids, aux, next_token):
+        self.tokens = list(prompt_ids) + [next_token]
+        self.last = []
+
+    def propose(self, k: int) -> list[int]:
+        toks, length = self.tokens, len(self.tokens)
+        self.last = []
+        if k <= 0:
+            return []
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            pattern = toks[length - n:]
+            first = pattern[0]
+            for s in range(length - n - 1, -1, -1):
+                if toks[s] == first and toks[s:s + n] == pattern:
+                    self.last = toks[s + n:s + n + k]
+                    return list(self.last)
+        return []
+
+    def accept(self, n, aux, next_token):
+        self.tokens.extend(self.last[:n])
+        self.tokens.append(next_token)
+
+
+class EagleDrafter:
+    """Chain drafting with a trained EAGLE-3 drafter (``draft.Eagle3Draft``), following the alignment documented in
+    draft.py: the target's state at position t is paired with the token at t + 1, and the drafter's output there
+    predicts the token at t + 2. The drafter's cache always holds exactly the positions built from the target's own
+    states (the committed ones); draft steps extend it and are cropped away on the next ``accept``."""
+
+    needs_hidden = True
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = list(model.aux_layers)
+        self.cache = None
+        self.committed = 0      # drafter positions built from target states (= target tokens in the target's cache)
+        self.next = None        # the drafter's first proposal after the last committed token (a target id)
+        self.h = None           # its pre-norm output there, fed back for the next chain step
+        self.last: list[int] = []
+
+    def _extend(self, tokens: list[int], aux: torch.Tensor):
+        m = self.model
+        logits, h, self.cache = m(torch.tensor([tokens]), m.project(aux[None]), self.cache)
+        self.committed = len(self.cache)
+        self.next = int(m.to_target(logits[0, -1].argmax()))
+        self.h = h[:, -1:]
+
+    def reset(self, prompt_ids, aux, next_token):
+        self.cache = None
+        self._extend(list(prompt_ids[1:]) + [next_token], aux)
+
+    def propose(self, k: int) -> list[int]:
+        self.last = []
+        if k <= 0:
+            return []
+        m, tok, h = self.model, self.next, self.h
+        out = [tok]
+        for _ in range(k - 1):
+            logits, h, _ = m(torch.tensor([[tok]]), h, self.cache)
+            tok = int(m.to_target(logits[0, -1].argmax()))
+            out.append(tok)
+        self.last = out
+        return list(out)
+
+    def accept(self, n, aux, next_token):
+        self.cache.crop(self.committed)
+        self._extend(self.last[:n] + [next_token], aux)

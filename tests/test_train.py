@@ -1,0 +1,162 @@
+"""train: the loss mask and targets aligned with the shifted predictions (hand-built example), TTT step k equals a
+KV-cached inference chain, the loss decreases, and a resumed run ends bit-for-bit where an uninterrupted one ends."""
+import json
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig
+
+from eaglepipe import draft, train
+
+V, H, LAYERS = 512, 64, 8
+PARAMS = {"seed": 0, "draft_vocab_size": 128, "ttt_steps": 3, "epochs": 2, "batch_tokens": 96, "lr": 3e-3,
+          "warmup_steps": 2, "grad_clip": 0.5, "checkpoint_every": 2, "threads": 0}
+
+
+def tiny_target(folder):
+    """A Llama-shaped target folder with just what train reads: config, tied embedding, final norm, layer L-3."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "num_hidden_layers": LAYERS, "rms_norm_eps": 1e-5, "max_position_embeddings": 256,
+              "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "hidden_act": "silu",
+              "vocab_size": V, "tie_word_embeddings": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(V, H, generator=g)
+    shapes = {"self_attn.q_proj.weight": (64, H), "self_attn.k_proj.weight": (32, H),
+              "self_attn.v_proj.weight": (32, H), "self_attn.o_proj.weight": (H, 64), "input_layernorm.weight": (H,),
+              "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (128, H),
+              "mlp.up_proj.weight": (128, H), "mlp.down_proj.weight": (H, 128)}
+    layer = {f"model.layers.{LAYERS - 3}.{k}": torch.randn(*s, generator=g) * 0.05 + (len(s) == 1)  # norms near 1
+             for k, s in shapes.items()}
+    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(H), **layer},
+              str(folder / "model.safetensors"))
+    return embed
+
+
+def synthetic_hidden(folder, head, n_train=24, n_valid=4, seed=1):
+    """Sequences that follow a fixed bigram map (learnable), in the layout of data/hidden: the target's final state
+    at t points at the next token (its argmax is x[t+1]), aux is noise plus the embedding of x[t]."""
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.randperm(V - 3, generator=g)[:200] + 3       # 200 tokens in a cycle
+    nxt = {int(a): int(b) for a, b in zip(succ, succ.roll(-1))}
+    index = {"layers": [2, LAYERS // 2, LAYERS - 3], "layer_convention": "hf", "hidden_size": H, "dtype": "bfloat16"}
+    for split, n in (("train", n_train), ("valid", n_valid)):
+        ids, masks, offsets = [], [], [0]
+        for _ in range(n):
+            prompt, output = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(4, 16, (1,), generator=g))
+            seq = [int(succ[torch.randint(0, 200, (1,), generator=g)])]
+            for _ in range(prompt + output - 1):
+                seq.append(nxt[seq[-1]])
+            ids += seq
+            masks += [0] * prompt + [1] * output
+            offsets.append(len(ids))
+        x = torch.tensor(ids)
+        final = torch.cat((head[x[1:]], torch.randn(1, H, generator=g))) * 0.5
+        aux = torch.cat([head[x] + torch.randn(len(ids), H, generator=g) for _ in range(3)], -1)
+        file = f"{split}-00000.safetensors"
+        save_file({"input_ids": x.int(), "loss_mask": torch.tensor(masks, dtype=torch.uint8),
+                   "offsets": torch.tensor(offsets), "aux": aux.bfloat16(), "final": final.bfloat16()},
+                  str(folder / file))
+        index[split] = {"shards": [{"file": file, "samples": n, "tokens": len(ids),
+                                    "ids": [f"{split}{i}" for i in range(n)]}], "samples": n, "tokens": len(ids)}
+    (folder / "index.json").write_text(json.dumps(index))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    embed = tiny_target(tmp / "target")
+    synthetic_hidden(tmp / "hidden", embed)
+    return tmp
+
+
+def test_chain_masks_hand_built():
+    # prompt x0..x2, generated x3..x7: (t, k) is trained when x[t+1] .. x[t+2+k] were all generated
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
+    m = train.chain_masks(mask, 3).int().tolist()
+    assert m[0] == [0, 0, 1, 1, 1, 1, 0, 0]  # t=2 (last prompt position, paired with x3) predicts x4; t=5 -> x7
+    assert m[1] == [0, 0, 1, 1, 1, 0, 0, 0]  # t=4 at step 1 predicts x7; t=5 would predict x8 (past the end)
+    assert m[2] == [0, 0, 1, 1, 0, 0, 0, 0]
+
+
+def test_targets_aligned_with_shifted_predictions():
+    """Hand-built batch: every (position t, step k) in the loss reads x[t+1+k], predicts x[t+2+k], and its target
+    distribution and argmax come from the target's logits at t+1+k -- the position that predicted x[t+2+k]."""
+    ids = torch.tensor([10, 11, 12, 13, 14, 15, 16, 17])
+    mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1]).bool()
+    head = torch.eye(32) * 10                                   # a target with vocab 32 = hidden size 32
+    final = head[ids.roll(-1)]                                  # argmax at t is x[t+1] (as when it generated them)
+    top = (final @ head.T).argmax(-1)
+    sample = train.Sample("s", ids, mask, torch.zeros(8, 96), final, top)
+    batch = train.collate([sample], 3, head)
+    seen = []
+    for k in range(3):
+        b, a = torch.nonzero(batch["masks"][k], as_tuple=True)
+        t = batch["act"][b, a] + 1 + k                           # as ttt_forward indexes the targets
+        for pos, tt in zip(batch["act"][b, a].tolist(), t.tolist()):
+            assert batch["top"][0, tt] == ids[pos + 2 + k] and batch["probs"][0, tt].argmax() == ids[pos + 2 + k]
+            assert mask[pos + 1:pos + 3 + k].all()
+            seen.append((k, pos, int(ids[pos + 1 + k]), int(ids[pos + 2 + k])))
+    assert seen[0] == (0, 2, 13, 14)   # the chain starts at the last prompt position with the first generated token
+    assert [s for s in seen if s[0] == 2] == [(2, 2, 15, 16), (2, 3, 16, 17)]
+
+
+def test_ttt_step_equals_cached_inference_chain(data):
+    """Step k of training at position t gives the logits of a KV-cached chain: extend over 0..t, then k steps."""
+    embed = train.target_tensors(data / "target", LAYERS - 3)["embed"]
+    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(data / "target"), 64, [2, 4, 5])
+    torch.manual_seed(0)
+    model = draft.Eagle3Draft(cfg, embed).eval()
+    model.set_vocab(*draft.build_vocab(Counter(range(64)), 64, V))
+    samples = train.load_samples(data / "hidden", "train", embed)
+    s = samples[0]
+    steps = 3
+    batch = train.collate([s], steps, embed[model.to_target(torch.arange(64))])
+    captured = {}
+    original = model.logits
+
+    def spy(h):  # record the drafter's output at every (position, step) of the loss
+        captured.setdefault(len(captured), h)
+        return original(h)
+
+    model.logits = spy
+    with torch.no_grad():
+        train.ttt_forward(model, batch, steps)
+    model.logits = original
+    for k in range(steps):
+        b, a = torch.nonzero(batch["masks"][k], as_tuple=True)
+        for row, t in enumerate(batch["act"][b, a].tolist()):
+            with torch.no_grad():
+                logits, h, cache = model(s.ids[None, 1:t + 2], model.project(s.aux[None, :t + 1]))
+                for j in range(1, k + 1):
+                    logits, h, cache = model(s.ids[None, t + 1 + j:t + 2 + j], h[:, -1:], cache)
+            assert len(cache) == t + 1 + k
+            torch.testing.assert_close(original(captured[k][row]), logits[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_loss_decreases_and_resume_is_exact(data, tmp_path):
+    full = train.run(data / "hidden", data / "target", PARAMS, tmp_path / "a")
+    model, report, history = full
+    assert len(history) == 2 and set(report["train"]) == {f"{m}_{k}" for m in ("loss", "acc") for k in range(3)}
+    assert history[-1]["train_loss_0"] < history[0]["train_loss_0"] * 0.9
+    assert history[-1]["train_acc_0"] > history[0]["train_acc_0"] and history[-1]["valid_loss_0"] is not None
+
+    assert train.run(data / "hidden", data / "target", PARAMS, tmp_path / "b", stop_after=3) is None
+    assert train.run(data / "hidden", data / "target", PARAMS, tmp_path / "b", stop_after=2) is None  # mid-epoch
+    resumed, _, history_b = train.run(data / "hidden", data / "target", PARAMS, tmp_path / "b")
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert history_b == history
+
+
+def test_plan_batches_respects_budget_and_is_seeded():
+    lengths = [5, 30, 12, 7, 40, 3, 22, 9]
+    plan = train.plan_batches(lengths, 60, seed=0, epoch=1)
+    assert sorted(i for b in plan for i in b) == list(range(8))
+    assert all(len(b) * max(lengths[i] for i in b) <= 60 or len(b) == 1 for b in plan)
+    assert plan == train.plan_batches(lengths, 60, seed=0, epoch=1) != train.plan_batches(lengths, 60, 0, 2)
