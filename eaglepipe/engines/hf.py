@@ -3,7 +3,6 @@ Hugging Face model folder."""
 from __future__ import annotations
 
 import hashlib
-import time
 
 import torch
 from transformers import GenerationConfig
@@ -50,15 +49,14 @@ class HFEngine:
         seed = int(hashlib.sha256(f"{sampling.seed}:{','.join(rids)}".encode()).hexdigest()[:8], 16)
         torch.manual_seed(seed)
         greedy = sampling.temperature <= 0
-        start = time.perf_counter()
+        knobs = {} if greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                   "top_k": max(sampling.top_k, 0),  # 0 = off (GenerationConfig's default is 50)
+                                   "min_p": sampling.min_p or None}
         with torch.inference_mode():
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=attention, max_new_tokens=sampling.max_new_tokens,
-                do_sample=not greedy, temperature=None if greedy else sampling.temperature,
-                top_p=None if greedy else sampling.top_p, top_k=None if greedy or sampling.top_k <= 0 else sampling.top_k,
-                min_p=None if greedy or sampling.min_p <= 0 else sampling.min_p,
-                eos_token_id=list(sampling.stop_token_ids) or None, pad_token_id=self.pad_token_id)
-        latency = time.perf_counter() - start
+                do_sample=not greedy, eos_token_id=list(sampling.stop_token_ids) or None,
+                pad_token_id=self.pad_token_id, **knobs)
         stops = set(sampling.stop_token_ids)
         results = []
         for row in out[:, width:].tolist():
@@ -67,6 +65,5 @@ class HFEngine:
                 results.append(Output(row[:cut + 1], "stop"))
             else:
                 results.append(Output(row, "length"))
-            results[-1].meta = {"engine": self.name, "batch_size": len(prompts), "seed": seed,
-                                "batch_latency_s": round(latency, 4)}
+            results[-1].meta = {"engine": self.name, "batch_size": len(prompts), "seed": seed}
         return results
