@@ -105,7 +105,9 @@ def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
     ps = prompts(QUESTIONS)
     write_jsonl(tmp_path / "prompts.jsonl", ps)
     cmd = stage(tmp_path, write_params(tmp_path))
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # A shell running the tests in the background leaves SIGINT ignored in its children; a user's Ctrl-C is not.
+    restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=restore_sigint)
     deadline = time.time() + 120
     cache_file = None
     while time.time() < deadline and proc.poll() is None:  # wait until some, not all, records are in the cache
