@@ -22,7 +22,7 @@ from tqdm import tqdm
 from . import chat, reasoning, toolcalls
 from .engines import Failure, Sampling
 from .gates import Gates
-from .records import Generation, RecordError, Response, dumps, generation_from_json, read_jsonl
+from .records import Generation, RecordError, Response, dumps, generation_from_json
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parent
