@@ -1,11 +1,21 @@
-"""In-process Hugging Face engine: batched ``model.generate`` with left padding, for the embedded model or any
-Hugging Face model folder."""
+"""In-process Hugging Face engine for the embedded model or any Hugging Face model folder.
+
+A hand-written decoding loop over the model's forward with a KV cache (not ``model.generate``), for three reasons:
+  - finished rows leave the batch (whenever a quarter of it has finished: each removal copies the KV cache), so
+    finished answers cost little while the long ones run on (``generate`` keeps every row to the end of the
+    longest), and each record is yielded as soon as its row finishes;
+  - identical prompts next to each other (the samples of one prompt, ``infer.samples``) share one prefill;
+  - nothing from the model folder's ``generation_config.json`` (a ``repetition_penalty``, a ``top_k``, ...) leaks
+    in: the logits are those of the forward pass, processed only by the explicit ``Sampling``.
+Prompts are left-padded within a batch; position ids count real tokens only, so every row sees the positions it
+would see alone. Sampling follows SGLang's order: temperature, then top-k, top-p and min-p on the probabilities.
+"""
 from __future__ import annotations
 
 import hashlib
 
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache
 
 from . import Output, Sampling
 
@@ -14,9 +24,6 @@ class HFEngine:
     name = "hf"
 
     def __init__(self, model, pad_token_id: int, batch_size: int = 16):
-        # transformers fills every knob left at its default from the model's generation_config.json (a
-        # repetition_penalty, a top_k, ...); a neutral config leaves only the explicit Sampling in force.
-        model.generation_config = GenerationConfig(pad_token_id=pad_token_id)
         self.model = model
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
@@ -30,40 +37,88 @@ class HFEngine:
         return {"engine": self.name, "model": type(self.model).__name__, **self.identity()}
 
     def stream(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
-        """Generate in batches of similar length (less padding), longest first; yield (index, Output)."""
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        """Generate in batches of similar length (less padding), longest first; yield (index, Output) as rows
+        finish."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: duplicates stay adjacent
         for b in range(0, len(order), self.batch_size):
             batch = order[b:b + self.batch_size]
-            outs = self.generate([prompts[i] for i in batch], sampling, [rids[i] for i in batch])
-            yield from zip(batch, outs)
+            for row, out in self._decode([prompts[i] for i in batch], sampling, [rids[i] for i in batch]):
+                yield batch[row], out
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, rids: list[str] | None = None) -> list[Output]:
-        rids = rids or [str(i) for i in range(len(prompts))]
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, ids in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            input_ids[row, width - len(ids):] = torch.tensor(ids)
-            attention[row, width - len(ids):] = 1
+        """All prompts as one batch; outputs in prompt order."""
+        outs = dict(self._decode(prompts, sampling, rids or [str(i) for i in range(len(prompts))]))
+        return [outs[i] for i in range(len(prompts))]
+
+    @torch.inference_mode()
+    def _decode(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
+        """Yield (row, Output) for one batch, each row as it finishes."""
         # One seed per batch, derived from the run's seed and the batch's record ids: reruns are reproducible.
         seed = int(hashlib.sha256(f"{sampling.seed}:{','.join(rids)}".encode()).hexdigest()[:8], 16)
-        torch.manual_seed(seed)
-        greedy = sampling.temperature <= 0
-        knobs = {} if greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                                   "top_k": max(sampling.top_k, 0),  # 0 = off (GenerationConfig's default is 50)
-                                   "min_p": sampling.min_p or None}
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=input_ids, attention_mask=attention, max_new_tokens=sampling.max_new_tokens,
-                do_sample=not greedy, eos_token_id=list(sampling.stop_token_ids) or None,
-                pad_token_id=self.pad_token_id, **knobs)
+        rng = torch.Generator().manual_seed(seed)
+        meta = {"engine": self.name, "batch_size": len(prompts), "seed": seed}
         stops = set(sampling.stop_token_ids)
-        results = []
-        for row in out[:, width:].tolist():
-            cut = next((i for i, t in enumerate(row) if t in stops), None)
-            if cut is not None:
-                results.append(Output(row[:cut + 1], "stop"))
-            else:
-                results.append(Output(row, "length"))
-            results[-1].meta = {"engine": self.name, "batch_size": len(prompts), "seed": seed}
-        return results
+
+        # Prefill each distinct prompt once (the samples of a prompt are adjacent), then give every row its copy.
+        unique, source = [], []
+        for ids in prompts:
+            if not unique or unique[-1] != ids:
+                unique.append(ids)
+            source.append(len(unique) - 1)
+        width = max(len(p) for p in unique)
+        input_ids = torch.full((len(unique), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(unique), width), dtype=torch.long)
+        for row, ids in enumerate(unique):
+            input_ids[row, width - len(ids):] = torch.tensor(ids)
+            attention[row, width - len(ids):] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        index = torch.tensor(source)
+        if len(unique) < len(prompts):
+            cache.batch_select_indices(index)
+        logits, attention, position = logits[index], attention[index], positions[index, -1]
+
+        rows = list(range(len(prompts)))       # batch row -> prompt row, None once finished
+        outputs = [[] for _ in prompts]
+        while True:
+            tokens = pick(logits.float(), sampling, rng).tolist()
+            for j, (row, token) in enumerate(zip(rows, tokens)):
+                if row is None:
+                    continue
+                outputs[row].append(token)
+                if token in stops or len(outputs[row]) >= sampling.max_new_tokens:
+                    yield row, Output(outputs[row], "stop" if token in stops else "length", dict(meta))
+                    rows[j] = None
+            live = [j for j, row in enumerate(rows) if row is not None]
+            if not live:
+                return
+            if len(live) <= 0.75 * len(rows):  # drop finished rows; not one at a time (each drop copies the cache)
+                sel = torch.tensor(live)
+                cache.batch_select_indices(sel)
+                attention, position = attention[sel], position[sel]
+                rows, tokens = [rows[j] for j in live], [tokens[j] for j in live]
+            attention = torch.cat((attention, torch.ones_like(attention[:, :1])), 1)
+            position = position + 1
+            logits = self.model(input_ids=torch.tensor(tokens)[:, None], attention_mask=attention,
+                                position_ids=position[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, rng: torch.Generator) -> torch.Tensor:
+    """The next token of every row: argmax when greedy; else a draw from the temperature-scaled probabilities
+    without the tokens that top-k, top-p (mass ranked above a token > top_p) or min-p (below min_p x the top
+    probability) rule out, as SGLang's sampler does."""
+    if sampling.temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / sampling.temperature, -1)
+    if sampling.min_p > 0:
+        probs = probs.masked_fill(probs < sampling.min_p * probs.amax(-1, keepdim=True), 0.0)
+    if sampling.top_k <= 0 and sampling.top_p >= 1.0:  # no ranking needed (a sort of the vocabulary is slow)
+        return torch.multinomial(probs, 1, generator=rng)[:, 0]
+    probs, order = probs.sort(-1, descending=True)
+    if sampling.top_k > 0:
+        probs[:, sampling.top_k:] = 0.0
+    if sampling.top_p < 1.0:
+        probs = probs.masked_fill(probs.cumsum(-1) - probs > sampling.top_p, 0.0)
+    return order.gather(-1, torch.multinomial(probs, 1, generator=rng))[:, 0]
