@@ -22,7 +22,7 @@ from tqdm import tqdm
 from . import chat, reasoning, toolcalls
 from .engines import Failure, Sampling
 from .gates import Gates
-from .records import Generation, RecordError, Response, dumps, generation_from_json
+from .records import Generation, RecordError, Response, dumps, generation_from_json, record_id
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parent
@@ -97,38 +97,43 @@ def to_response(gen: Generation, tokenizer, spec: reasoning.Spec, sampling: Samp
     ``{"error", "raw"}`` entry and counted in the report, never fatal)."""
     f = reasoning.readable(tokenizer, gen.prompt_ids, gen.output_ids, spec)
     return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, f["text"], f["reasoning"],
-                    f["content"], f["reasoning_closed"], f["tool_calls"], sampling.to_json(), gen.meta)
+                    f["content"], f["reasoning_closed"], f["tool_calls"], sampling.to_json(), gen.meta, gen.sample)
 
 
 def run(prompts, engine, tokenizer, sampling: Sampling, spec: reasoning.Spec, gates: Gates, cache: Cache,
-        template_kwargs: dict, max_failure_rate: float = 0.0) -> tuple[list[Response], dict]:
-    """Generate what the cache lacks, check the gates as records arrive, and return (responses, report).
-    Raises GateBreach (or RuntimeError for too many failures) after keeping everything generated in the cache."""
+        template_kwargs: dict, max_failure_rate: float = 0.0, samples: int = 1) -> tuple[list[Response], dict]:
+    """Generate the ``samples`` answers per prompt that the cache lacks, check the gates as records arrive, and
+    return (responses, report). Raises GateBreach (or RuntimeError for too many failures) after keeping everything
+    generated in the cache."""
+    if samples < 1 or samples > 1 and sampling.temperature <= 0:
+        raise ValueError(f"infer.samples={samples}: needs 1, or more with temperature > 0 (greedy answers to one "
+                         "prompt are all the same)")
     ids = {p.id: chat.prompt_ids(tokenizer, p.messages, p.tools, template_kwargs) for p in prompts}
+    wanted = [(p, k, record_id(p.id, k)) for p in prompts for k in range(samples)]
     done, cache_counts = cache.load()
     responses = {}
-    for p in prompts:
-        if p.id in done:
-            if done[p.id].prompt_ids != ids[p.id]:
-                raise RuntimeError(f"{cache.path}: record {p.id} was generated from other prompt ids; "
+    for p, _, rid in wanted:
+        if rid in done:
+            if done[rid].prompt_ids != ids[p.id]:
+                raise RuntimeError(f"{cache.path}: record {rid} was generated from other prompt ids; "
                                    "delete the cache folder")
-            responses[p.id] = to_response(done[p.id], tokenizer, spec, sampling)
-            gates.add(responses[p.id])
-    todo = [p for p in prompts if p.id not in done]
-    log.info("%d prompts: %d already generated (cache %s), %d to generate", len(prompts), len(done), cache.folder,
-             len(todo))
+            responses[rid] = to_response(done[rid], tokenizer, spec, sampling)
+            gates.add(responses[rid])
+    todo = [w for w in wanted if w[2] not in done]
+    log.info("%d prompts x %d samples: %d already generated (cache %s), %d to generate", len(prompts), samples,
+             len(wanted) - len(todo), cache.folder, len(todo))
     failures, new_tokens, start = [], 0, time.perf_counter()
-    with tqdm(total=len(todo), desc="infer", unit="prompt", dynamic_ncols=True) as bar:
-        for i, out in engine.stream([ids[p.id] for p in todo], sampling, [p.id for p in todo]):
-            p = todo[i]
+    with tqdm(total=len(todo), desc="infer", unit="answer", dynamic_ncols=True) as bar:
+        for i, out in engine.stream([ids[p.id] for p, _, _ in todo], sampling, [rid for _, _, rid in todo]):
+            p, k, rid = todo[i]
             if isinstance(out, Failure):
-                cache.fail(p.id, out.reason)
-                failures.append({"id": p.id, "reason": out.reason})
+                cache.fail(rid, out.reason)
+                failures.append({"id": rid, "reason": out.reason})
             else:
-                gen = Generation(p.id, p.source, ids[p.id], out.output_ids, out.finish_reason, out.meta)
+                gen = Generation(rid, p.source, ids[p.id], out.output_ids, out.finish_reason, out.meta, k)
                 cache.add(gen)
-                responses[p.id] = to_response(gen, tokenizer, spec, sampling)
-                gates.add(responses[p.id])
+                responses[rid] = to_response(gen, tokenizer, spec, sampling)
+                gates.add(responses[rid])
                 new_tokens += len(out.output_ids)
                 if gates.due():
                     gates.check()
@@ -136,18 +141,19 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: reasoning.Spec, ga
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
     gates.check()
     elapsed = time.perf_counter() - start
-    if len(failures) > max_failure_rate * len(prompts):
-        raise RuntimeError(f"{len(failures)} of {len(prompts)} prompts failed (more than infer.max_failure_rate="
+    if len(failures) > max_failure_rate * len(wanted):
+        raise RuntimeError(f"{len(failures)} of {len(wanted)} answers failed (more than infer.max_failure_rate="
                            f"{max_failure_rate}); see {cache.failures_path}")
-    ordered = [responses[p.id] for p in prompts if p.id in responses]
-    return ordered, report(ordered, failures, cache_counts, len(todo), new_tokens, elapsed, gates)
+    ordered = [responses[rid] for _, _, rid in wanted if rid in responses]
+    return ordered, report(ordered, failures, cache_counts, len(todo), new_tokens, elapsed, gates, len(prompts))
 
 
 def report(responses: list[Response], failures: list, cache_counts: Counter, generated: int, new_tokens: int,
-           elapsed: float, gates: Gates) -> dict:
+           elapsed: float, gates: Gates, prompts: int) -> dict:
     by_source = Counter(r.source for r in responses)
     return {
-        "prompts": len(responses) + len(failures),
+        "prompts": prompts,
+        "answers": len(responses) + len(failures),
         "completions": len(responses),
         "finish_reason": dict(Counter(r.finish_reason for r in responses)),
         "empty_outputs": sum(1 for r in responses if not r.output_ids),

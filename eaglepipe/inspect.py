@@ -34,7 +34,7 @@ def record(obj: dict, path, line_no: int, tokenizer=None, spec=None):
         raise ValueError(f"{path}:{line_no} is a generation without readable fields: deriving them needs params.yaml")
     f = reasoning.readable(tokenizer, gen.prompt_ids, gen.output_ids, spec)
     return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, f["text"], f["reasoning"],
-                    f["content"], f["reasoning_closed"], f["tool_calls"], {}, gen.meta)
+                    f["content"], f["reasoning_closed"], f["tool_calls"], {}, gen.meta, gen.sample)
 
 
 def sample(path: Path, n: int, seed: int, source: str | None = None, tokenizer=None, spec=None) -> tuple[int, list]:

@@ -11,10 +11,12 @@ Prompt (``data/prompts/prompts.jsonl`` written by prepare; the held-out ``data/e
     tools     list  optional, OpenAI-style function definitions passed to the chat template
 
 Generation (one line of the infer cache; what an engine returned, nothing derived)
-    id, source, prompt_ids, output_ids, finish_reason ("stop" | "length" | "abort"), meta (engine metadata)
+    id, source, prompt_ids, output_ids, finish_reason ("stop" | "length" | "abort"), meta (engine metadata),
+    sample (which of the prompt's ``infer.samples`` answers: 0, 1, ...). ``id`` is the prompt's id for sample 0 and
+    ``<prompt id>.<sample>`` after it (``record_id``), so one answer per prompt keeps the prompt's id.
 
 Response (``data/responses/responses.jsonl``, written by infer)
-    id, source, prompt_ids, output_ids, finish_reason     exactly as the engine produced them
+    id, source, prompt_ids, output_ids, finish_reason, sample     exactly as the engine produced them
     text          output_ids decoded with special tokens kept
     reasoning     the reasoning part of the output, derived from the ids (empty for models without reasoning)
     content       the answer part (tool-call tokens included), derived from the ids
@@ -69,6 +71,16 @@ class Prompt:
         return d
 
 
+def record_id(prompt_id: str, sample: int) -> str:
+    """The id of answer ``sample`` to prompt ``prompt_id``."""
+    return prompt_id if sample == 0 else f"{prompt_id}.{sample}"
+
+
+def prompt_of(rid: str) -> str:
+    """The prompt id of record ``rid`` (prompt ids are hex digests: they hold no '.')."""
+    return rid.partition(".")[0]
+
+
 @dataclass
 class Generation:
     id: str
@@ -77,6 +89,11 @@ class Generation:
     output_ids: list
     finish_reason: str
     meta: dict = field(default_factory=dict)
+    sample: int = 0
+
+    @property
+    def prompt_id(self) -> str:
+        return prompt_of(self.id)
 
 
 @dataclass
@@ -93,6 +110,11 @@ class Response:
     tool_calls: list
     sampling: dict
     meta: dict
+    sample: int = 0
+
+    @property
+    def prompt_id(self) -> str:
+        return prompt_of(self.id)
 
 
 def _check(path, line, rec: dict, name: str, kind, nonempty: bool = False):
@@ -133,8 +155,12 @@ def generation_from_json(rec: dict, path="<generation>", line=None) -> Generatio
     _check_ids(path, line, rec, "output_ids", False)
     if rec.get("finish_reason") not in FINISH_REASONS:
         raise RecordError(path, line, "finish_reason", f"should be one of {FINISH_REASONS}, got {rec.get('finish_reason')!r}")
+    sample = _check(path, line, rec, "sample", int)
+    if sample < 0 or sample > 0 and not rec["id"].endswith(f".{sample}"):
+        raise RecordError(path, line, "sample", f"{sample} does not match id {rec['id']!r} (answer k > 0 of a prompt "
+                          "has the id '<prompt id>.k')")
     return Generation(rec["id"], rec["source"], rec["prompt_ids"], rec["output_ids"], rec["finish_reason"],
-                      rec.get("meta") or {})
+                      rec.get("meta") or {}, sample)
 
 
 def response_from_json(rec: dict, path="<response>", line=None) -> Response:
@@ -146,7 +172,7 @@ def response_from_json(rec: dict, path="<response>", line=None) -> Response:
     _check(path, line, rec, "sampling", dict)
     return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, rec["text"],
                     rec["reasoning"], rec["content"], rec["reasoning_closed"], rec["tool_calls"], rec["sampling"],
-                    gen.meta)
+                    gen.meta, gen.sample)
 
 
 def read_jsonl(path) -> Iterator[tuple[int, dict]]:

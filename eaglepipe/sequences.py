@@ -10,8 +10,9 @@ Policy: the sequence is never re-tokenised from text. ``loss_mask`` is 1 exactly
 answer, end-of-turn token). A ``stop`` record whose output lacks the end-of-turn id gets it appended (counted).
 ``abort`` records are left out (counted). Sequences longer than ``merge.max_length`` keep their first
 ``max_length`` tokens (counted as truncated); a record whose prompt alone fills ``max_length`` has nothing to train
-on and is left out (counted). The split is decided per record by a seeded hash of its id (adding data never moves
-a record between train and valid); the order within a split is a seeded shuffle.
+on and is left out (counted). The split is decided per prompt by a seeded hash of its id (adding data never moves
+a record between train and valid; the answers to one prompt never straddle them); the order within a split is a
+seeded shuffle.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from .records import Response, write_json
+from .records import Response, prompt_of, write_json
 
 
 def _unit(seed: int, salt: str, rid: str) -> float:
@@ -52,10 +53,11 @@ def build(r: Response, end_of_turn: int, max_length: int, counts: Counter):
 
 
 def split_and_shuffle(records: list, seed: int, valid_fraction: float) -> dict:
-    """{"train": [...], "valid": [...]} of (id, source, ids, mask), each split in seeded shuffled order."""
+    """{"train": [...], "valid": [...]} of (id, source, ids, mask), each split in seeded shuffled order. The split
+    is drawn per prompt, so all answers to a prompt land on one side."""
     splits = {"train": [], "valid": []}
     for rec in records:
-        splits["valid" if _unit(seed, "split", rec[0]) < valid_fraction else "train"].append(rec)
+        splits["valid" if _unit(seed, "split", prompt_of(rec[0])) < valid_fraction else "train"].append(rec)
     for items in splits.values():
         items.sort(key=lambda rec: _unit(seed, "order", rec[0]))
     return splits

@@ -40,7 +40,7 @@ def main(params, prompts, out, report, cache):
             responses, rep = infer.run(read_prompts(prompts), engine, tokenizer, sampling, spec,
                                        Gates(p["gates"], spec.expects_reasoning, reasoning.markup(tokenizer)),
                                        infer.Cache(Path(cache) / fp),
-                                       template_kwargs, float(p["max_failure_rate"]))
+                                       template_kwargs, float(p["max_failure_rate"]), int(p["samples"]))
         except GateBreach as e:
             raise click.ClickException(f"{e}. Nothing was published; the records are in {Path(cache) / fp}")
         write_jsonl(Path(out) / "responses.jsonl", responses)

@@ -32,13 +32,15 @@ def prompts(questions, source="t"):
     return out
 
 
-def run(prompt_list, model, tokenizer, folder, cache_dir, max_new_tokens=12, batch_size=4):
+def run(prompt_list, model, tokenizer, folder, cache_dir, max_new_tokens=12, batch_size=4, samples=1,
+        temperature=0.0):
     engine = HFEngine(model, tokenizer.pad_token_id, batch_size)
-    sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(target.stop_ids(folder, tokenizer)))
+    sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens,
+                        stop_token_ids=tuple(target.stop_ids(folder, tokenizer)))
     fp = infer.fingerprint(target.fingerprint(folder), "hf", engine.identity(), sampling, {})
     spec = reasoning.spec_from_params("none")
     return infer.run(prompt_list, engine, tokenizer, sampling, spec, Gates(GATES, False),
-                     infer.Cache(Path(cache_dir) / fp), {})
+                     infer.Cache(Path(cache_dir) / fp), {}, samples=samples)
 
 
 def test_records_are_token_exact(model, tokenizer, target_folder, tmp_path):
@@ -57,6 +59,31 @@ def test_records_are_token_exact(model, tokenizer, target_folder, tmp_path):
         assert r.finish_reason == ("stop" if r.output_ids[-1] in stops else "length")
     assert report["tokens_out"] == sum(len(r.output_ids) for r in responses)
     assert sum(report["finish_reason"].values()) == 3
+
+
+def test_rows_leaving_the_batch_keep_every_answer_exact(model, tokenizer, target_folder, tmp_path):
+    """Eight prompts in one batch finish at different steps (rows leave as they finish); each answer is still the
+    one the prompt gets alone."""
+    ps = prompts(QUESTIONS)
+    batched, _ = run(ps, model, tokenizer, target_folder, tmp_path / "a", max_new_tokens=16, batch_size=8)
+    assert len({len(r.output_ids) for r in batched}) > 1, "the rows should finish at different steps"
+    alone, _ = run(ps, model, tokenizer, target_folder, tmp_path / "b", max_new_tokens=16, batch_size=1)
+    assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
+
+
+def test_samples_per_prompt_are_distinct_records_and_grow_incrementally(model, tokenizer, target_folder, tmp_path):
+    ps = prompts(QUESTIONS[:3])
+    responses, report = run(ps, model, tokenizer, target_folder, tmp_path, samples=2, temperature=1.0)
+    assert [r.id for r in responses] == [i for p in ps for i in (p.id, f"{p.id}.1")]
+    assert [r.sample for r in responses] == [0, 1] * 3 and [r.prompt_id for r in responses] == [p.id for p in ps
+                                                                                              for _ in (0, 1)]
+    assert report["prompts"] == 3 and report["answers"] == 6
+    assert any(a.output_ids != b.output_ids for a, b in zip(responses[::2], responses[1::2]))
+    again, report = run(ps, model, tokenizer, target_folder, tmp_path, samples=3, temperature=1.0)
+    assert report["this_run"]["generated"] == 3  # only the third answer of each prompt
+    assert [r.output_ids for r in again if r.sample < 2] == [r.output_ids for r in responses]
+    with pytest.raises(ValueError, match="temperature"):
+        run(ps, model, tokenizer, target_folder, tmp_path, samples=2)
 
 
 def test_adding_a_source_generates_only_its_prompts(model, tokenizer, target_folder, tmp_path):
@@ -78,7 +105,8 @@ def test_other_params_never_reuse_a_cache(model, tokenizer, target_folder, tmp_p
 
 def test_torn_last_line_and_duplicates_are_dropped_and_counted(tmp_path):
     cache = infer.Cache(tmp_path)
-    line = json.dumps({"id": "a", "source": "s", "prompt_ids": [1], "output_ids": [2], "finish_reason": "stop"})
+    line = json.dumps({"id": "a", "source": "s", "prompt_ids": [1], "output_ids": [2], "finish_reason": "stop",
+                       "sample": 0})
     cache.path.write_text(line + "\n" + line + "\n" + line[:20])
     done, counts = cache.load()
     assert list(done) == ["a"] and counts == {"duplicates": 1, "torn_last_line": 1}
@@ -87,7 +115,7 @@ def test_torn_last_line_and_duplicates_are_dropped_and_counted(tmp_path):
 
 def write_params(tmp_path, **infer_overrides):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["infer"].update(batch_size=1, max_new_tokens=24, **infer_overrides)
+    params["infer"].update(batch_size=1, max_new_tokens=24, samples=1, temperature=0.0, **infer_overrides)
     params["infer"]["gates"].update(GATES)
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
@@ -145,3 +173,25 @@ def test_hf_engine_ignores_sampling_defaults_of_the_model_folder(target_folder, 
     plain = HFEngine(target.load_model(target_folder), tokenizer.pad_token_id).generate(ids, sampling)[0]
     tweaked = HFEngine(target.load_model(folder), tokenizer.pad_token_id).generate(ids, sampling)[0]
     assert tweaked.output_ids == plain.output_ids
+
+
+def test_sampling_filters_follow_sglang():
+    from eaglepipe.engines.hf import pick
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    top = logits.argmax(-1)
+    draw = lambda **kw: pick(logits, Sampling(temperature=1.0, **kw), torch.Generator().manual_seed(1))  # noqa: E731
+    for only_the_top in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        assert torch.equal(draw(**only_the_top), top), only_the_top
+    assert torch.equal(draw(), draw())  # seeded
+    probs = torch.softmax(logits, -1)
+    for _ in range(20):  # top_k=3 only ever draws among the three best; top_p=0.5 among the nucleus
+        seed = torch.Generator().manual_seed(_)
+        picked = pick(logits, Sampling(temperature=1.0, top_k=3), seed)
+        assert all(p in row for p, row in zip(picked.tolist(), logits.topk(3).indices.tolist()))
+        picked = pick(logits, Sampling(temperature=1.0, top_p=0.5), seed)
+        sorted_probs, order = probs.sort(-1, descending=True)
+        for row, p in enumerate(picked.tolist()):
+            rank = order[row].tolist().index(p)
+            assert sorted_probs[row, :rank].sum() <= 0.5
+    assert torch.equal(pick(logits, Sampling(), None), top)  # temperature 0: greedy

@@ -9,14 +9,14 @@ import pytest
 from eaglepipe import merge, reasoning, sequences, target
 from eaglepipe.infer import to_response
 from eaglepipe.engines import Sampling
-from eaglepipe.records import Generation, RecordError, write_jsonl
+from eaglepipe.records import Generation, RecordError, record_id, write_jsonl
 
 NONE = reasoning.spec_from_params("none")
 PARAMS = {"seed": 0, "valid_fraction": 0.25, "max_length": 64, "shard_tokens": 100}
 
 
-def response(tokenizer, rid, prompt_len, output, finish="stop", source="s"):
-    gen = Generation(rid, source, list(range(10, 10 + prompt_len)), output, finish)
+def response(tokenizer, rid, prompt_len, output, finish="stop", source="s", sample=0):
+    gen = Generation(record_id(rid, sample), source, list(range(10, 10 + prompt_len)), output, finish, {}, sample)
     return to_response(gen, tokenizer, NONE, Sampling())
 
 
@@ -82,6 +82,26 @@ def test_shards_split_and_shuffle_are_deterministic_and_stable(tmp_path, tokeniz
                                                                   for i in range(20)], "more")
     assert {d[0] for d in data["valid"]} <= {d[0] for d in data3["valid"]}  # adding data moves nothing
     assert {d[0] for d in data["train"]} <= {d[0] for d in data3["train"]}
+
+
+def test_the_answers_to_one_prompt_share_a_split(tmp_path, tokenizer, eot):
+    records = [response(tokenizer, f"p{i}", 3, [100 + k, eot], sample=k) for i in range(40) for k in range(3)]
+    stats, data = run_merge(tmp_path, tokenizer, eot, records)
+    side = {}
+    for split in ("train", "valid"):
+        for rid, *_ in data[split]:
+            side.setdefault(rid.split(".")[0], set()).add(split)
+    assert len(side) == 40 and all(len(s) == 1 for s in side.values())
+    assert 0 < stats["valid"]["samples"] < 60 and stats["valid"]["samples"] % 3 == 0
+
+
+def test_a_sample_that_does_not_match_its_id_is_refused(tmp_path):
+    from eaglepipe.records import generation_from_json
+
+    rec = {"id": "abc.2", "source": "s", "prompt_ids": [1], "output_ids": [2], "finish_reason": "stop", "sample": 1}
+    with pytest.raises(RecordError, match=r"x.jsonl:7: field 'sample'"):
+        generation_from_json(rec, "x.jsonl", 7)
+    assert generation_from_json({**rec, "sample": 2}, "x.jsonl", 7).prompt_id == "abc"
 
 
 def test_an_inconsistent_record_is_refused_with_file_line_and_field(tmp_path, tokenizer, eot):

@@ -192,7 +192,7 @@ def test_4_stage_on_a_non_reasoning_model_under_think_fails_its_gate(tmp_path):
     first check, names the gate, the rate and the records, and publishes nothing."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["target"].update({"model": "embedded", "reasoning": "think", "chat_template_kwargs": {}})
-    params["infer"].update({"engine": "hf", "batch_size": 1, "max_new_tokens": 8, "temperature": 0.0,
+    params["infer"].update({"engine": "hf", "batch_size": 1, "max_new_tokens": 8, "temperature": 0.0, "samples": 1,
                             "max_failure_rate": 0.0,
                             "gates": {"warmup": 2, "every": 2, "min_reasoning": 0.9, "max_truncated": 1.0,
                                       "max_empty": 1.0}})
@@ -269,7 +269,7 @@ def run_stage(folder: Path, served: Path, url: str, prompts: Path, template: dic
     cfg["target"].update({"model": str(served), "reasoning": "think", "tool_calls": "none",
                           "chat_template_kwargs": template})
     cfg["infer"].update({"engine": "sglang", "batch_size": 1, "max_new_tokens": E2E_MAX_NEW, "temperature": 0.0,
-                         "max_failure_rate": 0.0})
+                         "samples": 1, "max_failure_rate": 0.0})
     cfg["infer"]["gates"].update({"warmup": E2E_WARMUP, "every": E2E_WARMUP})
     cfg["infer"]["sglang"] = {"urls": [url], "concurrency": E2E_CONCURRENCY, "timeout_s": 60, "health_timeout_s": 60,
                               "retries": 2, "backoff_s": 0.05, "backoff_max_s": 0.5, "launch": None}

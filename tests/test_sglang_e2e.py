@@ -38,7 +38,7 @@ PROMPTS = make_prompts(QUESTIONS)
 def write_params(folder: Path, engine: str = "sglang", **sglang) -> Path:
     cfg = yaml.safe_load((ROOT / "params.yaml").read_text())
     infer = cfg["infer"]
-    infer.update(engine=engine, batch_size=1, max_new_tokens=16, temperature=0.0, max_failure_rate=0.0)
+    infer.update(engine=engine, batch_size=1, max_new_tokens=16, temperature=0.0, samples=1, max_failure_rate=0.0)
     infer["gates"].update(warmup=4, every=4, max_truncated=1.0, max_empty=1.0)
     infer["sglang"] = {"urls": [], "concurrency": 2, "timeout_s": 30, "health_timeout_s": 60, "retries": 5,
                        "backoff_s": 0.05, "backoff_max_s": 0.5, "launch": None, **sglang}

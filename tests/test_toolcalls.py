@@ -152,5 +152,5 @@ def test_tool_call_tokens_stay_in_ids_and_content(tok):
     assert responses[0].tool_calls == [call("get_weather", {"location": "Paris"})]
     assert toolcalls.count_errors(responses[1].tool_calls) == 1
     gates = Gates({"warmup": 1, "every": 1, "max_truncated": 1, "max_empty": 1, "min_reasoning": 0}, True)
-    rep = report(responses, [], {}, 2, 0, 1.0, gates)
+    rep = report(responses, [], {}, 2, 0, 1.0, gates, len(responses))
     assert rep["tool_calls"] == {"records": 2, "calls": 1, "parse_failures": 1}
