@@ -31,7 +31,8 @@ def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
     model.train()
     start = time.perf_counter()
     for batch in batches:
-        loss, _ = train.ttt_forward(model, batch, steps)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=p["autocast"] == "bfloat16"):  # as train.run
+            loss, _ = train.ttt_forward(model, batch, steps)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), float(p["grad_clip"]))

@@ -12,7 +12,8 @@ from eaglepipe import draft, train
 
 V, H, LAYERS = 512, 64, 8
 PARAMS = {"seed": 0, "draft_vocab_size": 128, "ttt_steps": 3, "epochs": 2, "batch_tokens": 96, "lr": 3e-3,
-          "warmup_steps": 2, "grad_clip": 0.5, "checkpoint_every": 2, "threads": 0}
+          "warmup_steps": 2, "grad_clip": 0.5, "checkpoint_every": 2, "threads": 0, "positions": "generated",
+          "autocast": "none"}
 
 
 def tiny_target(folder):
@@ -92,7 +93,7 @@ def test_targets_aligned_with_shifted_predictions():
     head = torch.eye(32) * 10                                   # a target with vocab 32 = hidden size 32
     final = head[ids.roll(-1)]                                  # argmax at t is x[t+1] (as when it generated them)
     top = (final @ head.T).argmax(-1)
-    sample = train.Sample("s", ids, mask, torch.zeros(8, 96), final, top)
+    sample = train.Sample("s", ids, mask, mask, torch.zeros(8, 96), final, top)
     batch = train.collate([sample], 3, head)
     seen = []
     for k in range(3):
@@ -104,6 +105,22 @@ def test_targets_aligned_with_shifted_predictions():
             seen.append((k, pos, int(ids[pos + 1 + k]), int(ids[pos + 2 + k])))
     assert seen[0] == (0, 2, 13, 14)   # the chain starts at the last prompt position with the first generated token
     assert [s for s in seen if s[0] == 2] == [(2, 2, 15, 16), (2, 3, 16, 17)]
+
+
+def test_all_positions_train_over_the_prompt_with_the_same_vocabulary(data):
+    embed = train.target_tensors(data / "target", LAYERS - 3)["embed"]
+    generated = train.load_samples(data / "hidden", "train", embed)
+    every = train.load_samples(data / "hidden", "train", embed, "all")
+    assert [s.id for s in every] == [s.id for s in generated]
+    for g, e in zip(generated, every):
+        assert torch.equal(g.chain, g.mask) and torch.equal(e.mask, g.mask) and e.chain.all()
+        both = g.mask[1:].nonzero().flatten()
+        assert torch.equal(e.top[both], g.top[both])  # the target's argmax, wherever both have it
+    steps = 3
+    assert train.collate(every, steps, embed)["masks"].sum() > train.collate(generated, steps, embed)["masks"].sum()
+    assert train.token_counts(every) == train.token_counts(generated)  # the draft vocabulary: generated tokens only
+    with pytest.raises(ValueError, match="train.positions"):
+        train.load_samples(data / "hidden", "train", embed, "prompt")
 
 
 def test_ttt_step_equals_cached_inference_chain(data):
@@ -139,16 +156,18 @@ def test_ttt_step_equals_cached_inference_chain(data):
             torch.testing.assert_close(original(captured[k][row]), logits[0, -1], rtol=1e-4, atol=1e-4)
 
 
-def test_loss_decreases_and_resume_is_exact(data, tmp_path):
-    full = train.run(data / "hidden", data / "target", PARAMS, tmp_path / "a")
+@pytest.mark.parametrize("autocast", ["none", "bfloat16"])
+def test_loss_decreases_and_resume_is_exact(data, tmp_path, autocast):
+    params = {**PARAMS, "autocast": autocast}
+    full = train.run(data / "hidden", data / "target", params, tmp_path / "a")
     model, report, history = full
     assert len(history) == 2 and set(report["train"]) == {f"{m}_{k}" for m in ("loss", "acc") for k in range(3)}
     assert history[-1]["train_loss_0"] < history[0]["train_loss_0"] * 0.9
     assert history[-1]["train_acc_0"] > history[0]["train_acc_0"] and history[-1]["valid_loss_0"] is not None
 
-    assert train.run(data / "hidden", data / "target", PARAMS, tmp_path / "b", stop_after=3) is None
-    assert train.run(data / "hidden", data / "target", PARAMS, tmp_path / "b", stop_after=2) is None  # mid-epoch
-    resumed, _, history_b = train.run(data / "hidden", data / "target", PARAMS, tmp_path / "b")
+    assert train.run(data / "hidden", data / "target", params, tmp_path / "b", stop_after=3) is None
+    assert train.run(data / "hidden", data / "target", params, tmp_path / "b", stop_after=2) is None  # mid-epoch
+    resumed, _, history_b = train.run(data / "hidden", data / "target", params, tmp_path / "b")
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert history_b == history
