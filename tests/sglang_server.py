@@ -54,8 +54,11 @@ import json
 import logging
 import os
 import random
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -549,6 +552,49 @@ def parse_args(argv=None):
     args, extra = ap.parse_known_args(argv)
     args.extra = extra  # SGLang flags the launcher passes through (recorded in /server_info)
     return args
+
+
+# ---- driving the server from another process (the tests and bench/bench_sglang_client.py) -------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, log: Path, *args) -> subprocess.Popen:
+    """tests/sglang_server.py on a loopback port; returns once /health answers 200."""
+    out = open(log, "ab")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--port", str(port), *map(str, args)], cwd=ROOT,
+                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out.close()
+    wait_healthy(f"http://127.0.0.1:{port}", proc, log)
+    return proc
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"test server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"test server not healthy in {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def main(argv=None):

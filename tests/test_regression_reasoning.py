@@ -30,8 +30,8 @@ from eaglepipe.gates import GateBreach, Gates
 from eaglepipe.records import Prompt, RecordError, content_id, response_from_json, write_json, write_jsonl
 from reasoning_fixtures import (ScriptedEngine, harmony_model, ids, model_folder, reasoning_dropped, reasoning_model,
                                 reasoning_tokenizer, served_model_folder, think_answer)
-from sglang_server import THOUGHT
-from test_sglang import configure, free_port, start_server, stats, stop_server
+from sglang_server import THOUGHT, free_port, start_server, stop_server
+from test_sglang import configure, stats
 
 ROOT = Path(__file__).resolve().parent.parent
 GATES = yaml.safe_load((ROOT / "params.yaml").read_text())["infer"]["gates"]  # the project's own settings

@@ -1,14 +1,10 @@
 """The SGLang client (eaglepipe/engines/sglang.py): its answer checks, and its retries, failover and limits against
 tests/sglang_server.py in --no-compute mode (real protocol, made-up ids, no model) over loopback."""
 import json
-import os
-import socket
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -16,57 +12,14 @@ from eaglepipe import chat, target
 from eaglepipe.engines import Failure, Output, Sampling
 from eaglepipe.engines.sglang import (BadAnswer, SGLangEngine, SGLangError, check_answer, sampling_params,
                                       tokenizer_probes)
+from sglang_server import free_port, start_server, stop_server
 
-ROOT = Path(__file__).resolve().parent.parent
-SERVER = ROOT / "tests" / "sglang_server.py"
 STOP = 2  # the embedded model's <|im_end|>
 SAMPLING = Sampling(max_new_tokens=8, stop_token_ids=(STOP,))
 PROMPT = [1, 9690, 198, 2683, 314, 216, 34, 30, 216, 34, 47, 2, 198, 1, 520, 9531, 198]
 
 
-# ---- helpers shared with test_sglang_e2e.py ----------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int, log: Path, *args) -> subprocess.Popen:
-    """tests/sglang_server.py on a loopback port; returns once /health answers 200."""
-    out = open(log, "ab")
-    proc = subprocess.Popen([sys.executable, str(SERVER), "--port", str(port), *map(str, args)], cwd=ROOT,
-                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    out.close()
-    wait_healthy(f"http://127.0.0.1:{port}", proc, log)
-    return proc
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"test server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"test server not healthy in {timeout}s:\n{log.read_text()[-3000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
+# ---- helpers shared with test_sglang_e2e.py (starting and stopping the server: sglang_server.py) ------------------
 def configure(url: str, **knobs) -> dict:
     req = urllib.request.Request(url + "/_test/config", data=json.dumps(knobs).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})

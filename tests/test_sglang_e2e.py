@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from eaglepipe.records import Prompt, content_id, write_jsonl
-from test_sglang import CLEAN, configure, free_port, start_server, stats, stop_server
+from sglang_server import free_port, start_server, stop_server
+from test_sglang import CLEAN, configure, stats
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
