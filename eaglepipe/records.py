@@ -175,6 +175,24 @@ def response_from_json(rec: dict, path="<response>", line=None) -> Response:
                     gen.meta, gen.sample)
 
 
+class LineError(ValueError):
+    """A JSON Lines line that does not parse; ``reason`` is ``not_utf8`` or ``broken_json``."""
+
+    def __init__(self, reason: str, problem: str):
+        super().__init__(problem)
+        self.reason, self.problem = reason, problem
+
+
+def parse_line(raw: bytes):
+    """The JSON value on one line of a JSON Lines file; raises LineError."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise LineError("not_utf8", f"is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise LineError("broken_json", f"is not valid JSON ({e.msg}, column {e.colno})") from None
+
+
 def read_jsonl(path) -> Iterator[tuple[int, dict]]:
     """Yield (line number, object) for each non-blank line; a broken line raises RecordError naming it."""
     with open(path, "rb") as f:
@@ -182,11 +200,9 @@ def read_jsonl(path) -> Iterator[tuple[int, dict]]:
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise RecordError(path, n, None, f"is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-            except json.JSONDecodeError as e:
-                raise RecordError(path, n, None, f"is not valid JSON ({e.msg}, column {e.colno})") from None
+                obj = parse_line(raw)
+            except LineError as e:
+                raise RecordError(path, n, None, e.problem) from None
             if not isinstance(obj, dict):
                 raise RecordError(path, n, None, f"should be a JSON object, got {type(obj).__name__}")
             yield n, obj

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from eaglepipe.records import Prompt, RecordError, content_id
+from eaglepipe.records import LineError, Prompt, RecordError, content_id, parse_line
 
 
 class BadRecord(ValueError):
@@ -37,20 +37,14 @@ class BadRecord(ValueError):
 
 # ---------------------------------------------------------------------------------------------------------- files
 
-def _parse_line(raw: bytes) -> dict | BadRecord:
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return BadRecord("not_utf8", None, f"is not valid UTF-8 ({e.reason} at byte {e.start})")
-    except json.JSONDecodeError as e:
-        return BadRecord("broken_json", None, f"is not valid JSON ({e.msg}, column {e.colno})")
-
-
 def _jsonl(data: bytes) -> Iterator[tuple[int, dict | BadRecord]]:
     """(line, object or BadRecord) per non-blank line: a broken line does not stop the lines after it."""
     for n, raw in enumerate(data.split(b"\n"), start=1):
         if raw.strip():
-            yield n, _parse_line(raw)
+            try:
+                yield n, parse_line(raw)
+            except LineError as e:
+                yield n, BadRecord(e.reason, None, e.problem)
 
 
 def _json_array(path: Path, data: bytes) -> list:
