@@ -47,7 +47,7 @@ def main(params, hidden_folder, answers, half_prompts):
     stops = target.stop_ids(folder, tokenizer)
     sizes = [("1 answer, half the prompts", lambda rid: answer_index(rid) == 0 and
               int(prompt_of(rid), 16) % 2 == 0)] if half_prompts else []
-    sizes += [(f"{k} answer(s) per prompt", lambda rid, k=k: answer_index(rid) < k)
+    sizes += [(f"{k} answer{'s' if k > 1 else ''} per prompt", lambda rid, k=k: answer_index(rid) < k)
               for k in map(int, answers.split(","))]
     rows = []
     for name, keep in sizes:
