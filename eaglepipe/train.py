@@ -24,7 +24,7 @@ Loss: sum_k 0.8^k * soft cross-entropy(target distribution over the draft vocabu
 its positions. acc_k: share of the step's positions where the drafter's argmax (mapped to a target id) equals the
 target's argmax over the full vocabulary. AdamW, linear warmup then cosine decay to 0, gradient clipping, seeded.
 ``train.autocast: bfloat16`` runs the training forward under ``torch.autocast`` (matmuls in bf16; weights, optimizer
-and the loss stay float32): about 1.7x faster on a CPU with AVX512-BF16. Validation runs in float32.
+and the loss stay float32): about 1.8x faster on a CPU with AVX512-BF16. Validation runs in float32.
 
 Batches: each epoch shuffles the samples (seeded by seed and epoch), sorts them by length within windows of 64 and
 cuts right-padded batches of at most ``batch_tokens`` (rows x longest, at least one row), in shuffled order.
