@@ -18,11 +18,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eaglepipe import evaluate, speculative, target, train  # noqa: E402
-from eaglepipe.records import prompt_of  # noqa: E402
-
-
-def answer_index(rid: str) -> int:
-    return int(rid.partition(".")[2] or 0)
+from eaglepipe.records import prompt_of, sample_of  # noqa: E402
 
 
 def acceptance(model, drafter, prompts, stops, p) -> float:
@@ -45,9 +41,9 @@ def main(params, hidden_folder, answers, half_prompts):
     p = cfg["evaluate"]
     prompts = evaluate.load_prompts(p["prompts"], tokenizer, cfg["target"].get("chat_template_kwargs"))
     stops = target.stop_ids(folder, tokenizer)
-    sizes = [("1 answer, half the prompts", lambda rid: answer_index(rid) == 0 and
+    sizes = [("1 answer, half the prompts", lambda rid: sample_of(rid) == 0 and
               int(prompt_of(rid), 16) % 2 == 0)] if half_prompts else []
-    sizes += [(f"{k} answer{'s' if k > 1 else ''} per prompt", lambda rid, k=k: answer_index(rid) < k)
+    sizes += [(f"{k} answer{'s' if k > 1 else ''} per prompt", lambda rid, k=k: sample_of(rid) < k)
               for k in map(int, answers.split(","))]
     rows = []
     for name, keep in sizes:

@@ -91,13 +91,14 @@ class Cache:
         self._append(self.failures_path, json.dumps({"id": rid, "reason": reason}))
 
 
-def to_response(gen: Generation, tokenizer, spec: reasoning.Spec, sampling: Sampling) -> Response:
+def to_response(gen: Generation, tokenizer, spec: reasoning.Spec, sampling: Sampling | None) -> Response:
     """The published record: the generation's ids untouched, and every readable field derived from them
     (reasoning split by ``spec``, tool calls parsed for ``spec.tools``; a call that does not parse is kept as an
-    ``{"error", "raw"}`` entry and counted in the report, never fatal)."""
+    ``{"error", "raw"}`` entry and counted in the report, never fatal). ``sampling`` None (unknown) is stored as {}."""
     f = reasoning.readable(tokenizer, gen.prompt_ids, gen.output_ids, spec)
     return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, f["text"], f["reasoning"],
-                    f["content"], f["reasoning_closed"], f["tool_calls"], sampling.to_json(), gen.meta, gen.sample)
+                    f["content"], f["reasoning_closed"], f["tool_calls"], sampling.to_json() if sampling else {},
+                    gen.meta, gen.sample)
 
 
 def run(prompts, engine, tokenizer, sampling: Sampling, spec: reasoning.Spec, gates: Gates, cache: Cache,

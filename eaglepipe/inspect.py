@@ -12,7 +12,8 @@ import random
 from pathlib import Path
 
 from . import reasoning, toolcalls
-from .records import Response, generation_from_json, response_from_json
+from .infer import to_response
+from .records import generation_from_json, response_from_json
 
 RULE = 100
 
@@ -32,9 +33,7 @@ def record(obj: dict, path, line_no: int, tokenizer=None, spec=None):
     gen = generation_from_json(obj, path, line_no)
     if tokenizer is None or spec is None:
         raise ValueError(f"{path}:{line_no} is a generation without readable fields: deriving them needs params.yaml")
-    f = reasoning.readable(tokenizer, gen.prompt_ids, gen.output_ids, spec)
-    return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, f["text"], f["reasoning"],
-                    f["content"], f["reasoning_closed"], f["tool_calls"], {}, gen.meta, gen.sample)
+    return to_response(gen, tokenizer, spec, None)
 
 
 def sample(path: Path, n: int, seed: int, source: str | None = None, tokenizer=None, spec=None) -> tuple[int, list]:

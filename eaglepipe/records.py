@@ -81,6 +81,11 @@ def prompt_of(rid: str) -> str:
     return rid.partition(".")[0]
 
 
+def sample_of(rid: str) -> int:
+    """Which answer to its prompt record ``rid`` is (the inverse of ``record_id``, with ``prompt_of``)."""
+    return int(rid.partition(".")[2] or 0)
+
+
 @dataclass
 class Generation:
     id: str
@@ -156,7 +161,7 @@ def generation_from_json(rec: dict, path="<generation>", line=None) -> Generatio
     if rec.get("finish_reason") not in FINISH_REASONS:
         raise RecordError(path, line, "finish_reason", f"should be one of {FINISH_REASONS}, got {rec.get('finish_reason')!r}")
     sample = _check(path, line, rec, "sample", int)
-    if sample < 0 or sample > 0 and not rec["id"].endswith(f".{sample}"):
+    if record_id(prompt_of(rec["id"]), sample) != rec["id"]:
         raise RecordError(path, line, "sample", f"{sample} does not match id {rec['id']!r} (answer k > 0 of a prompt "
                           "has the id '<prompt id>.k')")
     return Generation(rec["id"], rec["source"], rec["prompt_ids"], rec["output_ids"], rec["finish_reason"],

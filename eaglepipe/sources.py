@@ -42,9 +42,10 @@ def _jsonl(data: bytes) -> Iterator[tuple[int, dict | BadRecord]]:
     for n, raw in enumerate(data.split(b"\n"), start=1):
         if raw.strip():
             try:
-                yield n, parse_line(raw)
+                item = parse_line(raw)
             except LineError as e:
-                yield n, BadRecord(e.reason, None, e.problem)
+                item = BadRecord(e.reason, None, e.problem)
+            yield n, item
 
 
 def _json_array(path: Path, data: bytes) -> list:

@@ -51,7 +51,6 @@ import torch
 from safetensors import safe_open
 
 from . import draft, hidden, records
-from .records import prompt_of
 
 log = logging.getLogger(__name__)
 STEP_WEIGHT = 0.8
@@ -131,8 +130,8 @@ def load_samples(folder, split: str, head: torch.Tensor, positions: str = "gener
         if keep is not None and not keep(s["id"]):
             continue
         mask = s["loss_mask"].bool()
-        first = prompt_of(s["id"]) not in prompts
-        prompts.add(prompt_of(s["id"]))
+        first = records.prompt_of(s["id"]) not in prompts
+        prompts.add(records.prompt_of(s["id"]))
         chain = torch.ones_like(mask) if positions == "all" and first else mask
         if not chain_masks(chain, 1)[0].any():
             continue

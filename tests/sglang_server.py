@@ -564,8 +564,8 @@ def free_port() -> int:
 def start_server(port: int, log: Path, *args) -> subprocess.Popen:
     """tests/sglang_server.py on a loopback port; returns once /health answers 200."""
     out = open(log, "ab")
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--port", str(port), *map(str, args)], cwd=ROOT,
-                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--port", str(port), *map(str, args)],
+                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     out.close()
     wait_healthy(f"http://127.0.0.1:{port}", proc, log)
