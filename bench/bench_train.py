@@ -2,7 +2,7 @@
 
     python bench/bench_train.py [--hidden data/hidden] [--params params.yaml] [--epochs N]
 
-Train side: ``train.run`` from scratch, timed whole (loading the shards, the target's argmax, batching, target
+Train side: ``train.run`` from scratch, timed whole (loading the shards, setting up the drafter, batching, target
 distributions, metrics, validation, checkpoints). Bare side: the same drafter (same seed and init) on the same
 batches, collated beforehand, timing only TTT forward + loss, backward, clipping and the AdamW step. Both count the
 tokens of the training batches. Prints both throughputs and their ratio (the goal is >= 0.85).

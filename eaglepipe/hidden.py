@@ -12,6 +12,9 @@ Layout of ``data/hidden/``:
                                   (low, mid, high), concatenated in that order; row t = state at position t
         final      bf16  [T, H]   the final *normed* hidden state (the input of lm_head); the target's logits at
                                   position t are ``final[t] @ lm_head.weight.T`` (recompute them at train time)
+        top        int32 [T]      the target's greedy next token at position t: the argmax of its ``lm_head`` over
+                                  the full vocabulary, from the unrounded final state (rounding ``final`` to bf16
+                                  changes that argmax at a few per cent of positions; the drafter is scored on this)
 
 Layer convention (checked by tests/test_hidden.py against a bare forward): ids are Hugging Face
 ``output_hidden_states`` indices. ``hidden_states[0]`` is the embedding output and ``hidden_states[i]`` is the input
@@ -23,8 +26,9 @@ count layer *outputs*, so they are these ids minus one (``[1, L // 2 - 1, L - 4]
 Extraction: sequences are planned into shards of at most ``hidden.shard_tokens`` tokens (stored order kept), each
 shard's samples sorted by length and batched with right padding up to ``hidden.batch_tokens`` tokens (rows x longest)
 per forward pass, no attention mask needed (causal attention never looks at the padding on the right). The base
-model runs without ``lm_head`` and keeps only the selected hidden states. Storage is 8·H bytes of hidden state per
-token in bf16 (3·H aux + H final), plus 5 bytes of ids and mask.
+model runs without ``lm_head`` and keeps only the selected hidden states; the head then runs on the real rows only,
+in blocks, for ``top``. Storage is 8·H bytes of hidden state per token in bf16 (3·H aux + H final), plus 9 bytes of
+ids, mask and ``top``.
 
 Resume: finished shards are written atomically into ``.cache/hidden/<fingerprint>/`` where the fingerprint covers
 the sequences (their bytes), the ``hidden`` params, this file's code, the target model's fingerprint and the torch /
@@ -95,14 +99,15 @@ def read_shards(folder, split: str) -> Iterator[tuple[dict, dict]]:
 
 def read(folder, split: str) -> Iterator[dict]:
     """Yield one dict per sample of ``split``, in stored order (the order of ``data/sequences``):
-    ``id`` str, ``input_ids`` int32 [n], ``loss_mask`` uint8 [n], ``aux`` bf16 [n, 3H], ``final`` bf16 [n, H]
-    (views into the loaded shard: clone what you keep beyond the shard's lifetime if memory matters)."""
+    ``id`` str, ``input_ids`` int32 [n], ``loss_mask`` uint8 [n], ``aux`` bf16 [n, 3H], ``final`` bf16 [n, H],
+    ``top`` int32 [n] (views into the loaded shard: clone what you keep beyond the shard's lifetime if memory
+    matters)."""
     for shard, t in read_shards(folder, split):
         off = t["offsets"].tolist()
         for i, rid in enumerate(shard["ids"]):
             a, b = off[i], off[i + 1]
             yield {"id": rid, "input_ids": t["input_ids"][a:b], "loss_mask": t["loss_mask"][a:b],
-                   "aux": t["aux"][a:b], "final": t["final"][a:b]}
+                   "aux": t["aux"][a:b], "final": t["final"][a:b], "top": t["top"][a:b]}
 
 
 # ---------------------------------------------------------------------------------------------------------- writer
@@ -172,6 +177,14 @@ def forward_states(model, input_ids: torch.Tensor, layers: list[int]):
 
 
 @torch.inference_mode()
+def greedy(model, states: torch.Tensor, rows: int = 512) -> torch.Tensor:
+    """int64 [n]: the argmax of the model's own output head over final states [n, H], ``rows`` at a time (the full
+    logits of a big batch would not fit)."""
+    head = model.get_output_embeddings()
+    return torch.cat([head(states[r:r + rows]).argmax(-1) for r in range(0, states.shape[0], rows)])
+
+
+@torch.inference_mode()
 def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dtype: torch.dtype,
                   pad_id: int = 0) -> dict:
     """The tensors of one shard for ``samples`` = [(id, input_ids, loss_mask)], in the given order."""
@@ -180,6 +193,7 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
     T, H = int(offsets[-1]), text_config(model.config).hidden_size
     aux = torch.empty((T, 3 * H), dtype=dtype)
     final = torch.empty((T, H), dtype=dtype)
+    top = torch.empty(T, dtype=torch.int32)
     for batch in plan_batches(lengths, batch_tokens):
         width = lengths[batch[0]]
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -190,9 +204,10 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
             s, n = int(offsets[i]), lengths[i]
             aux[s:s + n] = a[row, :n]
             final[s:s + n] = f[row, :n]
+            top[s:s + n] = greedy(model, f[row, :n])
     return {"input_ids": torch.from_numpy(np.concatenate([np.asarray(s[1], dtype=np.int32) for s in samples])),
             "loss_mask": torch.from_numpy(np.concatenate([np.asarray(s[2], dtype=np.uint8) for s in samples])),
-            "offsets": torch.from_numpy(offsets), "aux": aux, "final": final}
+            "offsets": torch.from_numpy(offsets), "aux": aux, "final": final, "top": top}
 
 
 def _finished(path: Path, fp: str) -> bool:

@@ -1,8 +1,9 @@
 """Training the EAGLE-3 drafter on stored target hidden states, with training-time test (TTT).
 
 Data (``data/hidden``, read with ``hidden.read``): per sample ``input_ids``, ``loss_mask`` (1 on tokens the target
-generated), ``aux`` [n, 3H] (states entering layers low/mid/high) and ``final`` [n, H] (the target's normed last
-state). The target's logits at position t are ``final[t] @ lm_head.T`` with the target's own ``lm_head``.
+generated), ``aux`` [n, 3H] (states entering layers low/mid/high), ``final`` [n, H] (the target's normed last
+state) and ``top`` [n] (the target's greedy next token, computed by the hidden stage from the unrounded state). The
+target's logits at position t are ``final[t] @ lm_head.T`` with the target's own ``lm_head``.
 
 Alignment (position t, TTT step k = 0..K-1, ids x, loss mask m):
     step 0 pairs the target's state at t with the token x[t+1]; step k pairs the drafter's step-(k-1) output at t
@@ -65,7 +66,7 @@ class Sample:
     chain: torch.Tensor  # bool [n], the tokens chains may run over: the loss mask, or every token (see load_samples)
     aux: torch.Tensor    # [n, 3H] as stored
     final: torch.Tensor  # [n, H] as stored
-    top: torch.Tensor    # int64 [n], the target's argmax over the full vocabulary at t where chain[t + 1], else 0
+    top: torch.Tensor    # int64 [n], the target's argmax over the full vocabulary at t (hidden's ``top``)
 
 
 # ------------------------------------------------------------------------------------------------------------- data
@@ -114,10 +115,8 @@ def chain_masks(mask: torch.Tensor, steps: int) -> torch.Tensor:
 POSITIONS = ("generated", "all")
 
 
-@torch.no_grad()
-def load_samples(folder, split: str, head: torch.Tensor, positions: str = "generated", keep=None,
-                 rows: int = 2048) -> list[Sample]:
-    """Every sample of ``split`` with at least one trained position, its target argmax computed once.
+def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[Sample]:
+    """Every sample of ``split`` with at least one trained position.
     ``positions``: "generated" trains chains over the loss mask only (the official recipe); "all" over every token
     of the sequence, prompt included: the stored states and logits there are the target's own too, and the drafter
     learns the target's distribution from about three times as many positions of the same data. A prompt is
@@ -135,12 +134,7 @@ def load_samples(folder, split: str, head: torch.Tensor, positions: str = "gener
         chain = torch.ones_like(mask) if positions == "all" and first else mask
         if not chain_masks(chain, 1)[0].any():
             continue
-        top = torch.zeros(mask.shape[0], dtype=torch.int64)
-        need = torch.nonzero(chain[1:]).flatten()
-        for c in range(0, need.numel(), rows):
-            r = need[c:c + rows]
-            top[r] = (s["final"][r].float() @ head.T).argmax(-1)
-        samples.append(Sample(s["id"], s["input_ids"].long(), mask, chain, s["aux"], s["final"], top))
+        samples.append(Sample(s["id"], s["input_ids"].long(), mask, chain, s["aux"], s["final"], s["top"].long()))
     return samples
 
 
@@ -300,8 +294,8 @@ def setup(hidden_folder, target_folder, p: dict, keep=None):
 
     index = hidden.load_index(hidden_folder)
     tgt = target_tensors(target_folder, index["layers"][2])
-    train_set = load_samples(hidden_folder, "train", tgt["head"], p["positions"], keep)
-    valid_set = load_samples(hidden_folder, "valid", tgt["head"]) if "valid" in index else []  # as at inference
+    train_set = load_samples(hidden_folder, "train", p["positions"], keep)
+    valid_set = load_samples(hidden_folder, "valid") if "valid" in index else []  # as at inference
     if not train_set:
         raise ValueError(f"{hidden_folder}: no training sample has a position to train (two generated tokens)")
     torch.manual_seed(int(p["seed"]))

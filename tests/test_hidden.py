@@ -56,6 +56,7 @@ def test_index_format_and_dtypes(extracted, model):
     assert t["input_ids"].dtype == torch.int32 and t["loss_mask"].dtype == torch.uint8
     assert t["offsets"].dtype == torch.int64 and t["aux"].dtype == torch.bfloat16 and t["final"].dtype == torch.bfloat16
     assert t["aux"].shape == (shard["tokens"], 3 * H) and t["final"].shape == (shard["tokens"], H)
+    assert t["top"].dtype == torch.int32 and t["top"].shape == (shard["tokens"],)
     assert not list((tmp / "cache").glob(f"{rep['fingerprint']}*")), "the work folder is moved, not copied"
 
 
@@ -72,7 +73,8 @@ def test_ids_and_mask_are_the_sequences(extracted):
 
 def test_aux_rows_are_the_states_entering_layers_2_mid_and_L_minus_3(extracted, model):
     """Against a separate, unbatched forward of the full model: aux block j == hidden_states[layers[j]] (and not
-    its neighbours: an off-by-one fails), final == hidden_states[-1] == the normed state, lm_head(final) == logits."""
+    its neighbours: an off-by-one fails), final == hidden_states[-1] == the normed state, lm_head(final) == logits,
+    and top == the argmax of the full model's logits, exactly (the bf16 final alone does not always give it)."""
     tmp, _, _ = extracted
     H, L = model.config.hidden_size, model.config.num_hidden_layers
     for sample in hidden.read(tmp / "out", "train"):
@@ -96,13 +98,14 @@ def test_aux_rows_are_the_states_entering_layers_2_mid_and_L_minus_3(extracted, 
         torch.testing.assert_close(logits, out.logits[0], rtol=0.05, atol=0.3)
         agree = (logits.argmax(-1) == out.logits[0].argmax(-1)).float().mean()
         assert agree >= 0.9
+        assert torch.equal(sample["top"].long(), out.logits[0].argmax(-1))
 
 
 def test_bytes_per_token_is_8H_of_hidden_state(extracted, model):
     _, _, rep = extracted
     H = model.config.hidden_size
     assert rep["hidden_bytes_per_token"] == 8 * H == rep["max_hidden_bytes_per_token_bf16"]
-    assert 8 * H <= rep["bytes_per_token"] <= 8 * H + 5 + 200  # ids, mask, offsets and safetensors headers
+    assert 8 * H <= rep["bytes_per_token"] <= 8 * H + 9 + 200  # ids, mask, top, offsets and safetensors headers
     assert rep["tokens"] == rep["computed_tokens"] and rep["tokens_per_s"] > 0 and rep["layers"] == [2, 15, 27]
 
 

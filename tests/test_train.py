@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from eaglepipe import draft, train
+from eaglepipe import draft, hidden, train
 
 V, H, LAYERS = 512, 64, 8
 PARAMS = {"seed": 0, "draft_vocab_size": 128, "ttt_steps": 3, "epochs": 2, "batch_tokens": 96, "lr": 3e-3,
@@ -40,7 +40,8 @@ def tiny_target(folder):
 
 def synthetic_hidden(folder, head, n_train=24, n_valid=4, seed=1):
     """Sequences that follow a fixed bigram map (learnable), in the layout of data/hidden: the target's final state
-    at t points at the next token (its argmax is x[t+1]), aux is noise plus the embedding of x[t]."""
+    at t points at the next token (its argmax is x[t+1]), aux is noise plus the embedding of x[t], top is the argmax
+    of the unrounded final state."""
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     succ = torch.randperm(V - 3, generator=g)[:200] + 3       # 200 tokens in a cycle
@@ -61,7 +62,8 @@ def synthetic_hidden(folder, head, n_train=24, n_valid=4, seed=1):
         aux = torch.cat([head[x] + torch.randn(len(ids), H, generator=g) for _ in range(3)], -1)
         file = f"{split}-00000.safetensors"
         save_file({"input_ids": x.int(), "loss_mask": torch.tensor(masks, dtype=torch.uint8),
-                   "offsets": torch.tensor(offsets), "aux": aux.bfloat16(), "final": final.bfloat16()},
+                   "offsets": torch.tensor(offsets), "aux": aux.bfloat16(), "final": final.bfloat16(),
+                   "top": (final @ head.T).argmax(-1).int()},
                   str(folder / file))
         index[split] = {"shards": [{"file": file, "samples": n, "tokens": len(ids),
                                     "ids": [f"{split}{i}" for i in range(n)]}], "samples": n, "tokens": len(ids)}
@@ -109,18 +111,18 @@ def test_targets_aligned_with_shifted_predictions():
 
 def test_all_positions_train_over_the_prompt_with_the_same_vocabulary(data):
     embed = train.target_tensors(data / "target", LAYERS - 3)["embed"]
-    generated = train.load_samples(data / "hidden", "train", embed)
-    every = train.load_samples(data / "hidden", "train", embed, "all")
+    generated = train.load_samples(data / "hidden", "train")
+    every = train.load_samples(data / "hidden", "train", "all")
     assert [s.id for s in every] == [s.id for s in generated]
+    stored = {s["id"]: s["top"] for s in hidden.read(data / "hidden", "train")}
     for g, e in zip(generated, every):
         assert torch.equal(g.chain, g.mask) and torch.equal(e.mask, g.mask) and e.chain.all()
-        both = g.mask[1:].nonzero().flatten()
-        assert torch.equal(e.top[both], g.top[both])  # the target's argmax, wherever both have it
+        assert torch.equal(e.top, stored[e.id].long()) and torch.equal(g.top, e.top)  # the hidden stage's argmax
     steps = 3
     assert train.collate(every, steps, embed)["masks"].sum() > train.collate(generated, steps, embed)["masks"].sum()
     assert train.token_counts(every) == train.token_counts(generated)  # the draft vocabulary: generated tokens only
     with pytest.raises(ValueError, match="train.positions"):
-        train.load_samples(data / "hidden", "train", embed, "prompt")
+        train.load_samples(data / "hidden", "train", "prompt")
 
 
 def test_ttt_step_equals_cached_inference_chain(data):
@@ -130,7 +132,7 @@ def test_ttt_step_equals_cached_inference_chain(data):
     torch.manual_seed(0)
     model = draft.Eagle3Draft(cfg, embed).eval()
     model.set_vocab(*draft.build_vocab(Counter(range(64)), 64, V))
-    samples = train.load_samples(data / "hidden", "train", embed)
+    samples = train.load_samples(data / "hidden", "train")
     s = samples[0]
     steps = 3
     batch = train.collate([s], steps, embed[model.to_target(torch.arange(64))])
