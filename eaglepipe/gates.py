@@ -7,7 +7,9 @@
                     and closed unless the output was cut short. A block that never closes although the model
                     stopped is what a prefilled ``<think>`` leaves when the thinking was dropped, or when the model
                     does not think: it is not counted as reasoning
-    max_truncated   most share of records finished by length
+    max_truncated   most share of records finished by length (the breach says how many of them end inside a
+                    reasoning block that never closed: thinking past the limit, or no thinking at all after a
+                    prefilled opening tag, which look the same in the ids)
     max_empty       most share of records with neither reasoning nor answer text (special tokens do not count)
 
 A breach raises GateBreach naming the gate, the observed rate, the limit and a few record ids. infer keeps every
@@ -27,11 +29,19 @@ HINTS = {
 
 
 class GateBreach(RuntimeError):
-    def __init__(self, gate: str, rate: float, limit: float, seen: int, offenders: list):
+    def __init__(self, gate: str, rate: float, limit: float, seen: int, offenders: list, hint: str = ""):
         self.gate, self.rate, self.limit, self.seen, self.offenders = gate, rate, limit, seen, offenders
         low = gate.startswith("min_")
         super().__init__(f"gate {gate} breached: observed {rate:.3f} {'<' if low else '>'} {limit} after {seen} "
-                         f"records (e.g. {', '.join(offenders) or '-'}); {HINTS[gate]}")
+                         f"records (e.g. {', '.join(offenders) or '-'}); {hint or HINTS[gate]}")
+
+
+def cut_in_reasoning_hint(n: int) -> str:
+    """max_truncated, when some truncated records end inside an unclosed reasoning block: under a template that
+    prefills the opening tag, a model that does not think at all looks exactly like one thinking past the limit."""
+    return (f"{HINTS['max_truncated']}. {n} of them end inside a reasoning block that never closed: either the model "
+            "thinks past infer.max_new_tokens, or (when the chat template prefills the opening tag) it does not think "
+            "at all and its whole answer reads as reasoning; `make inspect` shows which")
 
 
 class Gates:
@@ -54,6 +64,7 @@ class Gates:
         self.seen = 0
         self.checked_at: int | None = None
         self.hits = {"min_reasoning": [], "max_truncated": [], "max_empty": []}  # ids of records that count
+        self.cut_in_reasoning = 0  # truncated records whose reasoning never closed
         self.misses = {"min_reasoning": []}  # for min_reasoning the offenders are the records without reasoning
 
     def empty(self, response) -> bool:
@@ -72,6 +83,7 @@ class Gates:
             self.misses["min_reasoning"].append(response.id)
         if response.finish_reason == "length":
             self.hits["max_truncated"].append(response.id)
+            self.cut_in_reasoning += bool(response.reasoning.strip()) and not response.reasoning_closed
         if self.empty(response):
             self.hits["max_empty"].append(response.id)
 
@@ -91,7 +103,9 @@ class Gates:
             rate = len(self.hits[gate]) / self.seen
             low = gate.startswith("min_")
             if (rate < limit) if low else (rate > limit):
-                raise GateBreach(gate, rate, limit, self.seen, (self.misses if low else self.hits)[gate][:5])
+                hint = cut_in_reasoning_hint(self.cut_in_reasoning) \
+                    if gate == "max_truncated" and self.cut_in_reasoning else ""
+                raise GateBreach(gate, rate, limit, self.seen, (self.misses if low else self.hits)[gate][:5], hint)
 
     def summary(self) -> dict:
         return {gate: round(len(self.hits[gate]) / max(self.seen, 1), 4) for gate in self.limits}

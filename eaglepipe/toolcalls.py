@@ -130,30 +130,42 @@ def _glm45(content: str) -> list:
     return calls
 
 
+def _sections(content: str, opener: str, closer: str, call: re.Pattern, read, missing_end: str) -> list:
+    """Calls from sections ``opener`` .. ``closer`` holding ``call`` matches and nothing else (Kimi K2, DeepSeek).
+    ``read(match)`` gives ``_call(...)`` or raises ValueError; a bad section or call becomes an error entry."""
+    calls = []
+    for inner, raw, closed in _blocks(content, opener, closer):
+        found = list(call.finditer(inner))
+        if not closed or not found or call.sub("", inner).strip():
+            calls.append(_error(missing_end if not closed else "malformed tool-call section", raw))
+        for m in found:
+            try:
+                calls.append(read(m))
+            except ValueError as e:
+                calls.append(_error(str(e), m.group(0)))
+    return calls
+
+
+def _named(name: str) -> str:
+    if not name:
+        raise ValueError("no function name")
+    return name
+
+
 _KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*([^<]*?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
                         re.DOTALL)
 
 
+def _kimi_call(m: re.Match) -> dict:
+    call_id = m.group(1)
+    name = _named(call_id.split(":")[0].split(".")[-1])  # functions.get_weather:0 -> get_weather
+    return _call(name, _json_object(m.group(2).strip()), id=call_id)
+
+
 def _kimi_k2(content: str) -> list:
-    calls = []
-    for opener, closer in (("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
-                           ("<|tool_call_section_begin|>", "<|tool_call_section_end|>")):
-        for inner, raw, closed in _blocks(content, opener, closer):
-            found = list(_KIMI_CALL.finditer(inner))
-            if not closed or not found or _KIMI_CALL.sub("", inner).strip():
-                calls.append(_error("no section end" if not closed else "malformed tool-call section", raw))
-                if not found:
-                    continue
-            for m in found:
-                call_id = m.group(1)
-                name = call_id.split(":")[0].split(".")[-1]  # functions.get_weather:0 -> get_weather
-                try:
-                    if not name:
-                        raise ValueError("no function name")
-                    calls.append(_call(name, _json_object(m.group(2).strip()), id=call_id))
-                except ValueError as e:
-                    calls.append(_error(str(e), m.group(0)))
-    return calls
+    return [c for opener, closer in (("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+                                     ("<|tool_call_section_begin|>", "<|tool_call_section_end|>"))
+            for c in _sections(content, opener, closer, _KIMI_CALL, _kimi_call, "no section end")]
 
 
 _DS_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
@@ -161,31 +173,21 @@ _DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<
 _DS_V3_BODY = re.compile(r"^([^\n]+)\n```(?:json)?\n(.*)\n```\s*$", re.DOTALL)
 
 
-def _deepseek(content: str, v31: bool) -> list:
-    calls = []
-    for inner, raw, closed in _blocks(content, *_DS_CALLS):
-        found = list(_DS_CALL.finditer(inner))
-        if not closed or not found or _DS_CALL.sub("", inner).strip():
-            calls.append(_error("no <｜tool▁calls▁end｜>" if not closed else "malformed tool-call section", raw))
-            if not found:
-                continue
-        for m in found:
-            try:
-                if v31:
-                    name, args = m.group(1).strip(), m.group(2).strip()
-                else:
-                    if m.group(1).strip() != "function":
-                        raise ValueError(f"call type {m.group(1).strip()!r}, expected 'function'")
-                    body = _DS_V3_BODY.match(m.group(2))
-                    if not body:
-                        raise ValueError("not NAME\\n```json\\n{...}\\n```")
-                    name, args = body.group(1).strip(), body.group(2).strip()
-                if not name:
-                    raise ValueError("no function name")
-                calls.append(_call(name, _json_object(args)))
-            except ValueError as e:
-                calls.append(_error(str(e), m.group(0)))
-    return calls
+def _deepseek_v31_call(m: re.Match) -> dict:
+    return _call(_named(m.group(1).strip()), _json_object(m.group(2).strip()))
+
+
+def _deepseek_v3_call(m: re.Match) -> dict:
+    if m.group(1).strip() != "function":
+        raise ValueError(f"call type {m.group(1).strip()!r}, expected 'function'")
+    body = _DS_V3_BODY.match(m.group(2))
+    if not body:
+        raise ValueError("not NAME\\n```json\\n{...}\\n```")
+    return _call(_named(body.group(1).strip()), _json_object(body.group(2).strip()))
+
+
+def _deepseek(content: str, read) -> list:
+    return _sections(content, *_DS_CALLS, _DS_CALL, read, "no <｜tool▁calls▁end｜>")
 
 
 def _harmony(content: str) -> list:
@@ -214,7 +216,8 @@ def _harmony(content: str) -> list:
 
 
 PARSERS = {"hermes": _hermes, "qwen3_coder": _qwen3_coder, "glm45": _glm45, "kimi_k2": _kimi_k2,
-           "deepseek_v3": lambda c: _deepseek(c, False), "deepseek_v31": lambda c: _deepseek(c, True),
+           "deepseek_v3": lambda c: _deepseek(c, _deepseek_v3_call),
+           "deepseek_v31": lambda c: _deepseek(c, _deepseek_v31_call),
            "harmony": _harmony}
 
 

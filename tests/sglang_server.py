@@ -137,7 +137,8 @@ class FakeSGLang:
         self.inflight: set[str] = set()
         self.aborted: set[str] = set()
         self.requests = self.injected = 0
-        self.stats = {"generate_requests": 0, "answers": 0, "faults": {}, "aborts": 0, "rids": [], "max_inflight": 0}
+        self.stats = {"generate_requests": 0, "answers": 0, "faults": {}, "aborts": 0, "aborted_rids": [], "rids": [],
+                      "max_inflight": 0}
         self.handling = 0
         config = json.loads((self.folder / "config.json").read_text())
         self.model_type, self.architectures = config.get("model_type"), config.get("architectures")
@@ -244,14 +245,15 @@ class FakeSGLang:
             self.aborted |= self.inflight
         elif body.get("rid") in self.inflight:
             self.aborted.add(body["rid"])
+            self.stats["aborted_rids"].append(body["rid"])
         return web.Response(status=200)
 
     # ---- test harness ---------------------------------------------------------------------------------------------
     async def set_config(self, request):
         body = await request.json()
         if body.pop("reset_stats", False):
-            self.stats = {"generate_requests": 0, "answers": 0, "faults": {}, "aborts": 0, "rids": [],
-                          "max_inflight": 0}
+            self.stats = {"generate_requests": 0, "answers": 0, "faults": {}, "aborts": 0, "aborted_rids": [],
+                          "rids": [], "max_inflight": 0}
         unknown = set(body) - set(KNOBS)
         if unknown:
             return web.json_response({"error": f"unknown knobs {sorted(unknown)}"}, status=400)

@@ -79,8 +79,23 @@ def test_max_truncated():
     g = Gates(PARAMS, False)
     for i in range(4):
         g.add(resp(f"r{i}", finish="length" if i else "stop"))
-    with pytest.raises(GateBreach, match=r"gate max_truncated breached: observed 0.750 > 0.5 .*\(e.g. r1, r2, r3\)"):
+    with pytest.raises(GateBreach, match=r"max_truncated breached: observed 0.750 > 0.5 .*\(e.g. r1, r2, r3\)") as e:
         g.check()
+    assert "reasoning block" not in str(e.value)  # these closed their reasoning: the plain hint
+
+
+def test_max_truncated_counts_answers_cut_inside_an_unclosed_reasoning_block():
+    # under a template that prefills <think>, an answer that drops its thinking and runs to the limit is all
+    # "reasoning", unclosed: the same ids as thinking past the limit, so the breach names both causes
+    g = Gates(PARAMS, True)
+    g.add(resp("ok"))
+    g.add(resp("long", finish="length"))  # closed reasoning, then an answer cut short
+    for i in range(2):
+        g.add(resp(f"cut{i}", reasoning="no thinking here, just the answer", content="", finish="length", closed=False))
+    with pytest.raises(GateBreach, match=r"max_truncated breached: observed 0.750 > 0.5") as e:
+        g.check()
+    assert "2 of them end inside a reasoning block that never closed" in str(e.value)
+    assert "does not think at all" in str(e.value) and "make inspect" in str(e.value)
 
 
 def test_max_empty_ignores_special_tokens():

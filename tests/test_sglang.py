@@ -280,15 +280,18 @@ def test_load_spreads_over_several_servers(fresh, tokenizer):
     assert used == set(urls)
 
 
-def test_stopping_early_cancels_what_is_in_flight(fresh, tokenizer):
-    configure(fresh, latency=0.5)
+def test_stopping_early_cancels_what_is_in_flight_and_aborts_it_on_the_server(fresh, tokenizer):
+    configure(fresh, latency=1.0)
     with engine(fresh, tokenizer, concurrency=4) as eng:
         stream = eng.stream(prompts(tokenizer, 40), SAMPLING, [f"p{i}" for i in range(40)])
         next(stream)
+        time.sleep(0.2)  # the next requests are on their way
         start = time.monotonic()
         stream.close()
         assert time.monotonic() - start < 5
-    assert stats(fresh)["generate_requests"] < 40
+    s = stats(fresh)  # the server still works on what was in flight (it does not notice the disconnect)
+    assert s["generate_requests"] < 40
+    assert s["inflight"] and set(s["inflight"]) <= set(s["aborted_rids"])  # and was told to stop each one
 
 
 def test_generate_returns_outputs_in_prompt_order(fresh, tokenizer):

@@ -31,10 +31,12 @@ stop id says ``length``; the record says ``stop``, like the embedded engine.
 
 Faults: timeouts, refused/reset connections, HTTP 408/429/5xx, malformed JSON and answers that fail a check are
 retried ``retries`` times with exponential backoff and jitter (tenacity), then the prompt is a ``Failure`` with every
-attempt's reason. Another 4xx is retried once (with a fresh rid), then it is a failure. A server that refuses
-connections or answers 503 is taken out of rotation and watched: back within ``health_timeout_s`` it is checked again
-(identity and tokenizer) and rejoins; a server that comes back serving something else stops the run; when no server is
-left the run stops (everything finished is already in the driver's cache).
+attempt's reason. Another 4xx is retried once (with a fresh rid), then it is a failure. A request given up on (a
+timeout) or left behind when the run stops early (a gate, Ctrl-C) is sent to ``/abort_request``, so the servers do not
+go on generating answers nobody will keep. A server that refuses connections or answers 503 is taken out of rotation
+and watched: back within ``health_timeout_s`` it is checked again (identity and tokenizer) and rejoins; a server that
+comes back serving something else stops the run; when no server is left the run stops (everything finished is already
+in the driver's cache).
 """
 from __future__ import annotations
 
@@ -235,7 +237,7 @@ class SGLangEngine:
         self._probes: list[str] = []
         self._probe_ids: list[list[int]] = []
         self._old_sigterm = None
-        self._tasks: set = set()
+        self._aborts: set = set()  # /abort_request calls on their way (awaited at close, never cancelled)
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     def __enter__(self):
@@ -301,10 +303,10 @@ class SGLangEngine:
             raise
 
     async def _shutdown(self):
-        pending = [s.recovery for s in self._servers if s.recovery is not None] + list(self._tasks)
+        pending = [s.recovery for s in self._servers if s.recovery is not None]
         for task in pending:
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*pending, *self._aborts, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
 
@@ -593,6 +595,9 @@ class SGLangEngine:
         except asyncio.TimeoutError:
             self._abort(server, rid)
             raise retry("timeout", f"no answer within {self.timeout_s:g}s from {server.url}") from None
+        except asyncio.CancelledError:  # the run stops (a gate, Ctrl-C): the server need not finish this one
+            self._abort(server, rid)
+            raise
         except aiohttp.ClientError as e:  # reset, disconnected, truncated body
             raise retry("connection", f"{type(e).__name__} from {server.url}") from None
         finally:
@@ -622,7 +627,8 @@ class SGLangEngine:
             "latency_s": round(latency, 4)})
 
     def _abort(self, server: _Server, rid: str) -> None:
-        """Best effort: tell the server to stop working on a request this client gave up on."""
+        """Best effort: tell the server to stop working on a request this client gave up on (SGLang also aborts a
+        request whose client went away, but only when it next looks, and older versions finish it)."""
         async def abort():
             try:
                 async with self._session.post(server.url + "/abort_request", data=_dumps({"rid": rid}),
@@ -631,7 +637,8 @@ class SGLangEngine:
             except Exception:  # noqa: BLE001
                 pass
 
+        self.stats["aborted"] += 1
         task = asyncio.get_running_loop().create_task(abort())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
