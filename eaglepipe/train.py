@@ -24,8 +24,9 @@ run queries, the MLP and the head; every position provides step-0 keys and value
 Loss: sum_k 0.8^k * soft cross-entropy(target distribution over the draft vocabulary, drafter), averaged per step over
 its positions. acc_k: share of the step's positions where the drafter's argmax (mapped to a target id) equals the
 target's argmax over the full vocabulary. AdamW, linear warmup then cosine decay to 0, gradient clipping, seeded.
-``train.autocast: bfloat16`` runs the training forward under ``torch.autocast`` (matmuls in bf16; weights, optimizer
-and the loss stay float32): about 1.8x faster on a CPU with AVX512-BF16. Validation runs in float32.
+``train.autocast: bfloat16`` runs the training and validation forward under ``torch.autocast`` (matmuls in bf16;
+weights, optimizer and the loss stay float32): about 1.8x faster on a CPU with AVX512-BF16. The target's logits over
+the draft vocabulary are then a bf16 matmul too (of the bf16-stored ``final``; softmax in float32).
 
 Batches: each epoch shuffles the samples (seeded by seed and epoch), sorts them by length within windows of 64 and
 cuts right-padded batches of at most ``batch_tokens`` (rows x longest, at least one row), in shuffled order.
@@ -166,13 +167,13 @@ def plan_batches(lengths: list[int], batch_tokens: int, seed: int | None = None,
 @torch.no_grad()
 def collate(samples: list[Sample], steps: int, head_draft: torch.Tensor) -> dict:
     """Padded tensors for one batch: ids [B, T], aux [B, T, 3H] float32, target probabilities over the draft
-    vocabulary [B, T, Vd], target argmax ``top`` [B, T], active positions ``act`` [B, A] (padding rows point at 0)
-    and the per-step loss masks ``masks`` [steps, B, A]."""
+    vocabulary [B, T, Vd] float32 (the logits computed in ``head_draft``'s dtype), target argmax ``top`` [B, T],
+    active positions ``act`` [B, A] (padding rows point at 0) and the per-step loss masks ``masks`` [steps, B, A]."""
     B, T = len(samples), max(s.ids.shape[0] for s in samples)
     ids = torch.zeros(B, T, dtype=torch.int64)
     top = torch.zeros(B, T, dtype=torch.int64)
     aux = torch.zeros(B, T, samples[0].aux.shape[1])
-    final = torch.zeros(B, T, samples[0].final.shape[1])
+    final = torch.zeros(B, T, samples[0].final.shape[1], dtype=head_draft.dtype)
     chains = [chain_masks(s.chain, steps) for s in samples]
     active = [torch.nonzero(c[0]).flatten() for c in chains]
     A = max(a.numel() for a in active)
@@ -183,7 +184,7 @@ def collate(samples: list[Sample], steps: int, head_draft: torch.Tensor) -> dict
         ids[b, :n], top[b, :n], aux[b, :n], final[b, :n] = s.ids, s.top, s.aux, s.final
         act[b, :a.numel()] = a
         masks[:, b, :a.numel()] = c[:, a]
-    probs = torch.softmax(final @ head_draft.T, dim=-1)
+    probs = torch.softmax((final @ head_draft.T).float(), dim=-1)
     return {"ids": ids, "aux": aux, "probs": probs, "top": top, "act": act, "masks": masks,
             "tokens": sum(s.ids.shape[0] for s in samples)}
 
@@ -245,11 +246,13 @@ def summarize(stats: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, samples, steps, head_draft, batch_tokens) -> dict:
+def evaluate(model, samples, steps, head_draft, batch_tokens, bf16: bool = False) -> dict:
     model.eval()
     stats = torch.zeros(steps, 4)
     for idx in plan_batches([s.ids.shape[0] for s in samples], batch_tokens):
-        stats += ttt_forward(model, collate([samples[i] for i in idx], steps, head_draft), steps)[1]
+        batch = collate([samples[i] for i in idx], steps, head_draft)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            stats += ttt_forward(model, batch, steps)[1]
     model.train()
     return summarize(stats)
 
@@ -287,9 +290,16 @@ def save_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
+def uses_bf16(p: dict) -> bool:
+    """Whether ``train.autocast`` asks for bf16."""
+    if p["autocast"] not in ("none", "bfloat16"):
+        raise ValueError(f"train.autocast must be 'none' or 'bfloat16', not {p['autocast']!r}")
+    return p["autocast"] == "bfloat16"
+
+
 def setup(hidden_folder, target_folder, p: dict, keep=None):
-    """(drafter initialised with the seed, train samples, valid samples, target head rows of the draft vocabulary,
-    loss-masked token counts of the train split)."""
+    """(drafter initialised with the seed, train samples, valid samples, target head rows of the draft vocabulary
+    (bf16 under ``train.autocast: bfloat16``), loss-masked token counts of the train split)."""
     from transformers import AutoConfig
 
     index = hidden.load_index(hidden_folder)
@@ -306,6 +316,8 @@ def setup(hidden_folder, target_folder, p: dict, keep=None):
     model.set_vocab(*draft.build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
     draft.init_from_target(model, tgt)
     head_draft = tgt["head"][model.to_target(torch.arange(cfg.draft_vocab_size))]
+    if uses_bf16(p):
+        head_draft = head_draft.bfloat16()
     return model, train_set, valid_set, head_draft, counts
 
 
@@ -315,9 +327,7 @@ def run(hidden_folder, target_folder, params: dict, checkpoints, stop_after: int
     see ``load_samples`` (training samples only)."""
     p = params
     steps, seed, batch_tokens = int(p["ttt_steps"]), int(p["seed"]), int(p["batch_tokens"])
-    if p["autocast"] not in ("none", "bfloat16"):
-        raise ValueError(f"train.autocast must be 'none' or 'bfloat16', not {p['autocast']!r}")
-    bf16 = p["autocast"] == "bfloat16"
+    bf16 = uses_bf16(p)
     if int(p["threads"]):
         torch.set_num_threads(int(p["threads"]))
     start = time.perf_counter()
@@ -369,8 +379,9 @@ def run(hidden_folder, target_folder, params: dict, checkpoints, stop_after: int
                 checkpoint()
                 return None
         row = {"epoch": epoch + 1, **{f"train_{k}": v for k, v in summarize(running).items()}}
-        row.update({f"valid_{k}": v for k, v in evaluate(model, valid_set, steps, head_draft, batch_tokens).items()}
-                   if valid_set else {})
+        if valid_set:
+            valid = evaluate(model, valid_set, steps, head_draft, batch_tokens, bf16)
+            row.update({f"valid_{k}": v for k, v in valid.items()})
         history.append(row)
         log.info("epoch %d: %s", epoch + 1, {k: v for k, v in row.items() if k.endswith("_0")})
         epoch, batch_pos, running = epoch + 1, 0, torch.zeros(steps, 4)
