@@ -104,6 +104,12 @@ def sglang_error(status: int, message: str) -> web.Response:
     return web.json_response(body, status=status)
 
 
+def new_stats() -> dict:
+    """What GET /stats counts, from zero (at start and on ``reset_stats``)."""
+    return {"generate_requests": 0, "answers": 0, "faults": {}, "aborts": 0, "aborted_rids": [], "rids": [],
+            "max_inflight": 0}
+
+
 class FakeSGLang:
     def __init__(self, args):
         self.args = args
@@ -137,8 +143,7 @@ class FakeSGLang:
         self.inflight: set[str] = set()
         self.aborted: set[str] = set()
         self.requests = self.injected = 0
-        self.stats = {"generate_requests": 0, "answers": 0, "faults": {}, "aborts": 0, "aborted_rids": [], "rids": [],
-                      "max_inflight": 0}
+        self.stats = new_stats()
         self.handling = 0
         config = json.loads((self.folder / "config.json").read_text())
         self.model_type, self.architectures = config.get("model_type"), config.get("architectures")
@@ -252,8 +257,7 @@ class FakeSGLang:
     async def set_config(self, request):
         body = await request.json()
         if body.pop("reset_stats", False):
-            self.stats = {"generate_requests": 0, "answers": 0, "faults": {}, "aborts": 0, "aborted_rids": [],
-                          "rids": [], "max_inflight": 0}
+            self.stats = new_stats()
         unknown = set(body) - set(KNOBS)
         if unknown:
             return web.json_response({"error": f"unknown knobs {sorted(unknown)}"}, status=400)
