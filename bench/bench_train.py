@@ -32,7 +32,7 @@ def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
         for idx in train.plan_batches(lengths, int(p["batch_tokens"]), int(p["seed"]), e):
             batch = train.collate([train_set[i] for i in idx], steps, head_draft)  # not timed
             start = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=train.uses_bf16(p)):  # as train.run
+            with train.autocast(train.uses_bf16(p)):  # as train.run
                 loss, _ = train.ttt_forward(model, batch, steps)
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -96,10 +96,6 @@ class Generation:
     meta: dict = field(default_factory=dict)
     sample: int = 0
 
-    @property
-    def prompt_id(self) -> str:
-        return prompt_of(self.id)
-
 
 @dataclass
 class Response:
@@ -116,10 +112,6 @@ class Response:
     sampling: dict
     meta: dict
     sample: int = 0
-
-    @property
-    def prompt_id(self) -> str:
-        return prompt_of(self.id)
 
 
 def _check(path, line, rec: dict, name: str, kind, nonempty: bool = False):

@@ -130,8 +130,9 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
         if keep is not None and not keep(s["id"]):
             continue
         mask = s["loss_mask"].bool()
-        first = records.prompt_of(s["id"]) not in prompts
-        prompts.add(records.prompt_of(s["id"]))
+        prompt = records.prompt_of(s["id"])
+        first = prompt not in prompts
+        prompts.add(prompt)
         chain = torch.ones_like(mask) if positions == "all" and first else mask
         if not chain_masks(chain, 1)[0].any():
             continue
@@ -251,7 +252,7 @@ def evaluate(model, samples, steps, head_draft, batch_tokens, bf16: bool = False
     stats = torch.zeros(steps, 4)
     for idx in plan_batches([s.ids.shape[0] for s in samples], batch_tokens):
         batch = collate([samples[i] for i in idx], steps, head_draft)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with autocast(bf16):
             stats += ttt_forward(model, batch, steps)[1]
     model.train()
     return summarize(stats)
@@ -295,6 +296,11 @@ def uses_bf16(p: dict) -> bool:
     if p["autocast"] not in ("none", "bfloat16"):
         raise ValueError(f"train.autocast must be 'none' or 'bfloat16', not {p['autocast']!r}")
     return p["autocast"] == "bfloat16"
+
+
+def autocast(bf16: bool):
+    """The context the drafter's forward runs in: bf16 matmuls under ``torch.autocast`` when ``bf16``."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
 
 def setup(hidden_folder, target_folder, p: dict, keep=None):
@@ -362,7 +368,7 @@ def run(hidden_folder, target_folder, params: dict, checkpoints, stop_after: int
     while epoch < len(plans):
         for idx in plans[epoch][batch_pos:]:
             batch = collate([train_set[i] for i in idx], steps, head_draft)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with autocast(bf16):
                 loss, stats = ttt_forward(model, batch, steps)
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -15,7 +15,7 @@ from eaglepipe import chat, infer, reasoning, target
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
 from eaglepipe.gates import Gates
-from eaglepipe.records import Prompt, content_id, read_responses, write_jsonl
+from eaglepipe.records import Prompt, content_id, prompt_of, read_responses, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
@@ -75,8 +75,8 @@ def test_samples_per_prompt_are_distinct_records_and_grow_incrementally(model, t
     ps = prompts(QUESTIONS[:3])
     responses, report = run(ps, model, tokenizer, target_folder, tmp_path, samples=2, temperature=1.0)
     assert [r.id for r in responses] == [i for p in ps for i in (p.id, f"{p.id}.1")]
-    assert [r.sample for r in responses] == [0, 1] * 3 and [r.prompt_id for r in responses] == [p.id for p in ps
-                                                                                              for _ in (0, 1)]
+    assert [r.sample for r in responses] == [0, 1] * 3
+    assert [prompt_of(r.id) for r in responses] == [p.id for p in ps for _ in (0, 1)]
     assert report["prompts"] == 3 and report["answers"] == 6
     assert any(a.output_ids != b.output_ids for a, b in zip(responses[::2], responses[1::2]))
     again, report = run(ps, model, tokenizer, target_folder, tmp_path, samples=3, temperature=1.0)

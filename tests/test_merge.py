@@ -9,7 +9,7 @@ import pytest
 from eaglepipe import merge, reasoning, sequences, target
 from eaglepipe.infer import to_response
 from eaglepipe.engines import Sampling
-from eaglepipe.records import Generation, RecordError, record_id, write_jsonl
+from eaglepipe.records import Generation, RecordError, prompt_of, record_id, write_jsonl
 
 NONE = reasoning.spec_from_params("none")
 PARAMS = {"seed": 0, "valid_fraction": 0.25, "max_length": 64, "shard_tokens": 100}
@@ -90,7 +90,7 @@ def test_the_answers_to_one_prompt_share_a_split(tmp_path, tokenizer, eot):
     side = {}
     for split in ("train", "valid"):
         for rid, *_ in data[split]:
-            side.setdefault(rid.split(".")[0], set()).add(split)
+            side.setdefault(prompt_of(rid), set()).add(split)
     assert len(side) == 40 and all(len(s) == 1 for s in side.values())
     assert 0 < stats["valid"]["samples"] < 60 and stats["valid"]["samples"] % 3 == 0
 
@@ -101,7 +101,7 @@ def test_a_sample_that_does_not_match_its_id_is_refused(tmp_path):
     rec = {"id": "abc.2", "source": "s", "prompt_ids": [1], "output_ids": [2], "finish_reason": "stop", "sample": 1}
     with pytest.raises(RecordError, match=r"x.jsonl:7: field 'sample'"):
         generation_from_json(rec, "x.jsonl", 7)
-    assert generation_from_json({**rec, "sample": 2}, "x.jsonl", 7).prompt_id == "abc"
+    assert prompt_of(generation_from_json({**rec, "sample": 2}, "x.jsonl", 7).id) == "abc"
 
 
 def test_an_inconsistent_record_is_refused_with_file_line_and_field(tmp_path, tokenizer, eot):
