@@ -1,5 +1,9 @@
-"""What a user checks by eye before trusting a run: a few random records with reasoning, content and tool calls
-shown apart, their token counts, and whether each still re-derives from its ids (``make inspect``).
+"""What a user checks by eye before trusting a run: a few random records with prompt, reasoning, content and tool
+calls shown apart, their token counts, and whether each still re-derives from its ids (``make inspect``).
+
+The prompt is the record's own ``prompt_ids`` decoded with special tokens kept (what the target saw, chat template
+included); a long one shows its start (the system turn) and mostly its end (the last user turn), like every long
+field abbreviated to ``max_chars``.
 
 It reads published responses, or the generations in an infer cache (``.cache/infer/<fingerprint>/generations.jsonl``,
 what a run stopped by a gate leaves), deriving their readable fields from the ids. The file is read twice without
@@ -11,11 +15,11 @@ import json
 import random
 from pathlib import Path
 
-from . import reasoning, toolcalls
-from .infer import to_response
+from . import derive, toolcalls
 from .records import generation_from_json, response_from_json
 
 RULE = 100
+PROMPT_TAIL_SHARE = 3 / 4  # a long prompt shows mostly its end: the last turns, the ones the answer follows
 
 
 def count_lines(path: Path) -> int:
@@ -33,7 +37,7 @@ def record(obj: dict, path, line_no: int, tokenizer=None, spec=None):
     gen = generation_from_json(obj, path, line_no)
     if tokenizer is None or spec is None:
         raise ValueError(f"{path}:{line_no} is a generation without readable fields: deriving them needs params.yaml")
-    return to_response(gen, tokenizer, spec, None)
+    return derive.to_response(gen, tokenizer, spec, None)
 
 
 def sample(path: Path, n: int, seed: int, source: str | None = None, tokenizer=None, spec=None) -> tuple[int, list]:
@@ -62,11 +66,21 @@ def sample(path: Path, n: int, seed: int, source: str | None = None, tokenizer=N
     return len(matching), [record(matching[i][1], path, matching[i][0], tokenizer, spec) for i in picked]
 
 
-def clip(text: str, max_chars: int) -> str:
+def clip(text: str, max_chars: int, tail_share: float = 1 / 3) -> str:
+    """``text``, or when it is longer than ``max_chars`` (0: no limit) its start and its end (``tail_share`` of
+    ``max_chars``) around a note of how many characters are left out."""
     if max_chars <= 0 or len(text) <= max_chars:
         return text
-    head, tail = text[:max_chars * 2 // 3], text[-(max_chars // 3):]
+    n_tail = int(max_chars * tail_share)
+    head, tail = text[:max_chars - n_tail], text[len(text) - n_tail:]
     return f"{head}\n[... {len(text) - len(head) - len(tail)} more characters ...]\n{tail}"
+
+
+def section(title: str, body: str, max_chars: int, tail_share: float = 1 / 3) -> list:
+    """A titled field, clipped; the blank lines around it are not shown."""
+    shown = body.strip("\n")
+    return [f"-- {title} " + "-" * max(3, RULE - len(title) - 4),
+            clip(shown, max_chars, tail_share) if shown else "(empty)" if not body else "(blank lines only)"]
 
 
 def tokens(tokenizer, text: str) -> str:
@@ -94,7 +108,7 @@ def show(r, tokenizer=None, spec=None, max_chars: int = 1200, index: str = "") -
     """One record, its parts apart."""
     check = ""
     if tokenizer is not None and spec is not None:
-        bad = reasoning.mismatch(r, tokenizer, spec)
+        bad = derive.mismatch(r, tokenizer, spec)
         check = " | re-derived from ids: " + ("ok" if bad is None else f"MISMATCH in '{bad}'")
     head = f"== {index}id {r.id} | source {r.source} | finish {r.finish_reason} "
     lines = [head + "=" * max(3, RULE - len(head)),
@@ -103,10 +117,13 @@ def show(r, tokenizer=None, spec=None, max_chars: int = 1200, index: str = "") -
              f"{len(r.tool_calls) - toolcalls.count_errors(r.tool_calls)}"
              + (f" + {toolcalls.count_errors(r.tool_calls)} unparsed" if toolcalls.count_errors(r.tool_calls) else "")
              + check]
-    for title, body in ((f"reasoning ({closed_note(r)})", r.reasoning), ("content", r.content)):
-        shown = body.strip("\n")  # the blank lines around a field are not shown
-        lines += [f"-- {title} " + "-" * max(3, RULE - len(title) - 4),
-                  clip(shown, max_chars) if shown else "(empty)" if not body else "(blank lines only)"]
+    if tokenizer is not None:
+        lines += section("prompt (its prompt_ids decoded)", tokenizer.decode(r.prompt_ids, skip_special_tokens=False),
+                         max_chars, PROMPT_TAIL_SHARE)
+    else:
+        lines += section("prompt", "(not decoded: that needs the tokenizer, from --params)", 0)
+    lines += section(f"reasoning ({closed_note(r)})", r.reasoning, max_chars)
+    lines += section("content", r.content, max_chars)
     if r.tool_calls:
         lines.append("-- tool calls " + "-" * (RULE - 14))
         lines += [f"  {i}. {call_line(c)}" for i, c in enumerate(r.tool_calls, start=1)]

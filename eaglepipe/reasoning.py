@@ -1,10 +1,9 @@
-"""Reasoning, answer and tool calls, derived from the output ids (never from a server's text field).
+"""Reasoning and answer split out of a decoded output (derive.py decodes the ids and builds the Spec).
 
 ``target.reasoning`` names a preset or gives a custom ``{start, end}`` pair of markers:
     none     the model does not reason: everything is content
     think    ``<think>`` ... ``</think>`` (Qwen3, Qwen3.5, DeepSeek-R1 / V3.1, Kimi K2 thinking / K2.5, GLM-4.5+)
     harmony  gpt-oss: the ``analysis`` channel is reasoning, every other message is content
-``target.tool_calls`` names the tool-call family whose calls are parsed out of the content (see toolcalls.py).
 docs/reasoning-and-tools.md records each family's markers and template behaviour, with sources.
 
 The output is decoded with special tokens kept and split on the markers; nothing is dropped. Every character of the
@@ -26,16 +25,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from . import toolcalls
+from . import harmony
 
 THINK = ("<think>", "</think>")
 # Tool-call openers that end an unclosed think block (Qwen/Hermes/GLM, Kimi K2 (both spellings), DeepSeek).
 TOOL_OPENERS = ("<tool_call>", "<|tool_calls_section_begin|>", "<|tool_call_section_begin|>", "<｜tool▁calls▁begin｜>")
-# gpt-oss harmony (openai-cookbook articles/openai-harmony.md)
-H_START, H_CHANNEL, H_MESSAGE, H_CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
-H_TERMINATORS = ("<|end|>", "<|return|>", "<|call|>")
 PRESETS = ("none", "think", "harmony")
-PROMPT_TAIL_TOKENS = 16  # how much of the prompt's end is decoded to see whether the template opened a block
 
 
 @dataclass(frozen=True)
@@ -59,10 +54,9 @@ class Split:
     segments: list = field(default_factory=list)  # [(kind, text)], kind in reasoning | content | marker
 
 
-def spec_from_params(value, tool_calls: str | None = None) -> Spec:
-    """The spec for ``target.reasoning`` (preset name or ``{start, end}``) and ``target.tool_calls``."""
-    if tool_calls is not None and tool_calls not in toolcalls.FAMILIES:
-        raise ValueError(f"target.tool_calls={tool_calls!r}: expected one of {list(toolcalls.FAMILIES)}")
+def spec_of(value, tool_calls: str | None = None) -> Spec:
+    """The spec for ``target.reasoning`` (preset name or ``{start, end}``), carrying the tool-call family
+    ``tool_calls`` unchecked (``derive.spec_from_params`` checks it)."""
     if isinstance(value, dict):
         if set(value) - {"start", "end"} or not isinstance(value.get("start"), str) or not value.get("start") \
                 or not isinstance(value.get("end"), str) or not value.get("end") or value["start"] == value["end"]:
@@ -74,7 +68,7 @@ def spec_from_params(value, tool_calls: str | None = None) -> Spec:
     if value == "think":
         return Spec("tags", *THINK, TOOL_OPENERS, tool_calls)
     if value == "harmony":
-        return Spec("harmony", f"{H_CHANNEL}analysis{H_MESSAGE}", "<|end|>", (), tool_calls)
+        return Spec("harmony", f"{harmony.CHANNEL}analysis{harmony.MESSAGE}", "<|end|>", (), tool_calls)
     raise ValueError(f"target.reasoning={value!r}: expected one of {list(PRESETS)} or {{start, end}}")
 
 
@@ -133,48 +127,16 @@ def _split_tags(text: str, spec: Spec, tail: str) -> Split:
 
 # --- gpt-oss harmony --------------------------------------------------------------------------------------------
 
-_CHANNEL = re.compile(re.escape(H_CHANNEL) + r"\s*([A-Za-z0-9_\-]+)")
-_RECIPIENT = re.compile(r"(?:^|\s|>)to=([^\s<]+)")
-
-
-def harmony_header(header: str) -> tuple[str | None, str | None]:
-    """(channel, recipient) of a harmony message header such as
-    ``assistant<|channel|>commentary to=functions.get_weather <|constrain|>json``."""
-    c, r = _CHANNEL.search(header), _RECIPIENT.search(header)
-    return (c.group(1) if c else None), (r.group(1) if r else None)
-
-
-def harmony_messages(text: str):
-    """Yield (start, body_start, body_end, end, header, terminator) for each message in ``text``; the first message
-    may begin without ``<|start|>`` (the prompt wrote it). A message without ``<|message|>`` ends the scan."""
-    pos, n = 0, len(text)
-    while pos < n:
-        b = text.find(H_MESSAGE, pos)
-        if b < 0:
-            return
-        s = text.rfind(H_START, pos, b)
-        start = s if s >= 0 else pos
-        body = b + len(H_MESSAGE)
-        ends = [(i, t) for t in H_TERMINATORS if (i := text.find(t, body)) >= 0]
-        if ends:
-            i, t = min(ends)
-            yield start, body, i, i + len(t), text[start:b], t
-            pos = i + len(t)
-        else:
-            yield start, body, n, n, text[start:b], ""
-            return
-
-
 def _split_harmony(text: str, tail: str) -> Split:
     # The prompt ends with an open header (``<|start|>assistant``, maybe more): parse it together with the output,
     # then drop the prompt's part from the segments.
-    i = tail.rfind(H_START)
-    head = tail[i:] if i >= 0 and not any(t in tail[i:] for t in H_TERMINATORS) else ""
+    i = tail.rfind(harmony.START)
+    head = tail[i:] if i >= 0 and not any(t in tail[i:] for t in harmony.TERMINATORS) else ""
     full = head + text
     segs: list = []  # (kind, text, message number)
     closed, pos = True, 0
-    for k, (start, body, body_end, end, header, term) in enumerate(harmony_messages(full)):
-        channel, recipient = harmony_header(header)
+    for k, (start, body, body_end, end, header, term) in enumerate(harmony.messages(full)):
+        channel, recipient = harmony.header(header)
         if start > pos:
             segs.append(("content", full[pos:start], None))
         if channel == "analysis" and recipient is None:
@@ -217,38 +179,3 @@ def split(text: str, spec: Spec, prompt_tail: str = "") -> Split:
     if spec.kind == "harmony":
         return _split_harmony(text, prompt_tail)
     return _split_tags(text, spec, prompt_tail)
-
-
-def derive(tokenizer, prompt_ids: list, output_ids: list, spec: Spec) -> tuple[str, Split]:
-    """(text, split) for one record: the output decoded with special tokens kept, and its reasoning split."""
-    text = tokenizer.decode(output_ids, skip_special_tokens=False)
-    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) \
-        if spec.kind != "none" else ""
-    return text, split(text, spec, tail)
-
-
-def readable(tokenizer, prompt_ids: list, output_ids: list, spec: Spec) -> dict:
-    """Every readable field of a record, derived from its ids: text, reasoning, content, reasoning_closed, and
-    tool_calls (parsed from content for ``spec.tools``; a call that does not parse is an ``{"error", "raw"}``
-    entry, never an exception)."""
-    text, part = derive(tokenizer, prompt_ids, output_ids, spec)
-    return {"text": text, "reasoning": part.reasoning, "content": part.content, "reasoning_closed": part.closed,
-            "tool_calls": toolcalls.parse(part.content, spec.tools)}
-
-
-def mismatch(response, tokenizer, spec: Spec) -> str | None:
-    """Re-derive a record's readable fields from its ids; return the first field that disagrees, or None.
-    ``tool_calls`` is checked only when the spec names a tool-call family."""
-    want = readable(tokenizer, response.prompt_ids, response.output_ids, spec)
-    names = ["text", "reasoning", "content", "reasoning_closed"] + (["tool_calls"] if spec.tools is not None else [])
-    for name in names:
-        if getattr(response, name) != want[name]:
-            return name
-    return None
-
-
-def markup(tokenizer) -> tuple[str, ...]:
-    """The strings of the tokenizer's special and added tokens: framing, not answer text (used by the gates to
-    tell an empty answer from one that holds only an end-of-turn token)."""
-    added = [getattr(t, "content", str(t)) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
-    return tuple(sorted(set(added) | set(tokenizer.all_special_tokens), key=len, reverse=True))

@@ -35,13 +35,18 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
+
+import jsonlines
+import orjson
+
+from .errors import UserError
 
 FINISH_REASONS = ("stop", "length", "abort")
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A record that breaks the schema; the message names file, line and field."""
 
     def __init__(self, path, line: int | None, field_name: str | None, problem: str):
@@ -180,46 +185,72 @@ class LineError(ValueError):
         self.reason, self.problem = reason, problem
 
 
-def parse_line(raw: bytes):
-    """The JSON value on one line of a JSON Lines file; raises LineError."""
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise LineError("not_utf8", f"is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise LineError("broken_json", f"is not valid JSON ({e.msg}, column {e.colno})") from None
+def _line_error(e: jsonlines.InvalidLineError) -> LineError:
+    cause = e.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return LineError("not_utf8", f"is not valid UTF-8 ({cause.reason} at byte {cause.start})")
+    return LineError("broken_json", f"is not valid JSON ({cause.msg}, column {cause.colno})")
+
+
+class _Lines:
+    """The non-blank lines of a binary file; ``number`` and ``raw`` are those of the last line handed out."""
+
+    def __init__(self, fp: BinaryIO):
+        self.fp, self.number, self.raw = fp, 0, b""
+
+    def __iter__(self):
+        for self.number, self.raw in enumerate(self.fp, start=1):
+            if self.raw.strip():
+                yield self.raw
+
+
+def scan_jsonl(fp: BinaryIO) -> Iterator[tuple[int, bytes, object]]:
+    """Yield (line number, raw line, value) for each non-blank line of the binary file ``fp``; the value is whatever
+    JSON the line holds (any type), or a LineError for a line that does not parse. A broken line does not stop the
+    lines after it."""
+    lines = _Lines(fp)
+    reader = jsonlines.Reader(lines, loads=orjson.loads)
+    while True:
+        try:
+            value = reader.read(allow_none=True)
+        except EOFError:
+            return
+        except jsonlines.InvalidLineError as e:
+            value = _line_error(e)
+        yield lines.number, lines.raw, value
+
+
+def json_object(value, path, line: int) -> dict:
+    """A value from ``scan_jsonl`` as a JSON object; a broken line or another JSON type raises RecordError."""
+    if isinstance(value, LineError):
+        raise RecordError(path, line, None, value.problem)
+    if not isinstance(value, dict):
+        raise RecordError(path, line, None, f"should be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def read_jsonl(path) -> Iterator[tuple[int, dict]]:
     """Yield (line number, object) for each non-blank line; a broken line raises RecordError naming it."""
     with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                obj = parse_line(raw)
-            except LineError as e:
-                raise RecordError(path, n, None, e.problem) from None
-            if not isinstance(obj, dict):
-                raise RecordError(path, n, None, f"should be a JSON object, got {type(obj).__name__}")
-            yield n, obj
+        for n, _, value in scan_jsonl(f):
+            yield n, json_object(value, path, n)
 
 
 def read_prompts(path) -> list[Prompt]:
     return [prompt_from_json(obj, path, n) for n, obj in read_jsonl(path)]
 
 
-def read_responses(path) -> Iterator[Response]:
-    for n, obj in read_jsonl(path):
-        yield response_from_json(obj, path, n)
-
-
-def dumps(obj) -> str:
+def to_json(obj) -> dict:
+    """The JSON object of a record: its ``to_json()``, a dataclass's fields in order, or a dict as it is."""
     if hasattr(obj, "to_json"):
-        obj = obj.to_json()
-    elif not isinstance(obj, dict):
-        obj = asdict(obj)
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        return obj.to_json()
+    return obj if isinstance(obj, dict) else asdict(obj)
+
+
+def writer(fp: BinaryIO) -> jsonlines.Writer:
+    """A JSON Lines writer on the binary file ``fp``: each record (see ``to_json``) on one line of compact UTF-8 JSON,
+    non-ASCII characters kept, keys in the order given."""
+    return jsonlines.Writer(fp, dumps=lambda obj: orjson.dumps(to_json(obj)))
 
 
 def write_jsonl(path, items) -> int:
@@ -228,9 +259,10 @@ def write_jsonl(path, items) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+    with open(tmp, "wb") as f:
+        out = writer(f)
         for item in items:
-            f.write(dumps(item) + "\n")
+            out.write(item)
             n += 1
     os.replace(tmp, path)
     return n

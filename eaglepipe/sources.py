@@ -19,12 +19,13 @@ Formats (field layouts of the public datasets they are named after):
 """
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
 from typing import Iterator
 
-from eaglepipe.records import LineError, Prompt, RecordError, content_id, parse_line
+from eaglepipe.records import LineError, Prompt, RecordError, content_id, scan_jsonl
 
 
 class BadRecord(ValueError):
@@ -39,13 +40,8 @@ class BadRecord(ValueError):
 
 def _jsonl(data: bytes) -> Iterator[tuple[int, dict | BadRecord]]:
     """(line, object or BadRecord) per non-blank line: a broken line does not stop the lines after it."""
-    for n, raw in enumerate(data.split(b"\n"), start=1):
-        if raw.strip():
-            try:
-                item = parse_line(raw)
-            except LineError as e:
-                item = BadRecord(e.reason, None, e.problem)
-            yield n, item
+    for n, _, item in scan_jsonl(io.BytesIO(data)):
+        yield n, BadRecord(item.reason, None, item.problem) if isinstance(item, LineError) else item
 
 
 def _json_array(path: Path, data: bytes) -> list:
@@ -310,8 +306,6 @@ def to_prompt(rec, fmt: str, source: str) -> Prompt:
 
 def read_source(path, fmt: str, source: str) -> Iterator[Prompt | RecordError]:
     """Each record of a source file as a Prompt, or as a RecordError (with ``.reason``) when it is broken."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown source format {fmt!r}; known: {', '.join(FORMATS)}")
     for pos, is_index, rec in raw_records(path):
         try:
             if isinstance(rec, BadRecord):

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import re
 
+from . import harmony
+
 FAMILIES = ("none", "hermes", "qwen3_coder", "glm45", "kimi_k2", "deepseek_v3", "deepseek_v31", "harmony")
 
 
@@ -191,16 +193,14 @@ def _deepseek(content: str, read) -> list:
 
 
 def _harmony(content: str) -> list:
-    from .reasoning import H_CONSTRAIN, harmony_header, harmony_messages
-
     calls = []
-    for start, body, body_end, end, header, term in harmony_messages(content):
-        _, recipient = harmony_header(header)
+    for start, body, body_end, end, header, term in harmony.messages(content):
+        _, recipient = harmony.header(header)
         if recipient is None or not recipient.startswith("functions."):
             continue  # an answer, a preamble, or a built-in tool (python, browser.*)
         raw = content[start:end]
         name = recipient[len("functions."):]
-        kind = header.split(H_CONSTRAIN, 1)[1].strip() if H_CONSTRAIN in header else ""
+        kind = header.split(harmony.CONSTRAIN, 1)[1].strip() if harmony.CONSTRAIN in header else ""
         try:
             if term != "<|call|>":
                 raise ValueError(f"ends with {term or 'nothing'}, not <|call|>")

@@ -10,15 +10,13 @@ metrics/infer.json if present. Writes nothing.
 # script run from stages/ (their directory comes first on sys.path), and break them all.
 import json
 import logging
-import sys
 from pathlib import Path
 
 import click
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eaglepipe import inspect as insp  # noqa: E402
-from eaglepipe import reasoning, target  # noqa: E402
+from eaglepipe import inspect as insp
+from eaglepipe import derive, target
 
 
 @click.command(help=__doc__)
@@ -38,7 +36,7 @@ def main(responses, n, seed, source, max_chars, params, report):
     if Path(params).exists():
         cfg = yaml.safe_load(Path(params).read_text())
         tokenizer = target.load_tokenizer(target.resolve(cfg["target"]["model"]))
-        spec = reasoning.spec_from_params(cfg["target"]["reasoning"], cfg["target"].get("tool_calls", "none"))
+        spec = derive.spec_from_params(cfg["target"]["reasoning"], cfg["target"].get("tool_calls", "none"))
     rep = json.loads(Path(report).read_text()) if report and Path(report).exists() else None
     click.echo(insp.render(Path(responses), n, seed, tokenizer, spec, max_chars, source, rep))
 

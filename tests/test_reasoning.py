@@ -5,15 +5,14 @@ import random
 
 import pytest
 
-from eaglepipe import chat, reasoning, toolcalls
+from eaglepipe import chat, derive, reasoning, toolcalls
 from eaglepipe.engines import Sampling
-from eaglepipe.infer import to_response
-from eaglepipe.records import Generation, dumps, response_from_json
+from eaglepipe.records import Generation, response_from_json, to_json
 from reasoning_fixtures import ids, reasoning_tokenizer
 
-THINK = reasoning.spec_from_params("think")
-HARMONY = reasoning.spec_from_params("harmony", "harmony")
-NONE = reasoning.spec_from_params("none")
+THINK = derive.spec_from_params("think")
+HARMONY = derive.spec_from_params("harmony", "harmony")
+NONE = derive.spec_from_params("none")
 QUESTION = [{"role": "user", "content": "What is 2+2?"}]
 
 
@@ -31,7 +30,7 @@ def parts(split):
 def test_presets_and_custom_specs():
     assert not NONE.expects_reasoning and THINK.expects_reasoning and HARMONY.expects_reasoning
     assert (THINK.start, THINK.end) == ("<think>", "</think>")
-    custom = reasoning.spec_from_params({"start": "<r>", "end": "</r>"}, "hermes")
+    custom = derive.spec_from_params({"start": "<r>", "end": "</r>"}, "hermes")
     assert (custom.kind, custom.start, custom.end, custom.tools) == ("tags", "<r>", "</r>", "hermes")
     assert reasoning.split("<r>why</r>answer", custom).reasoning == "why"
 
@@ -40,12 +39,12 @@ def test_presets_and_custom_specs():
                                  {"start": "<r>", "end": "<r>"}, {"start": "<r>", "end": "</r>", "x": 1}])
 def test_bad_specs_are_refused_with_the_key(bad):
     with pytest.raises(ValueError, match="target.reasoning"):
-        reasoning.spec_from_params(bad)
+        derive.spec_from_params(bad)
 
 
 def test_unknown_tool_family_is_refused():
     with pytest.raises(ValueError, match="target.tool_calls"):
-        reasoning.spec_from_params("think", "openai")
+        derive.spec_from_params("think", "openai")
 
 
 # --- the families' real shapes (docs/reasoning-and-tools.md) ------------------------------------------------------
@@ -141,7 +140,7 @@ def test_harmony_shapes(text, tail, want):
 
 def record(tok, prompt_ids, output_ids, spec, finish="stop"):
     gen = Generation("r1", "s", prompt_ids, output_ids, finish, {})
-    return to_response(gen, tok, spec, Sampling())
+    return derive.to_response(gen, tok, spec, Sampling())
 
 
 def test_prefilled_template_record(tok):
@@ -151,9 +150,9 @@ def test_prefilled_template_record(tok):
     r = record(tok, prompt, out, THINK)
     assert (r.reasoning, r.content, r.reasoning_closed) == ("Two plus two is four.\n", "\n\n4<|im_end|>", True)
     assert r.output_ids == out and r.text == tok.decode(out, skip_special_tokens=False)
-    assert reasoning.mismatch(r, tok, THINK) is None
+    assert derive.mismatch(r, tok, THINK) is None
     # the same ids read without a reasoning preset: all content, and merge would refuse the record
-    assert reasoning.mismatch(r, tok, NONE) == "reasoning"
+    assert derive.mismatch(r, tok, NONE) == "reasoning"
 
 
 def test_truncated_record_is_flagged(tok):
@@ -172,20 +171,20 @@ def test_template_without_think_tags_gives_no_reasoning(tok):
 def test_mismatch_names_the_tampered_field(tok):
     prompt = chat.prompt_ids(tok, QUESTION)
     r = record(tok, prompt, ids(tok, "why</think>4<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"),
-               reasoning.spec_from_params("think", "hermes"))
-    spec = reasoning.spec_from_params("think", "hermes")
+               derive.spec_from_params("think", "hermes"))
+    spec = derive.spec_from_params("think", "hermes")
     assert r.tool_calls == [{"type": "function", "function": {"name": "f", "arguments": {}}}]
-    assert reasoning.mismatch(r, tok, spec) is None
+    assert derive.mismatch(r, tok, spec) is None
     for name, value in [("text", "x"), ("reasoning", ""), ("content", "4"), ("reasoning_closed", False),
                         ("tool_calls", [])]:
-        bad = response_from_json({**json.loads(dumps(r)), name: value})
-        assert reasoning.mismatch(bad, tok, spec) == name
+        bad = response_from_json({**to_json(r), name: value})
+        assert derive.mismatch(bad, tok, spec) == name
     # merge's spec without a tool-call family does not check tool_calls
-    assert reasoning.mismatch(response_from_json({**json.loads(dumps(r)), "tool_calls": []}), tok, THINK) is None
+    assert derive.mismatch(response_from_json({**to_json(r), "tool_calls": []}), tok, THINK) is None
 
 
 def test_markup_lists_special_and_added_tokens(tok):
-    m = reasoning.markup(tok)
+    m = derive.markup(tok)
     assert {"<|im_end|>", "<think>", "<|return|>", "<tool_call>"} <= set(m)
     assert list(m) == sorted(m, key=len, reverse=True)
 
@@ -276,10 +275,10 @@ def random_plan(rng, vocab):
 
 def check_record(tok, prompt, out, spec):
     r = record(tok, prompt, out, spec)
-    again = response_from_json(json.loads(dumps(r)))  # the published record, read back
-    assert reasoning.mismatch(again, tok, spec) is None
+    again = response_from_json(json.loads(json.dumps(to_json(r))))  # the published record, read back
+    assert derive.mismatch(again, tok, spec) is None
     assert again.text == tok.decode(out, skip_special_tokens=False)
-    _, part = reasoning.derive(tok, prompt, out, spec)
+    _, part = derive.split_ids(tok, prompt, out, spec)
     assert parts(part) == again.text  # every character is in exactly one segment, in order
     assert {s for k, s in part.segments if k == "marker"} <= {spec.start, spec.end} or spec.kind == "harmony"
     assert part.content == "".join(s for k, s in part.segments if k == "content")

@@ -2,9 +2,9 @@
 them, and malformed calls that are counted, never fatal, and never change the ids or the content."""
 import pytest
 
-from eaglepipe import chat, reasoning, toolcalls
+from eaglepipe import config, chat, derive, toolcalls
 from eaglepipe.engines import Sampling
-from eaglepipe.infer import report, to_response
+from eaglepipe.infer import report
 from eaglepipe.gates import Gates
 from eaglepipe.records import Generation
 from reasoning_fixtures import ids, reasoning_tokenizer
@@ -134,7 +134,7 @@ def test_tools_reach_the_chat_template(tok):
 
 
 def test_tool_call_tokens_stay_in_ids_and_content(tok):
-    spec = reasoning.spec_from_params("think", "hermes")
+    spec = derive.spec_from_params("think", "hermes")
     prompt = chat.prompt_ids(tok, [{"role": "user", "content": "Weather in Paris?"}], TOOLS)
     good = ids(tok, 'Need the tool.</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"location": '
                     '"Paris"}}\n</tool_call><|im_end|>')
@@ -142,15 +142,15 @@ def test_tool_call_tokens_stay_in_ids_and_content(tok):
                    "</tool_call><|im_end|>")
     responses = []
     for rid, out in (("good", good), ("bad", bad)):
-        r = to_response(Generation(rid, "tools", prompt, list(out), "stop", {}), tok, spec, Sampling())
+        r = derive.to_response(Generation(rid, "tools", prompt, list(out), "stop", {}), tok, spec, Sampling())
         assert r.output_ids == out  # parsing never alters the ids
         assert tok.convert_tokens_to_ids("<tool_call>") in r.output_ids
         assert r.content.startswith("\n\n<tool_call>\n") and r.content.endswith("</tool_call><|im_end|>")
         assert r.reasoning == "Need the tool."
-        assert reasoning.mismatch(r, tok, spec) is None
+        assert derive.mismatch(r, tok, spec) is None
         responses.append(r)
     assert responses[0].tool_calls == [call("get_weather", {"location": "Paris"})]
     assert toolcalls.count_errors(responses[1].tool_calls) == 1
-    gates = Gates({"warmup": 1, "every": 1, "max_truncated": 1, "max_empty": 1, "min_reasoning": 0}, True)
+    gates = Gates(config.Gates(warmup=1, every=1, max_truncated=1, max_empty=1, min_reasoning=0), True)
     rep = report(responses, [], {}, 2, 0, 1.0, gates, len(responses))
     assert rep["tool_calls"] == {"records": 2, "calls": 1, "parse_failures": 1}
