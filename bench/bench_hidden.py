@@ -9,7 +9,6 @@ Prints tokens/s of both and their ratio (hidden / bare; the goal is at least 0.8
 stack alone (no lm_head) with output_hidden_states=True: hidden runs lm_head too (on the real rows, for ``top``).
 """
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -17,8 +16,7 @@ import click
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eaglepipe import hidden, sequences, target  # noqa: E402
+from eaglepipe import features, hidden, sequences, target
 
 
 def load_samples(folder, n, seed):
@@ -42,7 +40,7 @@ def bare(model, samples, batch_tokens, base_only):
         width = lengths[batch[0]]
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         for row, i in enumerate(batch):
-            ids[row, :lengths[i]] = torch.from_numpy(np.asarray(samples[i][1], dtype=np.int64))
+            ids[row, :lengths[i]] = torch.as_tensor(samples[i][1])
         fwd(input_ids=ids, output_hidden_states=True, use_cache=False)
 
 
@@ -58,7 +56,7 @@ def main(sequences, samples, repeats, batch_tokens, model, threads):
     if threads:
         torch.set_num_threads(threads)
     model = target.load_model(target.resolve(model))
-    layers = hidden.layer_ids("auto", model.config.num_hidden_layers)
+    layers = features.layer_ids("auto", model.config.num_hidden_layers)
     items, what = load_samples(sequences, samples, 0)
     tokens = sum(len(s[1]) for s in items)
     runs = {

@@ -1,7 +1,7 @@
 """Training sequences: responses -> ``prompt_ids + output_ids`` with a loss mask, shuffled, split, in shards.
 
-Layout of ``data/sequences/``:
-    index.json                       {"train": {"shards": [...], "samples", "tokens"}, "valid": {...}, "policy": ...}
+Layout of ``data/sequences/`` (a sharded dataset, format: ``shards.py``):
+    index.json                       {"train": {"shards": [...], "samples", "tokens"}, "valid": {...}, "policy": {...}}
     train-00000.safetensors, ...     per shard: input_ids int32 [tokens], loss_mask uint8 [tokens],
                                      offsets int64 [samples + 1] (sample i is input_ids[offsets[i]:offsets[i+1]])
     each shard entry in index.json lists its file, samples, tokens, and the record ids and sources in order.
@@ -17,13 +17,12 @@ seeded shuffle.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import numpy as np
-from safetensors.numpy import load_file, save_file
+import torch
 
+from . import shards
 from .records import Response, prompt_of, write_json
 
 
@@ -63,40 +62,38 @@ def split_and_shuffle(records: list, seed: int, valid_fraction: float) -> dict:
     return splits
 
 
-def write(folder: Path, splits: dict, shard_tokens: int, policy: str) -> dict:
+def pack(seqs) -> dict[str, torch.Tensor]:
+    """The tensors of one shard of [(input_ids, loss_mask)]: ``input_ids`` int32 [T], ``loss_mask`` uint8 [T] and
+    ``offsets`` int64 [n + 1] (the hidden stage's shards start with these same tensors)."""
+    return {"input_ids": shards.concat([ids for ids, _ in seqs], torch.int32),
+            "loss_mask": shards.concat([mask for _, mask in seqs], torch.uint8),
+            "offsets": shards.offsets([len(ids) for ids, _ in seqs])}
+
+
+def write(folder: Path, splits: dict, shard_tokens: int, policy: dict) -> dict:
+    """Store the splits; ``policy`` holds the numbers the sequences were built with (the rules are this module's
+    docstring: data holds facts, not prose, so a reworded docstring changes no output). An empty split gets one
+    empty shard."""
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     index = {"policy": policy}
     for name, items in splits.items():
-        shards, start = [], 0
-        while start < len(items) or not shards:
-            end, tokens = start, 0
-            while end < len(items) and (tokens == 0 or tokens + len(items[end][2]) <= shard_tokens):
-                tokens += len(items[end][2])
-                end += 1
-            chunk = items[start:end]
-            file = f"{name}-{len(shards):05d}.safetensors"
-            lengths = [len(c[2]) for c in chunk]
-            save_file({"input_ids": np.array([t for c in chunk for t in c[2]], dtype=np.int32),
-                       "loss_mask": np.array([m for c in chunk for m in c[3]], dtype=np.uint8),
-                       "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)}, folder / file)
-            shards.append({"file": file, "samples": len(chunk), "tokens": sum(lengths),
-                           "ids": [c[0] for c in chunk], "sources": [c[1] for c in chunk]})
-            start = end
-            if not items:
-                break
-        index[name] = {"shards": shards, "samples": len(items), "tokens": sum(s["tokens"] for s in shards)}
+        entries = []
+        for k, (a, b) in enumerate(shards.plan([len(c[2]) for c in items], shard_tokens) or [(0, 0)]):
+            chunk, file = items[a:b], f"{name}-{k:05d}.safetensors"
+            shards.write(folder / file, pack([(c[2], c[3]) for c in chunk]))
+            entries.append({"file": file, "samples": len(chunk), "tokens": sum(len(c[2]) for c in chunk),
+                            "ids": [c[0] for c in chunk], "sources": [c[1] for c in chunk]})
+        index[name] = {"shards": entries, "samples": len(items), "tokens": sum(s["tokens"] for s in entries)}
     write_json(folder / "index.json", index)
     return index
 
 
 def read(folder: Path, split: str):
-    """Yield (id, source, input_ids, loss_mask) for every sample of a split, in stored order."""
-    index = json.loads((Path(folder) / "index.json").read_text())
-    for shard in index[split]["shards"]:
-        t = load_file(Path(folder) / shard["file"])
-        off = t["offsets"]
-        for i, (rid, source) in enumerate(zip(shard["ids"], shard["sources"])):
-            yield rid, source, t["input_ids"][off[i]:off[i + 1]], t["loss_mask"][off[i]:off[i + 1]]
+    """Yield (id, source, input_ids int32 tensor, loss_mask uint8 tensor) for every sample of a split, in stored
+    order."""
+    for entry, i, rows in shards.samples(folder, split):
+        yield entry["ids"][i], entry["sources"][i], rows["input_ids"], rows["loss_mask"]
 
 
 def stats(splits: dict, counts: Counter) -> dict:

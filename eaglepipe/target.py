@@ -15,11 +15,13 @@ import os
 import shutil
 from pathlib import Path
 
+from .config import CACHE
+from .hashing import file_hash
+
 log = logging.getLogger(__name__)
 
 EMBEDDED = "embedded"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE = Path(os.environ.get("EAGLEPIPE_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
 
 
 def embedded_gguf() -> Path:
@@ -33,14 +35,6 @@ def embedded_gguf() -> Path:
     return path
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def resolve(model: str) -> Path:
     """Return a Hugging Face model folder for ``model``, converting a GGUF file once if needed."""
     gguf = embedded_gguf() if model == EMBEDDED else Path(model)
@@ -48,7 +42,7 @@ def resolve(model: str) -> Path:
         return gguf
     if gguf.suffix != ".gguf" or not gguf.exists():
         raise FileNotFoundError(f"target.model={model!r} is neither 'embedded', a model folder, nor a .gguf file")
-    folder = CACHE / "models" / _file_sha256(gguf)[:16]
+    folder = CACHE / "models" / file_hash(gguf)[:16]
     if not (folder / "config.json").exists():
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,9 +1,10 @@
 """Training the EAGLE-3 drafter on stored target hidden states, with training-time test (TTT).
 
-Data (``data/hidden``, read with ``hidden.read``): per sample ``input_ids``, ``loss_mask`` (1 on tokens the target
-generated), ``aux`` [n, 3H] (states entering layers low/mid/high), ``final`` [n, H] (the target's normed last
-state) and ``top`` [n] (the target's greedy next token, computed by the hidden stage from the unrounded state). The
-target's logits at position t are ``final[t] @ lm_head.T`` with the target's own ``lm_head``.
+Data (``data/hidden``, read with ``features.read``; layout and layer ids: ``features.py``): per sample ``input_ids``,
+``loss_mask`` (1 on tokens the target generated), ``aux`` [n, 3H] (the states of layers low/mid/high), ``final``
+[n, H] (the target's normed last state) and ``top`` [n] (the target's greedy next token, computed by the hidden
+stage from the unrounded state). The target's logits at position t are ``final[t] @ lm_head.T`` with the target's
+own ``lm_head``.
 
 Alignment (position t, TTT step k = 0..K-1, ids x, loss mask m):
     step 0 pairs the target's state at t with the token x[t+1]; step k pairs the drafter's step-(k-1) output at t
@@ -21,7 +22,7 @@ Attention at step k (official EAGLE-3): position t attends to the step-0 keys of
 of steps 1..k -- what a KV-cached chain at inference sees. Only positions with some loss ("active": m[t+1] & m[t+2])
 run queries, the MLP and the head; every position provides step-0 keys and values.
 
-Loss: sum_k 0.8^k * soft cross-entropy(target distribution over the draft vocabulary, drafter), averaged per step over
+Loss: sum_k w^k * soft cross-entropy (w = ``train.step_weight``)(target distribution over the draft vocabulary, drafter), averaged per step over
 its positions. acc_k: share of the step's positions where the drafter's argmax (mapped to a target id) equals the
 target's argmax over the full vocabulary. AdamW, linear warmup then cosine decay to 0, gradient clipping, seeded.
 ``train.autocast: bfloat16`` runs the training and validation forward under ``torch.autocast`` (matmuls in bf16;
@@ -52,10 +53,10 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from . import draft, hidden, records
+from . import draft, features, records, shards
+from .hashing import files_hash
 
 log = logging.getLogger(__name__)
-STEP_WEIGHT = 0.8
 WINDOW = 64
 
 
@@ -126,7 +127,7 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
     if positions not in POSITIONS:
         raise ValueError(f"train.positions must be one of {POSITIONS}, not {positions!r}")
     samples, prompts = [], set()
-    for s in hidden.read(folder, split):
+    for s in features.read(folder, split):
         if keep is not None and not keep(s["id"]):
             continue
         mask = s["loss_mask"].bool()
@@ -191,8 +192,9 @@ def collate(samples: list[Sample], steps: int, head_draft: torch.Tensor) -> dict
 
 
 # --------------------------------------------------------------------------------------------------- TTT forward
-def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int):
-    """(weighted loss, stats [steps, 4] = loss sum, loss positions, correct, positions) for one batch."""
+def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: float = 1.0):
+    """(loss, stats [steps, 4] = loss sum, loss positions, correct, positions) for one batch; step k's loss is
+    weighted ``step_weight ** k`` (the stats are not weighted)."""
     ids, act, masks = batch["ids"], batch["act"], batch["masks"]
     B, T = ids.shape
     rows = torch.arange(B)[:, None]
@@ -230,24 +232,28 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int):
         ce = -(batch["probs"][b, t] * torch.log_softmax(logits, -1)).sum(-1)[keep]
         n_loss = ce.numel()
         loss = ce.sum() / max(n_loss, 1)
-        total = total + STEP_WEIGHT ** k * loss
+        total = total + step_weight ** k * loss
         correct = (model.to_target(logits.argmax(-1)) == target).sum()
         stats.append(torch.stack([ce.detach().sum(), torch.tensor(float(n_loss)), correct.float(),
                                   torch.tensor(float(b.numel()))]))
     return total, torch.stack(stats)
 
 
-def summarize(stats: torch.Tensor) -> dict:
-    """{loss_k, acc_k} from summed stats [steps, 4]."""
-    out = {}
-    for k, (loss, n_loss, correct, n) in enumerate(stats.tolist()):
-        out[f"loss_{k}"] = round(loss / n_loss, 5) if n_loss else None
-        out[f"acc_{k}"] = round(correct / n, 5) if n else None
-    return out
+def summarize(stats: torch.Tensor) -> list[dict]:
+    """[{step, loss, acc}], one per TTT step, from summed stats [steps, 4] (None where the step had no positions)."""
+    return [{"step": k, "loss": round(loss / n_loss, 5) if n_loss else None, "acc": round(correct / n, 5) if n else None}
+            for k, (loss, n_loss, correct, n) in enumerate(stats.tolist())]
+
+
+def last_epoch(history: list[dict], split: str) -> dict:
+    """{loss_k, acc_k} of ``split``'s rows in the last epoch of ``history`` ({} when it has none)."""
+    last = history[-1]["epoch"]
+    return {f"{m}_{r['step']}": r[m] for r in history if r["epoch"] == last and r["split"] == split
+            for m in ("loss", "acc")}
 
 
 @torch.no_grad()
-def evaluate(model, samples, steps, head_draft, batch_tokens, bf16: bool = False) -> dict:
+def evaluate(model, samples, steps, head_draft, batch_tokens, bf16: bool = False) -> list[dict]:
     model.eval()
     stats = torch.zeros(steps, 4)
     for idx in plan_batches([s.ids.shape[0] for s in samples], batch_tokens):
@@ -266,22 +272,13 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
-def fingerprint(hidden_folder, params: dict, target_fp: str) -> str:
-    """Hash of the inputs (index and shard bytes), the train params, this code and the target."""
-    h = hashlib.sha256()
-    folder = Path(hidden_folder)
-    index = hidden.load_index(folder)
-    h.update((folder / "index.json").read_bytes())
-    for split in hidden.SPLITS:
-        for shard in index.get(split, {}).get("shards", []):
-            with open(folder / shard["file"], "rb") as f:
-                for block in iter(lambda: f.read(1 << 22), b""):
-                    h.update(block)
-    for code in (Path(__file__), Path(draft.__file__), Path(hidden.__file__), Path(records.__file__)):
-        h.update(code.read_bytes())
-    h.update(json.dumps({"params": params, "target": target_fp, "torch": torch.__version__},
-                        sort_keys=True).encode())
-    return h.hexdigest()[:16]
+def fingerprint(hidden_folder, params, target_fp: str) -> str:
+    """Hash of the inputs (index and shard bytes), the train params, the code that reads and trains, and the
+    target."""
+    code = files_hash([__file__, draft.__file__, features.__file__, shards.__file__, records.__file__])
+    blob = json.dumps({"data": shards.dataset_hash(hidden_folder), "code": code, "params": params.tracked(),
+                       "target": target_fp, "torch": torch.__version__}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def save_state(path: Path, state: dict) -> None:
@@ -291,11 +288,9 @@ def save_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def uses_bf16(p: dict) -> bool:
+def uses_bf16(p) -> bool:
     """Whether ``train.autocast`` asks for bf16."""
-    if p["autocast"] not in ("none", "bfloat16"):
-        raise ValueError(f"train.autocast must be 'none' or 'bfloat16', not {p['autocast']!r}")
-    return p["autocast"] == "bfloat16"
+    return p.autocast == "bfloat16"
 
 
 def autocast(bf16: bool):
@@ -303,20 +298,20 @@ def autocast(bf16: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
 
-def setup(hidden_folder, target_folder, p: dict, keep=None):
+def setup(hidden_folder, target_folder, p, keep=None):
     """(drafter initialised with the seed, train samples, valid samples, target head rows of the draft vocabulary
     (bf16 under ``train.autocast: bfloat16``), loss-masked token counts of the train split)."""
     from transformers import AutoConfig
 
-    index = hidden.load_index(hidden_folder)
+    index = shards.load_index(hidden_folder)
     tgt = target_tensors(target_folder, index["layers"][2])
-    train_set = load_samples(hidden_folder, "train", p["positions"], keep)
+    train_set = load_samples(hidden_folder, "train", p.positions, keep)
     valid_set = load_samples(hidden_folder, "valid") if "valid" in index else []  # as at inference
     if not train_set:
         raise ValueError(f"{hidden_folder}: no training sample has a position to train (two generated tokens)")
-    torch.manual_seed(int(p["seed"]))
+    torch.manual_seed(p.seed)
     counts = token_counts(train_set)
-    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), int(p["draft_vocab_size"]),
+    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), p.draft_vocab_size,
                                         index["layers"])
     model = draft.Eagle3Draft(cfg, tgt["embed"])
     model.set_vocab(*draft.build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
@@ -327,23 +322,25 @@ def setup(hidden_folder, target_folder, p: dict, keep=None):
     return model, train_set, valid_set, head_draft, counts
 
 
-def run(hidden_folder, target_folder, params: dict, checkpoints, stop_after: int | None = None, keep=None):
-    """Train (or resume) the drafter. Returns (model, report, history), or None when ``stop_after`` optimizer steps
-    were taken in this call before the end (the state is checkpointed: the next call resumes from it). ``keep``:
-    see ``load_samples`` (training samples only)."""
+def run(hidden_folder, target_folder, params, checkpoints, keep=None):
+    """Train the drafter, resuming from the checkpoint in ``checkpoints`` when there is one. Returns (model, report,
+    history). ``keep``: see ``load_samples`` (training samples only). ``history`` holds one row ``{epoch, split,
+    step, loss, acc}`` per epoch, split (``train``: running means over the epoch's batches; ``valid``: after the
+    epoch) and TTT step: the plot rows of metrics/train_curves.json, whose plots name no step and so draw whatever
+    steps were trained."""
     p = params
-    steps, seed, batch_tokens = int(p["ttt_steps"]), int(p["seed"]), int(p["batch_tokens"])
+    steps, seed, batch_tokens = p.ttt_steps, p.seed, p.batch_tokens
     bf16 = uses_bf16(p)
-    if int(p["threads"]):
-        torch.set_num_threads(int(p["threads"]))
+    if p.threads:
+        torch.set_num_threads(p.threads)
     start = time.perf_counter()
     model, train_set, valid_set, head_draft, counts = setup(hidden_folder, target_folder, p, keep)
 
     lengths = [s.ids.shape[0] for s in train_set]
-    plans = [plan_batches(lengths, batch_tokens, seed, e) for e in range(int(p["epochs"]))]
+    plans = [plan_batches(lengths, batch_tokens, seed, e) for e in range(p.epochs)]
     total_steps = sum(len(b) for b in plans)
-    opt = torch.optim.AdamW(model.parameters(), lr=float(p["lr"]), betas=(0.9, 0.95), weight_decay=0.0)
-    warmup = int(p["warmup_steps"])
+    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=p.betas, weight_decay=0.0)
+    warmup = p.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, total_steps))
 
     path = Path(checkpoints) / "state.pt"
@@ -362,34 +359,30 @@ def run(hidden_folder, target_folder, params: dict, checkpoints, stop_after: int
                           "schedule": sched.state_dict(), "rng": torch.get_rng_state(), "epoch": epoch,
                           "batch": batch_pos, "history": history, "running": running})
 
-    every = int(p["checkpoint_every"])
-    taken, trained_tokens = 0, 0
+    every = p.checkpoint_every
+    trained_tokens = 0
     model.train()
     while epoch < len(plans):
         for idx in plans[epoch][batch_pos:]:
             batch = collate([train_set[i] for i in idx], steps, head_draft)
             with autocast(bf16):
-                loss, stats = ttt_forward(model, batch, steps)
+                loss, stats = ttt_forward(model, batch, steps, p.step_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float(p["grad_clip"]))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip)
             opt.step()
             sched.step()
             running += stats
             batch_pos += 1
-            taken += 1
             trained_tokens += batch["tokens"]
             if batch_pos % every == 0:
                 checkpoint()
-            if stop_after is not None and taken >= stop_after:
-                checkpoint()
-                return None
-        row = {"epoch": epoch + 1, **{f"train_{k}": v for k, v in summarize(running).items()}}
+        rows = [{"epoch": epoch + 1, "split": "train", **r} for r in summarize(running)]
         if valid_set:
-            valid = evaluate(model, valid_set, steps, head_draft, batch_tokens, bf16)
-            row.update({f"valid_{k}": v for k, v in valid.items()})
-        history.append(row)
-        log.info("epoch %d: %s", epoch + 1, {k: v for k, v in row.items() if k.endswith("_0")})
+            rows += [{"epoch": epoch + 1, "split": "valid", **r}
+                     for r in evaluate(model, valid_set, steps, head_draft, batch_tokens, bf16)]
+        history += rows
+        log.info("epoch %d: %s", epoch + 1, {r["split"]: r for r in rows if r["step"] == 0})
         epoch, batch_pos, running = epoch + 1, 0, torch.zeros(steps, 4)
         checkpoint()
 
@@ -399,9 +392,8 @@ def run(hidden_folder, target_folder, params: dict, checkpoints, stop_after: int
               "train_tokens": sum(s.ids.shape[0] for s in train_set),
               "valid_samples": len(valid_set), "draft_vocab_size": model.cfg.draft_vocab_size,
               "draft_vocab_coverage": round(in_vocab / max(1, sum(counts.values())), 5),
-              "seconds": round(seconds, 1),
-              "tokens_per_s": round(trained_tokens / seconds, 1) if trained_tokens else None,
-              "train": {k[6:]: v for k, v in history[-1].items() if k.startswith("train_")},
-              "valid": {k[6:]: v for k, v in history[-1].items() if k.startswith("valid_")}}
+              "run": {"seconds": round(seconds, 1),
+                      "tokens_per_s": round(trained_tokens / seconds, 1) if trained_tokens else None},
+              "train": last_epoch(history, "train"), "valid": last_epoch(history, "valid")}
     return model.eval(), report, history
 

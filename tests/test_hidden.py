@@ -1,15 +1,16 @@
-"""hidden: layer convention against a bare forward, final = the normed state lm_head reads, bf16 storage, bytes per
-token, resume after an interruption, and no reuse across different inputs or params."""
+"""hidden: layer convention against a bare forward, final = the normed state lm_head reads, bf16 storage, the
+published files' size, published data free of the run's fingerprint, resume after an interruption, and no reuse
+across different inputs or params."""
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 
-from eaglepipe import hidden, sequences
+from eaglepipe import config, features, hidden, sequences, shards
 
-PARAMS = {"layers": "auto", "dtype": "bfloat16", "batch_tokens": 64, "shard_tokens": 60}
+PARAMS = config.Hidden(layers="auto", dtype="bfloat16", batch_tokens=64, shard_tokens=60)
 
 
 def make_sequences(folder, seed=0, n=5):
@@ -33,12 +34,12 @@ def extracted(tmp_path_factory, model, target_folder):
 
 
 def test_layer_ids_auto_explicit_and_invalid():
-    assert hidden.layer_ids("auto", 30) == [2, 15, 27]
-    assert hidden.layer_ids("auto", 32) == [2, 16, 29]
-    assert hidden.layer_ids([1, 5, 9], 30) == [1, 5, 9]
+    assert features.layer_ids("auto", 30) == [2, 15, 27]
+    assert features.layer_ids("auto", 32) == [2, 16, 29]
+    assert features.layer_ids([1, 5, 9], 30) == [1, 5, 9]
     for bad in ([1, 1, 2], [2, 15], [0, 5, 30], "2,15,27", [-1, 3, 4]):
         with pytest.raises(ValueError):
-            hidden.layer_ids(bad, 30)
+            features.layer_ids(bad, 30)
 
 
 def test_index_format_and_dtypes(extracted, model):
@@ -46,23 +47,36 @@ def test_index_format_and_dtypes(extracted, model):
     index = json.loads((tmp / "out" / "index.json").read_text())
     H = model.config.hidden_size
     assert index["layers"] == [2, 15, 27] and index["hidden_size"] == H and index["dtype"] == "bfloat16"
-    assert "entering decoder layer i" in index["layer_convention"] and index["fingerprint"] == rep["fingerprint"]
+    assert index["layer_convention"] == "hf_hidden_states" and "fingerprint" not in index
     assert len(index["train"]["shards"]) > 1, "shard_tokens=60 should split the train split"
     for split in ("train", "valid"):
         assert set(index[split]) == {"shards", "samples", "tokens"}
         for shard in index[split]["shards"]:
             assert set(shard) == {"file", "samples", "tokens", "ids"}
-    shard, t = next(hidden.read_shards(tmp / "out", "train"))
+    shard, t = next(shards.read_shards(tmp / "out", "train"))
     assert t["input_ids"].dtype == torch.int32 and t["loss_mask"].dtype == torch.uint8
     assert t["offsets"].dtype == torch.int64 and t["aux"].dtype == torch.bfloat16 and t["final"].dtype == torch.bfloat16
     assert t["aux"].shape == (shard["tokens"], 3 * H) and t["final"].shape == (shard["tokens"], H)
     assert t["top"].dtype == torch.int32 and t["top"].shape == (shard["tokens"],)
-    assert not list((tmp / "cache").glob(f"{rep['fingerprint']}*")), "the work folder is moved, not copied"
+    assert not list((tmp / "cache").glob(f"{rep['run']['fingerprint']}*")), "the work folder is moved, not copied"
+
+
+def test_published_files_hold_no_fingerprint(extracted):
+    """The run's fingerprint (a hash of the code, among others) is in the run report only: no published byte
+    depends on it."""
+    tmp, _, rep = extracted
+    fp = rep["run"]["fingerprint"]
+    files = sorted((tmp / "out").iterdir())
+    assert len(files) > 2 and all(fp.encode() not in f.read_bytes() for f in files)
+    for f in files:
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt") as st:
+                assert st.metadata() is None
 
 
 def test_ids_and_mask_are_the_sequences(extracted):
     tmp, items, _ = extracted
-    stored = {s["id"]: s for split in ("train", "valid") for s in hidden.read(tmp / "out", split)}
+    stored = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp / "out", split)}
     want = {rid: (ids, mask) for rid, _src, ids, mask in
             [*sequences.read(tmp / "seq", "train"), *sequences.read(tmp / "seq", "valid")]}
     assert list(stored) == list(want)  # stored order = sequences order
@@ -77,7 +91,7 @@ def test_aux_rows_are_the_states_entering_layers_2_mid_and_L_minus_3(extracted, 
     and top == the argmax of the full model's logits, exactly (the bf16 final alone does not always give it)."""
     tmp, _, _ = extracted
     H, L = model.config.hidden_size, model.config.num_hidden_layers
-    for sample in hidden.read(tmp / "out", "train"):
+    for sample in features.read(tmp / "out", "train"):
         ids = sample["input_ids"].long()[None]
         with torch.inference_mode():
             out = model(input_ids=ids, output_hidden_states=True)
@@ -101,12 +115,24 @@ def test_aux_rows_are_the_states_entering_layers_2_mid_and_L_minus_3(extracted, 
         assert torch.equal(sample["top"].long(), out.logits[0].argmax(-1))
 
 
-def test_bytes_per_token_is_8H_of_hidden_state(extracted, model):
-    _, _, rep = extracted
+def test_published_size_is_8H_bytes_per_token_plus_ids_mask_top_offsets_and_header(extracted, model):
+    """Every shard file's size, measured, is its safetensors header (read from the file) plus 8·H bytes of bf16
+    hidden state per token (3·H aux + H final), 4 + 1 + 4 bytes of input_ids, loss_mask and top per token and 8 per
+    offset: nothing else is stored, and nothing is stored wider."""
+    tmp, _, rep = extracted
     H = model.config.hidden_size
-    assert rep["hidden_bytes_per_token"] == 8 * H == rep["max_hidden_bytes_per_token_bf16"]
-    assert 8 * H <= rep["bytes_per_token"] <= 8 * H + 9 + 200  # ids, mask, top, offsets and safetensors headers
-    assert rep["tokens"] == rep["computed_tokens"] and rep["tokens_per_s"] > 0 and rep["layers"] == [2, 15, 27]
+    index = json.loads((tmp / "out" / "index.json").read_text())
+    total = 0
+    for split in ("train", "valid"):
+        for shard in index[split]["shards"]:
+            data = (tmp / "out" / shard["file"]).read_bytes()
+            header = 8 + int.from_bytes(data[:8], "little")
+            assert header < 1024, "a header of six tensor entries"
+            assert len(data) == header + shard["tokens"] * (8 * H + 9) + (shard["samples"] + 1) * 8, shard["file"]
+            total += len(data)
+    assert rep["bytes"] == total and rep["bytes_per_token"] == round(total / rep["tokens"], 2)
+    assert rep["hidden_bytes_per_token"] == 8 * H and rep["layers"] == [2, 15, 27]
+    assert rep["tokens"] == rep["run"]["computed_tokens"] and rep["run"]["tokens_per_s"] > 0
 
 
 def test_resume_keeps_finished_shards_and_a_changed_input_reuses_nothing(tmp_path, model, monkeypatch):
@@ -128,10 +154,11 @@ def test_resume_keeps_finished_shards_and_a_changed_input_reuses_nothing(tmp_pat
     assert len(kept) == 2 and not (tmp_path / "out").exists()
     monkeypatch.setattr(hidden, "extract_shard", real)
     rep = hidden.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "model-fp", tmp_path / "cache")
-    assert rep["reused_shards"] == 2 and rep["computed_shards"] >= 1 and rep["fingerprint"] == work.name
+    assert rep["run"]["reused_shards"] == 2 and rep["run"]["computed_shards"] >= 1
+    assert rep["run"]["fingerprint"] == work.name
     for name, mtime in kept.items():
         assert (tmp_path / "out" / name).stat().st_mtime_ns == mtime  # moved, not rewritten
-    resumed = [s["aux"].clone() for split in ("train", "valid") for s in hidden.read(tmp_path / "out", split)]
+    published = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
 
     # an interrupted run on other inputs (or params) leaves shards that a different fingerprint never touches
     monkeypatch.setattr(hidden, "extract_shard", interrupted)
@@ -141,13 +168,12 @@ def test_resume_keeps_finished_shards_and_a_changed_input_reuses_nothing(tmp_pat
     monkeypatch.setattr(hidden, "extract_shard", real)
     make_sequences(tmp_path / "seq", seed=1)  # changed input
     rep2 = hidden.run(tmp_path / "seq", tmp_path / "out2", model, PARAMS, "model-fp", tmp_path / "cache")
-    assert rep2["reused_shards"] == 0 and rep2["fingerprint"] != rep["fingerprint"]
-    rep3 = hidden.run(tmp_path / "seq", tmp_path / "out3", model, {**PARAMS, "batch_tokens": 32}, "model-fp",
-                      tmp_path / "cache")
-    assert rep3["reused_shards"] == 0 and rep3["fingerprint"] != rep2["fingerprint"]
-    # and an uninterrupted run gives the same shards as the resumed one
+    assert rep2["run"]["reused_shards"] == 0 and rep2["run"]["fingerprint"] != rep["run"]["fingerprint"]
+    rep3 = hidden.run(tmp_path / "seq", tmp_path / "out3", model,
+                      config.Hidden(**{**PARAMS.model_dump(), "batch_tokens": 32}), "model-fp", tmp_path / "cache")
+    assert rep3["run"]["reused_shards"] == 0 and rep3["run"]["fingerprint"] != rep2["run"]["fingerprint"]
+    # and an uninterrupted run publishes the same bytes as the resumed one
     make_sequences(tmp_path / "seq", seed=0)
     fresh = hidden.run(tmp_path / "seq", tmp_path / "out4", model, PARAMS, "model-fp", tmp_path / "cache2")
-    assert fresh["fingerprint"] == rep["fingerprint"]
-    again = [s["aux"] for split in ("train", "valid") for s in hidden.read(tmp_path / "out4", split)]
-    assert all(torch.equal(a, b) for a, b in zip(resumed, again))
+    assert fresh["run"]["fingerprint"] == rep["run"]["fingerprint"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out4").iterdir()} == published

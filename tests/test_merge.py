@@ -6,18 +6,17 @@ from dataclasses import replace
 
 import pytest
 
-from eaglepipe import merge, reasoning, sequences, target
-from eaglepipe.infer import to_response
+from eaglepipe import config, derive, merge, sequences, target
 from eaglepipe.engines import Sampling
 from eaglepipe.records import Generation, RecordError, prompt_of, record_id, write_jsonl
 
-NONE = reasoning.spec_from_params("none")
-PARAMS = {"seed": 0, "valid_fraction": 0.25, "max_length": 64, "shard_tokens": 100}
+NONE = derive.spec_from_params("none")
+PARAMS = config.Merge(seed=0, valid_fraction=0.25, max_length=64, shard_tokens=100)
 
 
 def response(tokenizer, rid, prompt_len, output, finish="stop", source="s", sample=0):
     gen = Generation(record_id(rid, sample), source, list(range(10, 10 + prompt_len)), output, finish, {}, sample)
-    return to_response(gen, tokenizer, NONE, Sampling())
+    return derive.to_response(gen, tokenizer, NONE, Sampling())
 
 
 @pytest.fixture(scope="module")

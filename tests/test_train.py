@@ -1,15 +1,23 @@
 """train: the loss mask and targets aligned with the shifted predictions (hand-built example), TTT step k equals a
-KV-cached inference chain, the loss decreases, and a resumed run ends bit-for-bit where an uninterrupted one ends."""
+KV-cached inference chain, the loss decreases, and a stage run killed after a checkpoint (``kill -9``) resumes and
+ends bit-for-bit where an uninterrupted run ends."""
 import json
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from eaglepipe import draft, hidden, train
+from eaglepipe import config, draft, features, shards, train
 
+ROOT = Path(__file__).resolve().parent.parent
 V, H, LAYERS = 512, 64, 8
 PARAMS = {"seed": 0, "draft_vocab_size": 128, "ttt_steps": 3, "epochs": 2, "batch_tokens": 96, "lr": 3e-3,
           "warmup_steps": 2, "grad_clip": 0.5, "checkpoint_every": 2, "threads": 0, "positions": "generated",
@@ -46,7 +54,8 @@ def synthetic_hidden(folder, head, n_train=24, n_valid=4, seed=1):
     g = torch.Generator().manual_seed(seed)
     succ = torch.randperm(V - 3, generator=g)[:200] + 3       # 200 tokens in a cycle
     nxt = {int(a): int(b) for a, b in zip(succ, succ.roll(-1))}
-    index = {"layers": [2, LAYERS // 2, LAYERS - 3], "layer_convention": "hf", "hidden_size": H, "dtype": "bfloat16"}
+    index = {"layers": [2, LAYERS // 2, LAYERS - 3], "layer_convention": features.LAYER_CONVENTION, "hidden_size": H,
+             "dtype": "bfloat16"}
     for split, n in (("train", n_train), ("valid", n_valid)):
         ids, masks, offsets = [], [], [0]
         for _ in range(n):
@@ -61,10 +70,9 @@ def synthetic_hidden(folder, head, n_train=24, n_valid=4, seed=1):
         final = torch.cat((head[x[1:]], torch.randn(1, H, generator=g))) * 0.5
         aux = torch.cat([head[x] + torch.randn(len(ids), H, generator=g) for _ in range(3)], -1)
         file = f"{split}-00000.safetensors"
-        save_file({"input_ids": x.int(), "loss_mask": torch.tensor(masks, dtype=torch.uint8),
-                   "offsets": torch.tensor(offsets), "aux": aux.bfloat16(), "final": final.bfloat16(),
-                   "top": (final @ head.T).argmax(-1).int()},
-                  str(folder / file))
+        shards.write(folder / file, {"input_ids": x.int(), "loss_mask": torch.tensor(masks, dtype=torch.uint8),
+                                     "offsets": torch.tensor(offsets), "aux": aux.bfloat16(),
+                                     "final": final.bfloat16(), "top": (final @ head.T).argmax(-1).int()})
         index[split] = {"shards": [{"file": file, "samples": n, "tokens": len(ids),
                                     "ids": [f"{split}{i}" for i in range(n)]}], "samples": n, "tokens": len(ids)}
     (folder / "index.json").write_text(json.dumps(index))
@@ -114,7 +122,7 @@ def test_all_positions_train_over_the_prompt_with_the_same_vocabulary(data):
     generated = train.load_samples(data / "hidden", "train")
     every = train.load_samples(data / "hidden", "train", "all")
     assert [s.id for s in every] == [s.id for s in generated]
-    stored = {s["id"]: s["top"] for s in hidden.read(data / "hidden", "train")}
+    stored = {s["id"]: s["top"] for s in features.read(data / "hidden", "train")}
     for g, e in zip(generated, every):
         assert torch.equal(g.chain, g.mask) and torch.equal(e.mask, g.mask) and e.chain.all()
         assert torch.equal(e.top, stored[e.id].long()) and torch.equal(g.top, e.top)  # the hidden stage's argmax
@@ -158,18 +166,47 @@ def test_ttt_step_equals_cached_inference_chain(data):
             torch.testing.assert_close(original(captured[k][row]), logits[0, -1], rtol=1e-4, atol=1e-4)
 
 
+def killed_after_first_checkpoint(data, params, folder) -> Path:
+    """Run ``python stages/train.py`` as a user does and ``kill -9`` it as soon as its first checkpoint exists;
+    return the checkpoint folder."""
+    raw = {"prepare": {"sources": [{"name": "unused", "path": "unused.jsonl", "format": "sharegpt", "n": 1}]},
+           "target": {"model": str(data / "target")}, "train": {**params.model_dump(), "betas": list(params.betas)}}
+    (folder / "params.yaml").write_text(yaml.safe_dump(raw))
+    checkpoints, log = folder / "checkpoints", folder / "stage.log"
+    args = [sys.executable, str(ROOT / "stages" / "train.py"), "--params", str(folder / "params.yaml"),
+            "--hidden", str(data / "hidden"), "--out", str(folder / "draft"), "--metrics", str(folder / "m.json"),
+            "--plots", str(folder / "p.json"), "--timings", str(folder / "t.json"), "--checkpoints", str(checkpoints)]
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=err, stderr=err)
+    deadline = time.monotonic() + 300
+    while not (checkpoints / "state.pt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run ended before the kill:\n" + log.read_text()
+    assert not (folder / "draft").exists()
+    return checkpoints
+
+
 @pytest.mark.parametrize("autocast", ["none", "bfloat16"])
-def test_loss_decreases_and_resume_is_exact(data, tmp_path, autocast):
-    params = {**PARAMS, "autocast": autocast}
+def test_loss_decreases_and_a_killed_run_resumes_exactly(data, tmp_path, autocast):
+    params = config.Train(**{**PARAMS, "autocast": autocast})
     full = train.run(data / "hidden", data / "target", params, tmp_path / "a")
     model, report, history = full
-    assert len(history) == 2 and set(report["train"]) == {f"{m}_{k}" for m in ("loss", "acc") for k in range(3)}
-    assert history[-1]["train_loss_0"] < history[0]["train_loss_0"] * 0.9
-    assert history[-1]["train_acc_0"] > history[0]["train_acc_0"] and history[-1]["valid_loss_0"] is not None
+    assert set(report["train"]) == set(report["valid"]) == {f"{m}_{k}" for m in ("loss", "acc") for k in range(3)}
+    # the plot rows: one per epoch, split and TTT step, exactly the steps trained
+    assert [(r["epoch"], r["split"], r["step"]) for r in history] == \
+        [(e, s, k) for e in (1, 2) for s in ("train", "valid") for k in range(3)]
+    assert all(set(r) == {"epoch", "split", "step", "loss", "acc"} for r in history)
+    row = {(r["epoch"], r["split"], r["step"]): r for r in history}
+    assert row[2, "train", 0]["loss"] < row[1, "train", 0]["loss"] * 0.9
+    assert row[2, "train", 0]["acc"] > row[1, "train", 0]["acc"] and row[2, "valid", 0]["loss"] is not None
+    assert report["valid"] == {f"{m}_{k}": row[2, "valid", k][m] for m in ("loss", "acc") for k in range(3)}
 
-    assert train.run(data / "hidden", data / "target", params, tmp_path / "b", stop_after=3) is None
-    assert train.run(data / "hidden", data / "target", params, tmp_path / "b", stop_after=2) is None  # mid-epoch
-    resumed, _, history_b = train.run(data / "hidden", data / "target", params, tmp_path / "b")
+    checkpoints = killed_after_first_checkpoint(data, params, tmp_path)
+    state = torch.load(checkpoints / "state.pt", weights_only=False)
+    assert state["epoch"] < params.epochs, "killed before the end"
+    resumed, _, history_b = train.run(data / "hidden", data / "target", params, checkpoints)
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert history_b == history

@@ -1,0 +1,61 @@
+"""The target's hidden states in ``data/hidden`` (written by ``hidden.py``): their layout, the layer ids, the reader.
+
+Layout (a sharded dataset, format: ``shards.py``):
+    index.json    {"layers": [2, 15, 27], "layer_convention": "hf_hidden_states", "hidden_size": H,
+                   "dtype": "bfloat16", "train": {"shards": [{"file", "samples", "tokens", "ids"}], "samples",
+                   "tokens"}, "valid": {...}}
+    train-00000.safetensors, ...   per shard (samples in the stored order of ``data/sequences``):
+        input_ids  int32 [T]      exactly the merged sequence ids
+        loss_mask  uint8 [T]      exactly the merged loss mask (1 on the target's output tokens)
+        offsets    int64 [n + 1]  sample i is rows offsets[i]:offsets[i+1]
+        aux        bf16  [T, 3H]  the hidden states of ``layers`` (low, mid, high), concatenated in that order;
+                                  row t = state at position t
+        final      bf16  [T, H]   the final *normed* hidden state (the input of lm_head); the target's logits at
+                                  position t are ``final[t] @ lm_head.weight.T`` (recompute them at train time)
+        top        int32 [T]      the target's greedy next token at position t: the argmax of its ``lm_head`` over
+                                  the full vocabulary, from the unrounded final state (from the bf16 ``final`` the
+                                  argmax differs at some positions; acc_k is scored on this)
+The folder holds data only: the same sequences, model and ``hidden`` params give the same bytes, whatever the code
+version that wrote them.
+
+Layer ids (``layer_convention: hf_hidden_states``; checked by tests/test_hidden.py against a bare forward): ids are
+Hugging Face ``output_hidden_states`` indices. ``hidden_states[0]`` is the embedding output and ``hidden_states[i]``
+is the input of decoder layer ``i`` (= the output of layer ``i - 1``); ``hidden_states[L]`` is *not* the last
+layer's raw output in transformers 5.x: it is replaced by the final normed state. ``auto`` = ``[2, L // 2, L - 3]``
+(EAGLE-3's official choice, what SGLang feeds a drafter by default). SGLang's ``eagle_aux_hidden_state_layer_ids``
+and SpecForge's ids count layer *outputs*, so they are these ids minus one (``[1, L // 2 - 1, L - 4]``).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+from . import shards
+
+LAYER_CONVENTION = "hf_hidden_states"
+
+
+def layer_ids(value, num_layers: int) -> list[int]:
+    """The three layer ids (low, mid, high) for ``hidden.layers``: ``auto`` or explicit ids.
+
+    ``auto`` = ``[2, L // 2, L - 3]``. Explicit ids must be three strictly increasing integers in ``[0, L - 1]``
+    (inputs of decoder layers; index ``L`` would be the normed final state, which is stored separately)."""
+    L = int(num_layers)
+    if value is None or value == "auto":
+        ids = [2, L // 2, L - 3]
+    elif isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        ids = [int(i) for i in value]
+    else:
+        raise ValueError(f"hidden.layers should be 'auto' or a list of three layer ids, got {value!r}")
+    if len(ids) != 3 or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] > L - 1:
+        raise ValueError(f"hidden.layers {ids} should be three strictly increasing ids in [0, {L - 1}] (a target "
+                         f"with {L} layers): Hugging Face hidden_states indices, see eaglepipe/features.py")
+    return ids
+
+
+def read(folder, split: str) -> Iterator[dict]:
+    """Yield one dict per sample of ``split``, in stored order (the order of ``data/sequences``):
+    ``id`` str, ``input_ids`` int32 [n], ``loss_mask`` uint8 [n], ``aux`` bf16 [n, 3H], ``final`` bf16 [n, H],
+    ``top`` int32 [n] (views into the loaded shard: clone what you keep beyond the shard's lifetime if memory
+    matters)."""
+    for entry, i, rows in shards.samples(folder, split):
+        yield {"id": entry["ids"][i], **rows}
