@@ -35,12 +35,20 @@ def first_difference(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def run(prompts: list[dict], model, drafter_model, stop_ids, params: dict) -> dict:
-    """Decode every prompt three ways; return the metrics (``lossless`` False lists the mismatches)."""
-    num_steps, max_new = int(params.get("num_steps", 3)), int(params.get("max_new_tokens", 64))
-    ngram = params.get("ngram", {}) or {}
+def position_rows(rates: dict[str, list[float]]) -> list[dict]:
+    """Plot rows ``{position, method, acceptance_rate}`` (positions from 1) from each method's acceptance rate per
+    draft position."""
+    return [{"position": i + 1, "method": method, "acceptance_rate": r}
+            for method, per_position in rates.items() for i, r in enumerate(per_position)]
+
+
+def run(prompts: list[dict], model, drafter_model, stop_ids, params) -> dict:
+    """Decode every prompt three ways; return the metrics (``lossless`` False lists the mismatches). ``positions``
+    holds the acceptance rate per draft position of ``eagle`` and ``ngram`` as plot rows (``position_rows``), for
+    their own file: every other key is a metric."""
+    num_steps, max_new = params.num_steps, params.max_new_tokens
     eagle = speculative.EagleDrafter(drafter_model)
-    lookup = speculative.NgramDrafter(int(ngram.get("max", 3)), int(ngram.get("min", 1)))
+    lookup = speculative.NgramDrafter(params.ngram.max, params.ngram.min)
     layers = model.config.get_text_config().num_hidden_layers
     if any(not 0 <= i < layers for i in eagle.layers):
         raise ValueError(f"the drafter reads hidden states {eagle.layers}, the target has {layers} layers")
@@ -73,28 +81,29 @@ def run(prompts: list[dict], model, drafter_model, stop_ids, params: dict) -> di
                  totals["ngram"].acceptance_length)
     plain, spec, base = totals["plain"], totals["eagle"], totals["ngram"]
     return {
-        "prompts": len(prompts), "num_steps": num_steps, "max_new_tokens": max_new, "threads": torch.get_num_threads(),
+        "prompts": len(prompts), "num_steps": num_steps, "max_new_tokens": max_new,
         "lossless": not mismatches, "mismatches": mismatches,
         "acceptance_length": round(spec.acceptance_length, 4),
         "acceptance_rate_per_position": [round(r, 4) for r in spec.acceptance_rate],
         "conditional_acceptance_rate_per_position": [round(r, 4) for r in spec.conditional_rate],
         "verification_steps": spec.steps,
         "tokens": plain.tokens,
-        "plain_tokens_per_s": round(plain.tokens_per_s, 2),
-        "speculative_tokens_per_s": round(spec.tokens_per_s, 2),
-        "speedup": round(spec.tokens_per_s / plain.tokens_per_s, 4) if plain.tokens_per_s else None,
         "baseline_acceptance_length": round(base.acceptance_length, 4),
         "baseline_acceptance_rate_per_position": [round(r, 4) for r in base.acceptance_rate],
-        "baseline_tokens_per_s": round(base.tokens_per_s, 2),
-        "baseline_speedup": round(base.tokens_per_s / plain.tokens_per_s, 4) if plain.tokens_per_s else None,
         "beats_baseline": spec.acceptance_length > base.acceptance_length,
         "per_category": {cat: {"prompts": sum(1 for p in prompts if p["category"] == cat),
                                "acceptance_length": round(s["eagle"].acceptance_length, 4),
-                               "baseline_acceptance_length": round(s["ngram"].acceptance_length, 4),
-                               "speedup": round(s["eagle"].tokens_per_s / s["plain"].tokens_per_s, 4)
-                               if s["plain"].tokens_per_s else None}
+                               "baseline_acceptance_length": round(s["ngram"].acceptance_length, 4)}
                          for cat, s in sorted(per_cat.items())},
-        "seconds": {m: round(totals[m].seconds, 2) for m in METHODS},
+        "run": {"threads": torch.get_num_threads(), "seconds": {m: round(totals[m].seconds, 2) for m in METHODS},
+                "plain_tokens_per_s": round(plain.tokens_per_s, 2),
+                "speculative_tokens_per_s": round(spec.tokens_per_s, 2),
+                "baseline_tokens_per_s": round(base.tokens_per_s, 2),
+                "speedup": round(spec.tokens_per_s / plain.tokens_per_s, 4) if plain.tokens_per_s else None,
+                "baseline_speedup": round(base.tokens_per_s / plain.tokens_per_s, 4) if plain.tokens_per_s else None,
+                "per_category_speedup": {cat: round(s["eagle"].tokens_per_s / s["plain"].tokens_per_s, 4)
+                                         if s["plain"].tokens_per_s else None for cat, s in sorted(per_cat.items())}},
+        "positions": position_rows({m: [round(r, 4) for r in totals[m].acceptance_rate] for m in ("eagle", "ngram")}),
     }
 
 
