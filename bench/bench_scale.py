@@ -7,7 +7,6 @@ prompt, for each k of --answers (and, with --half-prompts, one answer to half of
 drafter's acceptance length on the held-out prompts (the evaluate params, EAGLE only), then the n-gram baseline's
 once. The validation split is the same for every size. Prints one row per size and the baseline.
 """
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -16,9 +15,8 @@ import click
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eaglepipe import evaluate, speculative, target, train  # noqa: E402
-from eaglepipe.records import prompt_of, sample_of  # noqa: E402
+from eaglepipe import evaluate, speculative, target, train
+from eaglepipe.records import prompt_of, sample_of
 
 
 def acceptance(model, drafter, prompts, stops, p) -> float:

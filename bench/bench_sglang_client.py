@@ -1,6 +1,6 @@
 """How fast is the SGLang client alone? A benchmark, not a test.
 
-Starts tests/sglang_server.py in --no-compute mode (made-up answers after a fixed --latency per request, so the
+Starts eaglepipe/testing/sglang_server.py in --no-compute mode (made-up answers after a fixed --latency per request, so the
 server costs next to nothing) and streams --requests prompts through SGLangEngine.stream at --concurrency. A client
 that keeps ``concurrency`` requests in flight all the time reaches concurrency / latency requests per second; the
 bench prints the ratio it reached (the floor is 0.9 at concurrency 256) and the client's CPU time per request
@@ -13,7 +13,6 @@ and server processes wait for a core shows up as latency above --latency, and lo
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 import urllib.request
@@ -22,12 +21,11 @@ from pathlib import Path
 import click
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from eaglepipe import target  # noqa: E402
-from eaglepipe.engines import Output, Sampling  # noqa: E402
-from eaglepipe.engines.sglang import SGLangEngine  # noqa: E402
-from sglang_server import free_port, start_server, stop_server  # noqa: E402
+from eaglepipe import config, target
+from eaglepipe.engines import Output, Sampling
+from eaglepipe.engines.sglang import SGLangEngine
+from eaglepipe.testing.sglang_server import free_port, start_server, stop_server
 
 
 def proc_cpu(pid: int) -> float:
@@ -58,7 +56,7 @@ def main(concurrency, latency, rounds, prompt_len, max_new_tokens, floor):
         stops = tuple(target.stop_ids(folder, tokenizer))
         sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=stops)
         cfg = {"urls": [url], "concurrency": concurrency, "timeout_s": 60, "health_timeout_s": 60, "retries": 2}
-        with SGLangEngine(cfg, tokenizer) as engine:
+        with SGLangEngine(config.SGLang(**cfg), tokenizer) as engine:
             # warm up the connection pool (one round), then measure
             list(engine.stream(prompts[:concurrency], sampling, [f"w{i}" for i in range(concurrency)]))
             server_cpu0, cpu0, t0 = proc_cpu(server.pid), time.process_time(), time.perf_counter()

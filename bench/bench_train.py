@@ -8,7 +8,6 @@ batches, each collated just before its step (as in train.run, so its data is as 
 TTT forward + loss, backward, clipping and the AdamW step. Both count the tokens of the training batches. Prints both
 throughputs and their ratio (the goal is >= 0.85).
 """
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,8 +16,7 @@ import click
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eaglepipe import target, train  # noqa: E402
+from eaglepipe import target, train
 
 
 def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:

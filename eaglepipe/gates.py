@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import re
 
+from .errors import UserError
+
 HINTS = {
     "min_reasoning": "these records carry no reasoning (or a block that never closes although the model stopped): "
                      "does target.reasoning match the model's markers and chat template (docs/reasoning-and-tools.md)"
@@ -28,7 +30,7 @@ HINTS = {
 }
 
 
-class GateBreach(RuntimeError):
+class GateBreach(UserError, RuntimeError):
     def __init__(self, gate: str, rate: float, limit: float, seen: int, offenders: list, hint: str = ""):
         self.gate, self.rate, self.limit, self.seen, self.offenders = gate, rate, limit, seen, offenders
         low = gate.startswith("min_")
@@ -45,21 +47,13 @@ def cut_in_reasoning_hint(n: int) -> str:
 
 
 class Gates:
-    def __init__(self, params: dict, expects_reasoning: bool, markup: tuple = ()):
-        """``markup``: strings (special and added tokens, see reasoning.markup) that are not answer text."""
-        missing = {"warmup", "every", "max_truncated", "max_empty"} - set(params) \
-            | ({"min_reasoning"} - set(params) if expects_reasoning else set())
-        if missing:
-            raise ValueError(f"infer.gates lacks {sorted(missing)}")
-        self.warmup, self.every = int(params["warmup"]), int(params["every"])
-        if self.warmup < 1 or self.every < 1:
-            raise ValueError(f"infer.gates: warmup and every must be >= 1, got {self.warmup} and {self.every}")
-        self.limits = {"max_truncated": float(params["max_truncated"]), "max_empty": float(params["max_empty"])}
+    def __init__(self, params, expects_reasoning: bool, markup: tuple = ()):
+        """``params``: ``infer.gates`` (config.Gates). ``markup``: strings (special and added tokens, see
+        derive.markup) that are not answer text."""
+        self.warmup, self.every = params.warmup, params.every
+        self.limits = {"max_truncated": params.max_truncated, "max_empty": params.max_empty}
         if expects_reasoning:
-            self.limits = {"min_reasoning": float(params["min_reasoning"]), **self.limits}
-        for gate, limit in self.limits.items():
-            if not 0.0 <= limit <= 1.0:
-                raise ValueError(f"infer.gates.{gate}={limit}: a share, between 0 and 1")
+            self.limits = {"min_reasoning": params.min_reasoning, **self.limits}
         self._markup = re.compile("|".join(map(re.escape, sorted(markup, key=len, reverse=True)))) if markup else None
         self.seen = 0
         self.checked_at: int | None = None

@@ -19,10 +19,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import chat, reasoning, toolcalls
+from . import chat, toolcalls
+from .derive import Spec, to_response
 from .engines import Failure, Sampling
+from .errors import UserError
 from .gates import Gates
-from .records import Generation, RecordError, Response, dumps, generation_from_json, record_id
+from .records import Generation, RecordError, Response, generation_from_json, json_object, record_id, scan_jsonl, writer
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parent
@@ -55,60 +57,48 @@ class Cache:
         done, counts = {}, Counter()
         if not self.path.exists():
             return done, counts
-        lines = self.path.read_bytes().split(b"\n")
-        good = []
-        for n, raw in enumerate(lines, start=1):
-            if not raw.strip():
-                continue
-            try:
-                gen = generation_from_json(json.loads(raw), self.path, n)
-            except (json.JSONDecodeError, UnicodeDecodeError, RecordError):
-                if n >= len(lines) - 1:  # only the last line can be torn by a kill
-                    counts["torn_last_line"] += 1
+        good, torn = [], None
+        with open(self.path, "rb") as f:
+            for n, raw, obj in scan_jsonl(f):
+                if torn is not None:  # only the last line can be torn by a kill
+                    raise torn
+                try:
+                    gen = generation_from_json(json_object(obj, self.path, n), self.path, n)
+                except RecordError as e:
+                    torn = e
                     continue
-                raise
-            if gen.id in done:
-                counts["duplicates"] += 1
-                continue
-            done[gen.id] = gen
-            good.append(raw)
+                if gen.id in done:
+                    counts["duplicates"] += 1
+                    continue
+                done[gen.id] = gen
+                good.append(raw.rstrip(b"\n"))
+        if torn is not None:
+            counts["torn_last_line"] += 1
         if counts:  # rewrite without the torn line / duplicates so appends start on a clean line
             tmp = self.path.with_suffix(".tmp")
             tmp.write_bytes(b"".join(g + b"\n" for g in good))
             os.replace(tmp, self.path)
         return done, counts
 
-    def _append(self, path: Path, line: str) -> None:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+    def _append(self, path: Path, record) -> None:
+        """Append one line and fsync it: once this returns, the record survives a kill or a power cut."""
+        with open(path, "ab") as f:
+            writer(f).write(record)
             f.flush()
             os.fsync(f.fileno())
 
     def add(self, gen: Generation) -> None:
-        self._append(self.path, dumps(gen))
+        self._append(self.path, gen)
 
     def fail(self, rid: str, reason: str) -> None:
-        self._append(self.failures_path, json.dumps({"id": rid, "reason": reason}))
+        self._append(self.failures_path, {"id": rid, "reason": reason})
 
 
-def to_response(gen: Generation, tokenizer, spec: reasoning.Spec, sampling: Sampling | None) -> Response:
-    """The published record: the generation's ids untouched, and every readable field derived from them
-    (reasoning split by ``spec``, tool calls parsed for ``spec.tools``; a call that does not parse is kept as an
-    ``{"error", "raw"}`` entry and counted in the report, never fatal). ``sampling`` None (unknown) is stored as {}."""
-    f = reasoning.readable(tokenizer, gen.prompt_ids, gen.output_ids, spec)
-    return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, f["text"], f["reasoning"],
-                    f["content"], f["reasoning_closed"], f["tool_calls"], sampling.to_json() if sampling else {},
-                    gen.meta, gen.sample)
-
-
-def run(prompts, engine, tokenizer, sampling: Sampling, spec: reasoning.Spec, gates: Gates, cache: Cache,
+def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates, cache: Cache,
         template_kwargs: dict, max_failure_rate: float = 0.0, samples: int = 1) -> tuple[list[Response], dict]:
     """Generate the ``samples`` answers per prompt that the cache lacks, check the gates as records arrive, and
-    return (responses, report). Raises GateBreach (or RuntimeError for too many failures) after keeping everything
+    return (responses, report). Raises GateBreach (or UserError for too many failures) after keeping everything
     generated in the cache."""
-    if samples < 1 or samples > 1 and sampling.temperature <= 0:
-        raise ValueError(f"infer.samples={samples}: needs 1, or more with temperature > 0 (greedy answers to one "
-                         "prompt are all the same)")
     ids = {p.id: chat.prompt_ids(tokenizer, p.messages, p.tools, template_kwargs) for p in prompts}
     wanted = [(p, k, record_id(p.id, k)) for p in prompts for k in range(samples)]
     done, cache_counts = cache.load()
@@ -116,7 +106,7 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: reasoning.Spec, ga
     for p, _, rid in wanted:
         if rid in done:
             if done[rid].prompt_ids != ids[p.id]:
-                raise RuntimeError(f"{cache.path}: record {rid} was generated from other prompt ids; "
+                raise UserError(f"{cache.path}: record {rid} was generated from other prompt ids; "
                                    "delete the cache folder")
             responses[rid] = to_response(done[rid], tokenizer, spec, sampling)
             gates.add(responses[rid])
@@ -143,7 +133,7 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: reasoning.Spec, ga
     gates.check()
     elapsed = time.perf_counter() - start
     if len(failures) > max_failure_rate * len(wanted):
-        raise RuntimeError(f"{len(failures)} of {len(wanted)} answers failed (more than infer.max_failure_rate="
+        raise UserError(f"{len(failures)} of {len(wanted)} answers failed (more than infer.max_failure_rate="
                            f"{max_failure_rate}); see {cache.failures_path}")
     ordered = [responses[rid] for _, _, rid in wanted if rid in responses]
     return ordered, report(ordered, failures, cache_counts, len(todo), new_tokens, elapsed, gates, len(prompts))
@@ -169,7 +159,7 @@ def report(responses: list[Response], failures: list, cache_counts: Counter, gen
         "tokens_in": sum(len(r.prompt_ids) for r in responses),
         "tokens_out": sum(len(r.output_ids) for r in responses),
         "per_source": dict(sorted(by_source.items())),
-        "this_run": {"generated": generated, "tokens_out": new_tokens, "seconds": round(elapsed, 2),
+        "run": {"generated": generated, "tokens_out": new_tokens, "seconds": round(elapsed, 2),
                      "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else 0.0,
                      **{f"cache_{k}": v for k, v in cache_counts.items()}},
         "gates": gates.summary(),

@@ -7,26 +7,29 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import reasoning, sequences
+from . import derive, sequences
 from .records import RecordError, read_jsonl, response_from_json
 
 log = logging.getLogger(__name__)
 
 
-def run(responses_path: Path, out: Path, tokenizer, spec: reasoning.Spec, end_of_turn: int, params: dict) -> dict:
-    """Write the sequences under ``out``; return the dataset statistics. An inconsistent record is an error."""
+def run(responses_path: Path, out: Path, tokenizer, spec: derive.Spec, end_of_turn: int, params) -> dict:
+    """Write the sequences under ``out``; return the dataset statistics. ``params``: the ``merge`` section
+    (config.Merge). An inconsistent record is an error."""
     counts, records = Counter(), []
     for n, obj in tqdm(read_jsonl(responses_path), desc="merge", unit="record"):
         r = response_from_json(obj, responses_path, n)
-        bad = reasoning.mismatch(r, tokenizer, spec)
+        bad = derive.mismatch(r, tokenizer, spec)
         if bad:
             raise RecordError(responses_path, n, bad, f"of record {r.id} does not match what its output_ids give "
                               f"under target.reasoning; the record is inconsistent (re-run infer)")
-        built = sequences.build(r, end_of_turn, int(params["max_length"]), counts)
+        built = sequences.build(r, end_of_turn, params.max_length, counts)
         if built:
             records.append((r.id, r.source, *built))
-    splits = sequences.split_and_shuffle(records, int(params["seed"]), float(params["valid_fraction"]))
-    sequences.write(out, splits, int(params["shard_tokens"]), sequences.__doc__.split("Policy: ")[1].strip())
+    splits = sequences.split_and_shuffle(records, params.seed, params.valid_fraction)
+    policy = {"end_of_turn_id": end_of_turn, "max_length": params.max_length, "seed": params.seed,
+              "valid_fraction": params.valid_fraction}
+    sequences.write(out, splits, params.shard_tokens, policy)
     stats = sequences.stats(splits, counts)
     log.info("merged %d records: %d train, %d valid samples; %s", len(records), stats["train"]["samples"],
              stats["valid"]["samples"], dict(counts))

@@ -13,39 +13,21 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from pathlib import Path
 
+from eaglepipe.errors import UserError
 from eaglepipe.records import Prompt, RecordError
-from eaglepipe.sources import FORMATS, read_source
+from eaglepipe.sources import read_source
 
 log = logging.getLogger(__name__)
 
-ON_ERROR = ("fail", "skip")
 COUNTS = ("n", "read", "valid", "skipped", "duplicates", "selected", "shortfall")
 
 
-def check_config(cfg: dict) -> None:
-    """Raise ValueError naming the first bad key of the ``prepare`` section."""
-    if cfg.get("on_error", "fail") not in ON_ERROR:
-        raise ValueError(f"prepare.on_error should be one of {ON_ERROR}, got {cfg.get('on_error')!r}")
-    sources = cfg.get("sources")
-    if not isinstance(sources, list) or not sources:
-        raise ValueError("prepare.sources should be a non-empty list of {name, path, format, n}")
-    names = [s.get("name") for s in sources if isinstance(s, dict)]
-    for i, s in enumerate(sources):
-        if not isinstance(s, dict) or set(s) != {"name", "path", "format", "n"}:
-            raise ValueError(f"prepare.sources[{i}] should have exactly the keys name, path, format, n")
-        if s["format"] not in FORMATS:
-            raise ValueError(f"prepare.sources[{i}].format {s['format']!r} is not one of {', '.join(FORMATS)}")
-        if not isinstance(s["n"], int) or isinstance(s["n"], bool) or s["n"] < 0:
-            raise ValueError(f"prepare.sources[{i}].n should be a non-negative integer, got {s['n']!r}")
-        if names.count(s["name"]) > 1:
-            raise ValueError(f"prepare.sources: the name {s['name']!r} is used twice")
-
-
-def read_valid(src: dict, on_error: str) -> tuple[list[Prompt], Counter, int]:
+def read_valid(src, on_error: str) -> tuple[list[Prompt], Counter, int]:
     """The valid prompts of one source in file order, the skipped records by reason, and how many records were read."""
     valid, skipped, read = [], Counter(), 0
-    for item in read_source(src["path"], src["format"], src["name"]):
+    for item in read_source(src.path, src.format, src.name):
         read += 1
         if isinstance(item, RecordError):
             if on_error == "fail":
@@ -64,27 +46,30 @@ def sample(candidates: list, n: int, seed: int, name: str) -> list:
     return [candidates[i] for i in sorted(order[:n])]
 
 
-def prepare(cfg: dict) -> tuple[list[Prompt], dict]:
-    """All selected prompts (sources in config order, each in file order) and the report for metrics/prepare.json."""
-    check_config(cfg)
-    seed, on_error = cfg.get("seed", 0), cfg.get("on_error", "fail")
-    seen, selected, report = set(), [], {"seed": seed, "on_error": on_error, "sources": {}}
-    for src in cfg["sources"]:
+def prepare(cfg) -> tuple[list[Prompt], dict]:
+    """All selected prompts (sources in config order, each in file order) and the report for metrics/prepare.json.
+    ``cfg``: the ``prepare`` section (config.Prepare)."""
+    for i, src in enumerate(cfg.sources):  # before reading any: a typo in the last path costs no time
+        if not Path(src.path).is_file():
+            raise UserError(f"prepare.sources[{i}] ({src.name}): no such file {src.path}")
+    seed, on_error = cfg.seed, cfg.on_error
+    seen, selected, report = set(), [], {"sources": {}}
+    for src in cfg.sources:
         valid, skipped, read = read_valid(src, on_error)
         candidates = []
         for p in valid:
             if p.id not in seen:
                 seen.add(p.id)
                 candidates.append(p)
-        picked = sample(candidates, src["n"], seed, src["name"])
-        if len(picked) < src["n"]:
-            log.warning("source %s: only %d usable records for n=%d", src["name"], len(picked), src["n"])
+        picked = sample(candidates, src.n, seed, src.name)
+        if len(picked) < src.n:
+            log.warning("source %s: only %d usable records for n=%d", src.name, len(picked), src.n)
         selected += picked
-        report["sources"][src["name"]] = {
-            "path": str(src["path"]), "format": src["format"], "n": src["n"],
+        report["sources"][src.name] = {
+            "n": src.n,
             "read": read, "valid": len(valid), "skipped": sum(skipped.values()), "skipped_by_reason": dict(skipped),
             "duplicates": len(valid) - len(candidates), "selected": len(picked),
-            "shortfall": src["n"] - len(picked),
+            "shortfall": src.n - len(picked),
         }
     report["totals"] = totals(list(report["sources"].values()))
     return selected, report

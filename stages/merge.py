@@ -1,34 +1,25 @@
-"""merge: responses -> training sequences (prompt_ids + output_ids, loss mask on the output), shuffled and split.
-
-Reads data/responses/responses.jsonl and params.yaml (target, merge); writes data/sequences/ (safetensors shards and
-index.json) and dataset statistics to metrics/merge.json. Every record is re-validated against its own ids first.
-"""
-import logging
-import sys
+"""merge: responses -> training sequences (prompt_ids + output_ids, loss mask on the output), never re-tokenised,
+split per prompt and shuffled (eaglepipe/sequences.py); every record is re-validated against its own ids first."""
 from pathlib import Path
 
 import click
-import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eaglepipe import merge, reasoning, target  # noqa: E402
-from eaglepipe.records import write_json  # noqa: E402
+from eaglepipe import cli, derive, merge, target
 
 
 @click.command(help=__doc__)
-@click.option("--params", default="params.yaml", show_default=True, help="Parameters file.")
-@click.option("--responses", default="data/responses/responses.jsonl", show_default=True, help="Response records.")
-@click.option("--out", default="data/sequences", show_default=True, help="Output folder.")
-@click.option("--report", default="metrics/merge.json", show_default=True, help="Dataset statistics (DVC metrics).")
+@click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target, merge).")
+@click.option("--responses", required=True, type=click.Path(dir_okay=False), help="infer's responses.jsonl.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder of the sequences.")
+@click.option("--report", required=True, type=click.Path(dir_okay=False), help="Dataset statistics (DVC metrics).")
+@cli.stage
 def main(params, responses, out, report):
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = yaml.safe_load(Path(params).read_text())
-    folder = target.resolve(cfg["target"]["model"])
+    cfg = cli.params(params)
+    spec = derive.spec_from_params(cfg.target.reasoning, cfg.target.tool_calls)
+    folder = target.resolve(cfg.target.model)
     tokenizer = target.load_tokenizer(folder)
     end_of_turn = target.end_of_turn_id(folder, tokenizer)
-    spec = reasoning.spec_from_params(cfg["target"]["reasoning"], cfg["target"].get("tool_calls", "none"))
-    stats = merge.run(Path(responses), Path(out), tokenizer, spec, end_of_turn, cfg["merge"])
-    write_json(report, stats)
+    cli.publish(merge.run(Path(responses), Path(out), tokenizer, spec, end_of_turn, cfg.merge), report)
 
 
 if __name__ == "__main__":

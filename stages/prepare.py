@@ -1,34 +1,25 @@
-"""Stage prepare: mix the prompt sources of params.yaml into one prompts file, plus a report."""
+"""prepare: mix the prompt sources of `prepare.sources` into one prompts file (quotas, de-duplication, seeded
+sampling; the rules are in eaglepipe/prepare.py), and count every record read, skipped or chosen."""
 import logging
-import sys
-from pathlib import Path
 
 import click
-import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eaglepipe import prepare as lib  # noqa: E402
-from eaglepipe.records import write_json, write_jsonl  # noqa: E402
+from eaglepipe import cli
+from eaglepipe import prepare as lib
+from eaglepipe.records import write_jsonl
 
 
-@click.command()
-@click.option("--params", default="params.yaml", show_default=True, type=click.Path(exists=True, dir_okay=False),
-              help="YAML file whose 'prepare' section lists the sources {name, path, format, n}, seed and on_error.")
-@click.option("--out", default="data/prompts/prompts.jsonl", show_default=True, type=click.Path(dir_okay=False),
-              help="Where to write the selected prompts (JSON Lines, one Prompt a line).")
-@click.option("--report", default="metrics/prepare.json", show_default=True, type=click.Path(dir_okay=False),
-              help="Where to write the counts per source: read, valid, skipped by reason, duplicates, selected.")
+@click.command(help=__doc__)
+@click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (section prepare).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Prompt records (JSON Lines).")
+@click.option("--report", required=True, type=click.Path(dir_okay=False),
+              help="Counts per source: read, valid, skipped by reason, duplicates, selected (DVC metrics).")
+@cli.stage
 def main(params, out, report):
-    """Read each source, drop broken records (on_error: skip) or stop at the first (fail), remove duplicates,
-    sample n prompts per source with a per-source seed, and write the prompts and the report."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = yaml.safe_load(Path(params).read_text(encoding="utf-8"))["prepare"]
-    try:
-        prompts, counts = lib.prepare(cfg)
-    except ValueError as e:  # RecordError included: a bad record (on_error: fail) or a bad params section
-        raise click.ClickException(str(e)) from e
+    cfg = cli.params(params)
+    prompts, counts = lib.prepare(cfg.prepare)
     write_jsonl(out, prompts)
-    write_json(report, counts)
+    cli.publish(counts, report)
     logging.getLogger("prepare").info("wrote %d prompts to %s\n%s", len(prompts), out, lib.summary(counts))
 
 

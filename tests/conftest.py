@@ -1,13 +1,7 @@
-"""Shared fixtures: the embedded target (tokenizer and model loaded once per test session) and the repo root."""
-import sys
-from pathlib import Path
-
+"""Shared fixtures: the embedded target (tokenizer and model loaded once per test session)."""
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from eaglepipe import target  # noqa: E402
+from eaglepipe import target
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +17,10 @@ def tokenizer(target_folder):
 @pytest.fixture(scope="session")
 def model(target_folder):
     return target.load_model(target_folder)
+
+
+def pytest_collection_modifyitems(items):
+    """A test that runs the real model (the ``model`` fixture) is slow: `make test-fast` leaves it out."""
+    for item in items:
+        if "model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -1,5 +1,6 @@
-"""The DVC contract: each stage's deps list exactly the project code it runs; a full repro followed by a second one
-runs nothing; changing how infer derives reasoning re-runs infer and what is below it, never prepare."""
+"""The DVC contract: each stage's deps list exactly the project code it runs and its params exactly the result keys it
+reads; a full repro followed by a second one runs nothing; a speed knob changes nothing; changing how infer derives
+reasoning re-runs infer and what is below it, never prepare."""
 import ast
 import json
 import os
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from eaglepipe import config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +65,40 @@ def test_deps_list_exactly_the_code_each_stage_runs(name):
                               f"lists but does not run {sorted(code_deps - runs)}"
 
 
+def params_read(script: Path) -> set:
+    """The params keys a stage script reads: ``cfg.<section>`` (the whole section) or ``cfg.<section>.<key>``,
+    each expanded to the result keys (``config.Section.tracked_keys``)."""
+    chains, inner = [], set()
+    for node in ast.walk(ast.parse(script.read_text())):
+        if isinstance(node, ast.Attribute):
+            if isinstance(node.value, ast.Attribute):
+                inner.add(id(node.value))
+            parts, cur = [], node
+            while isinstance(cur, ast.Attribute):
+                parts.insert(0, cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name) and cur.id == "cfg":
+                chains.append((id(node), parts))
+    keys = set()
+    for node_id, parts in chains:
+        if node_id in inner:
+            continue  # part of a longer chain
+        section = config.Params.model_fields[parts[0]].annotation
+        if len(parts) == 1:
+            keys |= {f"{parts[0]}.{k}" for k in section.tracked_keys()}
+        elif parts[1] in section.tracked_keys():
+            keys.add(f"{parts[0]}.{parts[1]}")
+    return keys
+
+
+@pytest.mark.parametrize("name", list(stages()))
+def test_params_list_exactly_the_result_keys_each_stage_reads(name):
+    stage = stages()[name]
+    script = next(w for w in stage["cmd"].split() if w.startswith("stages/") and w.endswith(".py"))
+    reads = params_read(ROOT / script)
+    assert reads and set(stage["params"]) == reads, f"stage {name}: reads {sorted(reads)}"
+
+
 def tiny_params(params: dict) -> dict:
     for source in params["prepare"]["sources"]:
         source["n"] = 2
@@ -95,12 +132,13 @@ def project(tmp_path_factory, target_folder):
 
 def dvc(project: Path, *args) -> subprocess.CompletedProcess:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-               EAGLEPIPE_CACHE=str(ROOT / ".cache"))
+               EAGLEPIPE_CACHE=str(project / ".cache"))
     out = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     return out
 
 
+@pytest.mark.slow
 def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     first = dvc(project, "repro")
     for name in stages():
@@ -110,6 +148,19 @@ def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
 
     second = dvc(project, "repro")
     assert "Running stage" not in second.stdout, second.stdout
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    fast = yaml.safe_load((project / "params.yaml").read_text())
+    fast["train"].update(threads=1, checkpoint_every=7)
+    fast["evaluate"].update(threads=2, limit=1)
+    fast["infer"]["sglang"].update(urls=["http://127.0.0.2:30000"], concurrency=8)
+    (project / "params.yaml").write_text(yaml.safe_dump(fast, sort_keys=False))
+    assert json.loads(dvc(project, "status", "--json").stdout) == {}  # a bigger machine invalidates nothing
+    changed = yaml.safe_load((project / "params.yaml").read_text())
+    changed["train"]["lr"] = 0.002
+    (project / "params.yaml").write_text(yaml.safe_dump(changed, sort_keys=False))
+    assert set(json.loads(dvc(project, "status", "--json").stdout)) == {"train"}  # evaluate waits on train's output
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
     with open(project / "eaglepipe/reasoning.py", "a") as f:
         f.write("\n# a change to how reasoning is derived\n")

@@ -1,10 +1,11 @@
 """Gates: when they are checked, what each one counts, and what a breach says."""
 import pytest
 
+from eaglepipe import config
 from eaglepipe.gates import GateBreach, Gates
 from eaglepipe.records import Response
 
-PARAMS = {"warmup": 4, "every": 3, "min_reasoning": 0.5, "max_truncated": 0.5, "max_empty": 0.25}
+PARAMS = config.Gates(warmup=4, every=3, min_reasoning=0.5, max_truncated=0.5, max_empty=0.25)
 MARKUP = ("<|im_end|>", "<|return|>")
 
 
@@ -68,7 +69,7 @@ def test_a_block_that_never_closes_counts_only_when_cut_short():
 
 
 def test_min_reasoning_is_not_checked_without_a_reasoning_preset():
-    g = Gates({k: v for k, v in PARAMS.items() if k != "min_reasoning"}, False)
+    g = Gates(PARAMS, False)
     for i in range(4):
         g.add(resp(f"r{i}", reasoning=""))
     g.check()
@@ -116,7 +117,7 @@ def test_without_markup_an_end_of_turn_token_counts_as_text():
 
 
 def test_limits_at_the_boundary_pass():
-    g = Gates({**PARAMS, "min_reasoning": 0.5, "max_truncated": 0.5}, True)
+    g = Gates(PARAMS.model_copy(update={"min_reasoning": 0.5, "max_truncated": 0.5}), True)
     for i in range(4):
         g.add(resp(f"r{i}", reasoning="why" if i % 2 else "", finish="length" if i % 2 else "stop"))
     g.check()
@@ -128,11 +129,12 @@ def test_no_records_no_breach():
 
 
 @pytest.mark.parametrize("params, match", [
-    ({**PARAMS, "warmup": 0}, "warmup and every"),
-    ({**PARAMS, "every": 0}, "warmup and every"),
-    ({**PARAMS, "max_empty": 1.5}, "max_empty=1.5"),
-    ({k: v for k, v in PARAMS.items() if k != "min_reasoning"}, "lacks"),
+    ({"warmup": 0}, "infer.gates.warmup = 0: input should be greater than or equal to 1"),
+    ({"every": 0}, "infer.gates.every = 0"),
+    ({"max_empty": 1.5}, "infer.gates.max_empty = 1.5: input should be less than or equal to 1"),
+    ({"max_empty": "a lot"}, "infer.gates.max_empty = 'a lot': input should be a valid number"),
 ])
-def test_bad_params_are_refused(params, match):
-    with pytest.raises(ValueError, match=match):
-        Gates(params, True)
+def test_bad_params_are_refused_naming_the_key(params, match):
+    with pytest.raises(config.ConfigError, match=match):
+        config.parse({"prepare": {"sources": [{"name": "a", "path": "a", "format": "alpaca", "n": 1}]},
+                      "infer": {"gates": params}})

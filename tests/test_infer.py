@@ -11,11 +11,11 @@ import pytest
 import torch
 import yaml
 
-from eaglepipe import chat, infer, reasoning, target
+from eaglepipe import config, chat, derive, infer, target
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
 from eaglepipe.gates import Gates
-from eaglepipe.records import Prompt, content_id, prompt_of, read_responses, write_jsonl
+from eaglepipe.records import Prompt, content_id, prompt_of, read_jsonl, response_from_json, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
@@ -38,8 +38,8 @@ def run(prompt_list, model, tokenizer, folder, cache_dir, max_new_tokens=12, bat
     sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens,
                         stop_token_ids=tuple(target.stop_ids(folder, tokenizer)))
     fp = infer.fingerprint(target.fingerprint(folder), "hf", engine.identity(), sampling, {})
-    spec = reasoning.spec_from_params("none")
-    return infer.run(prompt_list, engine, tokenizer, sampling, spec, Gates(GATES, False),
+    spec = derive.spec_from_params("none")
+    return infer.run(prompt_list, engine, tokenizer, sampling, spec, Gates(config.Gates(**GATES), False),
                      infer.Cache(Path(cache_dir) / fp), {}, samples=samples)
 
 
@@ -80,18 +80,18 @@ def test_samples_per_prompt_are_distinct_records_and_grow_incrementally(model, t
     assert report["prompts"] == 3 and report["answers"] == 6
     assert any(a.output_ids != b.output_ids for a, b in zip(responses[::2], responses[1::2]))
     again, report = run(ps, model, tokenizer, target_folder, tmp_path, samples=3, temperature=1.0)
-    assert report["this_run"]["generated"] == 3  # only the third answer of each prompt
+    assert report["run"]["generated"] == 3  # only the third answer of each prompt
     assert [r.output_ids for r in again if r.sample < 2] == [r.output_ids for r in responses]
-    with pytest.raises(ValueError, match="temperature"):
-        run(ps, model, tokenizer, target_folder, tmp_path, samples=2)
+    with pytest.raises(config.ConfigError, match="need temperature > 0"):  # refused before any model is loaded
+        config.parse({"prepare": {"sources": []}, "infer": {"samples": 2, "temperature": 0.0}})
 
 
 def test_adding_a_source_generates_only_its_prompts(model, tokenizer, target_folder, tmp_path):
     first = prompts(QUESTIONS[:3], "a")
     _, report = run(first, model, tokenizer, target_folder, tmp_path)
-    assert report["this_run"]["generated"] == 3
+    assert report["run"]["generated"] == 3
     responses, report = run(first + prompts(QUESTIONS[3:5], "b"), model, tokenizer, target_folder, tmp_path)
-    assert report["this_run"]["generated"] == 2
+    assert report["run"]["generated"] == 2
     assert len(responses) == 5 and report["per_source"] == {"a": 3, "b": 2}
 
 
@@ -99,7 +99,7 @@ def test_other_params_never_reuse_a_cache(model, tokenizer, target_folder, tmp_p
     ps = prompts(QUESTIONS[:2])
     run(ps, model, tokenizer, target_folder, tmp_path, max_new_tokens=6)
     _, report = run(ps, model, tokenizer, target_folder, tmp_path, max_new_tokens=7)
-    assert report["this_run"]["generated"] == 2
+    assert report["run"]["generated"] == 2
     assert len(list(tmp_path.iterdir())) == 2
 
 
@@ -125,7 +125,7 @@ def write_params(tmp_path, **infer_overrides):
 def stage(tmp_path, params):
     return [sys.executable, str(ROOT / "stages/infer.py"), "--params", str(params), "--prompts",
             str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "out"), "--report", str(tmp_path / "report.json"),
-            "--cache", str(tmp_path / "cache")]
+            "--timings", str(tmp_path / "timings.json"), "--cache", str(tmp_path / "cache")]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
@@ -152,10 +152,10 @@ def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
     done_before = len({json.loads(l)["id"] for l in cache_file.read_text().splitlines() if l.endswith("}")})
 
     subprocess.run(cmd, check=True, capture_output=True)
-    records = list(read_responses(tmp_path / "out" / "responses.jsonl"))
+    records = [response_from_json(obj) for _, obj in read_jsonl(tmp_path / "out" / "responses.jsonl")]
     assert sorted(r.id for r in records) == sorted(p.id for p in ps)
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert report["this_run"]["generated"] == len(ps) - done_before
+    timings = json.loads((tmp_path / "timings.json").read_text())
+    assert timings["generated"] == len(ps) - done_before
 
 
 def test_hf_engine_ignores_sampling_defaults_of_the_model_folder(target_folder, tokenizer, tmp_path):

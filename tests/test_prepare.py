@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglepipe.prepare import check_config, prepare
+from eaglepipe import config
+from eaglepipe import prepare as lib
+from eaglepipe.errors import UserError
 from eaglepipe.records import RecordError, content_id, prompt_from_json, read_prompts
 from eaglepipe.sources import raw_records, read_source
 
@@ -128,11 +130,15 @@ def test_ids_are_stable_and_content_based(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ mixing and sampling
+def prepare_(section: dict):
+    """prepare on a ``prepare`` section as params.yaml holds it (validated as the stage validates it)."""
+    return lib.prepare(config.parse({"prepare": section}, "params.yaml").prepare)
+
 
 def test_duplicates_are_removed_across_sources_and_counted(tmp_path):
     a = alpaca_file(tmp_path / "a.jsonl", ["one", "two", "three"])
     b = alpaca_file(tmp_path / "b.jsonl", ["two", "four", "four", "five"])
-    prompts, report = prepare({"seed": 0, "sources": [source("a", a, 10), source("b", b, 10)]})
+    prompts, report = prepare_({"seed": 0, "sources": [source("a", a, 10), source("b", b, 10)]})
     ids = [p.id for p in prompts]
     assert len(ids) == len(set(ids)) == 5
     assert [p.messages[0]["content"] for p in prompts if p.source == "b"] == ["four", "five"]
@@ -143,7 +149,7 @@ def test_duplicates_are_removed_across_sources_and_counted(tmp_path):
 
 
 def selection(cfg, name):
-    return [p.id for p in prepare(cfg)[0] if p.source == name]
+    return [p.id for p in prepare_(cfg)[0] if p.source == name]
 
 
 def test_sampling_of_a_source_ignores_the_other_sources(tmp_path):
@@ -161,19 +167,27 @@ def test_sampling_of_a_source_ignores_the_other_sources(tmp_path):
 
 def test_shortfall_takes_everything_and_is_reported(tmp_path):
     x = alpaca_file(tmp_path / "x.jsonl", ["a", "b", "c"])
-    prompts, report = prepare({"seed": 0, "sources": [source("x", x, 5)]})
+    prompts, report = prepare_({"seed": 0, "sources": [source("x", x, 5)]})
     assert [p.messages[0]["content"] for p in prompts] == ["a", "b", "c"]
     assert (report["sources"]["x"]["selected"], report["sources"]["x"]["shortfall"]) == (3, 2)
 
 
 def test_config_is_checked(tmp_path):
     x = alpaca_file(tmp_path / "x.jsonl", ["a"])
-    with pytest.raises(ValueError, match="format"):
-        check_config({"sources": [source("x", x, 1, fmt="csv")]})
-    with pytest.raises(ValueError, match="twice"):
-        check_config({"sources": [source("x", x, 1), source("x", x, 2)]})
-    with pytest.raises(ValueError, match="on_error"):
-        check_config({"on_error": "ignore", "sources": [source("x", x, 1)]})
+    with pytest.raises(config.ConfigError, match=r"prepare.sources\[0\].format = 'csv': input should be 'sharegpt'"):
+        prepare_({"sources": [source("x", x, 1, fmt="csv")]})
+    with pytest.raises(config.ConfigError, match=r"\['x'\] used twice"):
+        prepare_({"sources": [source("x", x, 1), source("x", x, 2)]})
+    with pytest.raises(config.ConfigError, match="prepare.on_error = 'ignore': input should be 'fail' or 'skip'"):
+        prepare_({"on_error": "ignore", "sources": [source("x", x, 1)]})
+    with pytest.raises(config.ConfigError, match=r"prepare.sources\[0\].n = -1: input should be greater"):
+        prepare_({"sources": [source("x", x, -1)]})
+
+
+def test_a_missing_source_file_is_named_before_any_source_is_read(tmp_path):
+    x = alpaca_file(tmp_path / "x.jsonl", ["a"])
+    with pytest.raises(UserError, match=r"prepare.sources\[1\] \(gone\): no such file .*nowhere.jsonl"):
+        prepare_({"sources": [source("x", x, 1), source("gone", tmp_path / "nowhere.jsonl", 1)]})
 
 
 # ------------------------------------------------------------------------------------------------------- bad input
@@ -209,10 +223,10 @@ def test_bad_line_fails_naming_file_line_and_field(tmp_path, reason):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(good_line(fmt) + b"\n\n" + bad + b"\n" + good_line(fmt).replace(b"fine", b"also fine") + b"\n")
     with pytest.raises(RecordError) as e:
-        prepare({"sources": [source("bad", path, 5, fmt)]})
+        prepare_({"sources": [source("bad", path, 5, fmt)]})
     assert (e.value.path, e.value.line, e.value.field) == (str(path), 3, field)
     assert str(e.value).startswith(f"{path}:3:")
-    _, report = prepare({"on_error": "skip", "sources": [source("bad", path, 5, fmt)]})
+    _, report = prepare_({"on_error": "skip", "sources": [source("bad", path, 5, fmt)]})
     counts = report["sources"]["bad"]
     assert (counts["read"], counts["valid"], counts["skipped"], counts["selected"]) == (3, 2, 1, 2)
     assert counts["skipped_by_reason"] == {reason: 1} == report["totals"]["skipped_by_reason"]
@@ -222,7 +236,7 @@ def test_bad_item_of_a_json_array_names_its_index(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps([{"instruction": "a"}, {"instruction": "b"}, {"output": "no instruction"}]))
     with pytest.raises(RecordError) as e:
-        prepare({"sources": [source("bad", path, 5)]})
+        prepare_({"sources": [source("bad", path, 5)]})
     assert (e.value.line, e.value.field) == (2, "instruction") and "JSON array index 2" in str(e.value)
 
 
@@ -230,7 +244,7 @@ def test_broken_json_array_fails_even_with_skip(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('[\n  {"instruction": "a"},\n  {"instruction": }\n]\n')
     with pytest.raises(RecordError) as e:
-        prepare({"on_error": "skip", "sources": [source("bad", path, 5)]})
+        prepare_({"on_error": "skip", "sources": [source("bad", path, 5)]})
     assert (e.value.path, e.value.line) == (str(path), 3)
 
 
@@ -239,7 +253,7 @@ def test_skip_counts_every_reason(tmp_path):
              BAD_LINES["unknown_role"][1], BAD_LINES["empty_conversation"][1]]
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b"\n".join(lines))
-    _, report = prepare({"on_error": "skip", "sources": [source("m", path, 5, "sharegpt")]})
+    _, report = prepare_({"on_error": "skip", "sources": [source("m", path, 5, "sharegpt")]})
     counts = report["sources"]["m"]
     assert counts["skipped_by_reason"] == {"broken_json": 1, "unknown_role": 2, "empty_conversation": 1}
     assert counts["read"] == counts["valid"] + counts["skipped"] == 5
@@ -285,8 +299,8 @@ def test_stage_stops_on_a_bad_record_with_a_clear_message(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(GOOD + b"\n" + BAD_LINES["broken_json"][1] + b"\n")
     params = params_file(tmp_path, [source("bad", bad, 2, "sharegpt")])
-    result = subprocess.run([sys.executable, str(STAGE), "--params", str(params)], cwd=tmp_path,
-                            capture_output=True, text=True)
+    result = subprocess.run([sys.executable, str(STAGE), "--params", str(params), "--out", "data/prompts.jsonl",
+                             "--report", "data/prepare.json"], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 1
     assert f"{bad}:2:" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "data").exists()  # nothing half-written

@@ -8,7 +8,7 @@ reasoning model's answers as token ids of the test tokenizer (reasoning_fixtures
 3. the prefilled-opening-tag template, an output with no closing tag, gpt-oss harmony channels;
 4. the real stage, as a subprocess, on the embedded model (not a reasoning model) under ``target.reasoning: think``.
 1 and 2 also run end to end over HTTP (``test_1_e2e_*``, ``test_2_e2e_*``): stages/infer.py as a subprocess with
-``infer.engine: sglang`` against tests/sglang_server.py on loopback, both loading one model folder (the test tokenizer
+``infer.engine: sglang`` against eaglepipe/testing/sglang_server.py on loopback, both loading one model folder (the test tokenizer
 and the embedded weights), the server serving a reasoning model's output ids (``--reasoning wrap``) or the same with
 the thinking dropped (``--reasoning drop``); with the prefilling template and with the one that leaves ``<think>`` to
 the model.
@@ -23,22 +23,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglepipe import chat, infer, inspect, merge, reasoning, target
+from eaglepipe import config, chat, derive, infer, inspect, merge, target
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
 from eaglepipe.gates import GateBreach, Gates
 from eaglepipe.records import Prompt, RecordError, content_id, response_from_json, write_json, write_jsonl
 from reasoning_fixtures import (ScriptedEngine, harmony_model, ids, model_folder, reasoning_dropped, reasoning_model,
                                 reasoning_tokenizer, served_model_folder, think_answer)
-from sglang_server import THOUGHT, free_port, start_server, stop_server
-from test_sglang import configure, stats
+from eaglepipe.testing.sglang_server import THOUGHT, configure, free_port, start_server, stats, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
-GATES = yaml.safe_load((ROOT / "params.yaml").read_text())["infer"]["gates"]  # the project's own settings
+GATES = config.load(ROOT / "params.yaml").infer.gates  # the project's own settings
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the web",
                                            "parameters": {"type": "object",
                                                           "properties": {"query": {"type": "string"}}}}}]
-MERGE = {"seed": 0, "valid_fraction": 0.1, "max_length": 1024, "shard_tokens": 100000}
+MERGE = config.Merge(shard_tokens=100000)
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +61,13 @@ def prompts(n, tools_every=4, source="glaive"):
 
 def run(ps, engine, tok, folder, cache_dir, spec, template_kwargs=None, max_new_tokens=256):
     sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(target.stop_ids(folder, tok)))
-    gates = Gates(GATES, spec.expects_reasoning, reasoning.markup(tok))
+    gates = Gates(GATES, spec.expects_reasoning, derive.markup(tok))
     return infer.run(ps, engine, tok, sampling, spec, gates, infer.Cache(Path(cache_dir)), template_kwargs or {})
 
 
 def test_1_seed_run_replayed_every_record_keeps_its_reasoning(tok, folder, tmp_path):
     ps = prompts(40)
-    spec = reasoning.spec_from_params("think", "hermes")
+    spec = derive.spec_from_params("think", "hermes")
     engine = ScriptedEngine(tok, reasoning_model)
     responses, rep = run(ps, engine, tok, folder, tmp_path / "cache", spec)
     assert len(responses) == 40 and engine.served == 40
@@ -87,7 +86,7 @@ def test_1_seed_run_replayed_every_record_keeps_its_reasoning(tok, folder, tmp_p
     assert rep["tool_calls"] == {"records": 10, "calls": 10, "parse_failures": 0}
     # published, then merged: merge re-validates every record against its ids and accepts them all
     write_jsonl(tmp_path / "responses.jsonl", responses)
-    stats = merge.run(tmp_path / "responses.jsonl", tmp_path / "seq", tok, reasoning.spec_from_params("think"),
+    stats = merge.run(tmp_path / "responses.jsonl", tmp_path / "seq", tok, derive.spec_from_params("think"),
                       target.end_of_turn_id(folder, tok), MERGE)
     assert stats["train"]["samples"] + stats["valid"]["samples"] == 40
     # what a user checks by eye: the inspection command, run as `make inspect` runs it
@@ -104,6 +103,8 @@ def test_1_seed_run_replayed_every_record_keeps_its_reasoning(tok, folder, tmp_p
     assert "with reasoning 40 (100.0%)" in out and "(source glaive): 40 records; showing 40" in out
     assert out.count("-- reasoning (closed) --") == 40 and out.count("-- content --") == 40
     assert out.count("re-derived from ids: ok") == 40 and out.count("  1. search({\"query\": ") == 10
+    assert out.count("-- prompt (its prompt_ids decoded) --") == 40
+    assert all(f"<|im_start|>user\n{p.messages[-1]['content']}<|im_end|>" in out for p in ps)  # the question asked
 
 
 @pytest.mark.parametrize("template", [{}, {"prefill_think": False}], ids=["prefilled", "model-opens-tag"])
@@ -112,28 +113,28 @@ def test_2_reasoning_dropped_fails_its_gate_within_the_warmup(tok, folder, tmp_p
     engine = ScriptedEngine(tok, reasoning_dropped, "reasoning dropped")
     cache = tmp_path / "cache"
     with pytest.raises(GateBreach) as e:
-        run(ps, engine, tok, folder, cache, reasoning.spec_from_params("think"), template)
-    warmup = int(GATES["warmup"])
+        run(ps, engine, tok, folder, cache, derive.spec_from_params("think"), template)
+    warmup = GATES.warmup
     msg = str(e.value)
-    assert f"gate min_reasoning breached: observed 0.000 < {GATES['min_reasoning']} after {warmup} records" in msg
+    assert f"gate min_reasoning breached: observed 0.000 < {GATES.min_reasoning} after {warmup} records" in msg
     assert ", ".join(p.id for p in ps[:5]) in msg  # a few record ids to look at
     assert engine.served == warmup                   # stopped at the first check: the rest was never asked for
     done, _ = infer.Cache(cache).load()              # what was generated stays on disk for inspection
     assert list(done) == [p.id for p in ps[:warmup]]
     assert not (tmp_path / "responses.jsonl").exists()
     # the stopped run's records can be inspected where they are
-    shown = inspect.render(cache / "generations.jsonl", 2, 0, tok, reasoning.spec_from_params("think"))
+    shown = inspect.render(cache / "generations.jsonl", 2, 0, tok, derive.spec_from_params("think"))
     assert f"generations.jsonl: {warmup} records; showing 2" in shown
     assert shown.count("NEVER CLOSED although the model stopped" if not template else "-- reasoning (none) --") == 2
     # resuming the broken run stops again at its first new record, before spending more compute
     engine2 = ScriptedEngine(tok, reasoning_dropped, "reasoning dropped")
     with pytest.raises(GateBreach, match=f"after {warmup + 1} records"):
-        run(ps, engine2, tok, folder, cache, reasoning.spec_from_params("think"), template)
+        run(ps, engine2, tok, folder, cache, derive.spec_from_params("think"), template)
     assert engine2.served == 1
 
 
 def test_2b_merge_refuses_a_published_record_whose_reasoning_was_blanked(tok, folder, tmp_path):
-    spec = reasoning.spec_from_params("think")
+    spec = derive.spec_from_params("think")
     responses, _ = run(prompts(3, 0), ScriptedEngine(tok, reasoning_model), tok, folder, tmp_path / "c", spec)
     responses[1].reasoning = ""  # the seed's record: thinking in the ids, nothing in the field
     write_jsonl(tmp_path / "r.jsonl", responses)
@@ -143,7 +144,7 @@ def test_2b_merge_refuses_a_published_record_whose_reasoning_was_blanked(tok, fo
 
 def test_3_prefilled_template_only_the_closing_tag_is_generated(tok, folder, tmp_path):
     ps = prompts(20, 0)
-    spec = reasoning.spec_from_params("think")
+    spec = derive.spec_from_params("think")
     responses, _ = run(ps, ScriptedEngine(tok, reasoning_model), tok, folder, tmp_path, spec)
     open_id, close_id = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
     for r in responses:
@@ -158,7 +159,7 @@ def test_3_output_without_closing_tag_is_reasoning_flagged_unclosed(tok, folder,
 
     ps = prompts(20, 0)
     responses, rep = run(ps, ScriptedEngine(tok, sometimes_cut), tok, folder, tmp_path,
-                         reasoning.spec_from_params("think"), max_new_tokens=6)
+                         derive.spec_from_params("think"), max_new_tokens=6)
     cut = [r for r in responses if r.finish_reason == "length"]
     assert len(cut) == 1 and len(cut[0].output_ids) == 6
     assert cut[0].reasoning and cut[0].content == "" and not cut[0].reasoning_closed
@@ -168,7 +169,7 @@ def test_3_output_without_closing_tag_is_reasoning_flagged_unclosed(tok, folder,
 
 def test_3_gpt_oss_harmony_channels(tok, folder, tmp_path):
     ps = prompts(24)
-    spec = reasoning.spec_from_params("harmony", "harmony")
+    spec = derive.spec_from_params("harmony", "harmony")
     responses, rep = run(ps, ScriptedEngine(tok, harmony_model), tok, folder, tmp_path, spec, {"harmony": True})
     assert tok.decode(responses[0].prompt_ids).endswith("<|start|>assistant")
     for p, r in zip(ps, responses):
@@ -184,7 +185,7 @@ def test_3_gpt_oss_harmony_channels(tok, folder, tmp_path):
     # the same output read with the think preset has no reasoning: the gate would stop such a misconfigured run
     with pytest.raises(GateBreach, match="min_reasoning"):
         run(ps, ScriptedEngine(tok, harmony_model), tok, folder, tmp_path / "other",
-            reasoning.spec_from_params("think"), {"harmony": True})
+            derive.spec_from_params("think"), {"harmony": True})
 
 
 def test_4_stage_on_a_non_reasoning_model_under_think_fails_its_gate(tmp_path):
@@ -203,7 +204,8 @@ def test_4_stage_on_a_non_reasoning_model_under_think_fails_its_gate(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "stages/infer.py"), "--params", str(tmp_path / "params.yaml"),
          "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "responses"),
-         "--report", str(tmp_path / "metrics/infer.json"), "--cache", str(tmp_path / "cache")],
+         "--report", str(tmp_path / "metrics/infer.json"), "--timings", str(tmp_path / "metrics/timings.json"),
+         "--cache", str(tmp_path / "cache")],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert f"gate min_reasoning breached: observed 0.000 < 0.9 after 2 records (e.g. {ps[0].id}, {ps[1].id})" \
@@ -215,7 +217,7 @@ def test_4_stage_on_a_non_reasoning_model_under_think_fails_its_gate(tmp_path):
     assert [g["id"] for g in kept] == [ps[0].id, ps[1].id]  # generated, kept for inspection, not published
 
 
-# ---- 1 and 2 end to end: stages/infer.py over HTTP against tests/sglang_server.py -----------------------------------
+# ---- 1 and 2 end to end: stages/infer.py over HTTP against eaglepipe/testing/sglang_server.py -----------------------------------
 # Questions the embedded model answers in at most 13 ids and a stop (greedy): every answer fits the budget left by
 # the think block, so `content` holds whole answers, and the dropped run's answers end by stop (a truncated output
 # under a prefilled <think> would count as reasoning cut short).
@@ -236,7 +238,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(served, tmp_path_factory):
-    """tests/sglang_server.py on loopback serving the served folder (the mode is set per test)."""
+    """eaglepipe/testing/sglang_server.py on loopback serving the served folder (the mode is set per test)."""
     port = free_port()
     proc = start_server(port, tmp_path_factory.mktemp("server") / "server.log", "--model-path", served)
     yield f"http://127.0.0.1:{port}"
@@ -277,7 +279,7 @@ def run_stage(folder: Path, served: Path, url: str, prompts: Path, template: dic
     return subprocess.run(
         [sys.executable, "stages/infer.py", "--params", str(folder / "params.yaml"), "--prompts", str(prompts),
          "--out", str(folder / "out"), "--report", str(folder / "metrics" / "infer.json"),
-         "--cache", str(folder / "cache")],
+         "--timings", str(folder / "metrics" / "timings.json"), "--cache", str(folder / "cache")],
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, capture_output=True,
         text=True, timeout=300)
 
@@ -296,7 +298,7 @@ def test_1_e2e_seed_run_over_http_every_record_keeps_its_reasoning(tok, served, 
     assert out.returncode == 0, out.stderr[-3000:]
     recs = [json.loads(line) for line in (tmp_path / "out" / "responses.jsonl").read_text().splitlines()]
     assert [r["id"] for r in recs] == [p.id for p in E2E_PROMPTS]
-    spec = reasoning.spec_from_params("think", "none")
+    spec = derive.spec_from_params("think", "none")
     block = think_block(tok, template)
     open_id = tok.convert_tokens_to_ids("<think>")
     for r in recs:
@@ -308,7 +310,7 @@ def test_1_e2e_seed_run_over_http_every_record_keeps_its_reasoning(tok, served, 
         assert r["reasoning"].strip() == THOUGHT and r["reasoning_closed"]
         assert r["content"] == "\n\n" + tok.decode(answer, skip_special_tokens=False)
         assert "</think>" not in r["content"] and r["content"].endswith("<|im_end|>")
-        assert reasoning.mismatch(response_from_json(r), tok, spec) is None  # every field re-derives from the ids
+        assert derive.mismatch(response_from_json(r), tok, spec) is None  # every field re-derives from the ids
         assert r["meta"]["engine"] == "sglang"
     report = json.loads((tmp_path / "metrics" / "infer.json").read_text())
     assert report["with_reasoning"] == len(E2E_PROMPTS) and report["unclosed_reasoning"] == 0
@@ -327,7 +329,7 @@ def test_2_e2e_reasoning_dropped_over_http_fails_its_gate_within_the_warmup(tok,
     kept = [json.loads(line) for line in (cache / "generations.jsonl").read_text().splitlines()]
     assert len(kept) == E2E_WARMUP  # stopped at the first check, right after the warm-up
     offenders = ", ".join(k["id"] for k in kept)
-    assert (f"gate min_reasoning breached: observed 0.000 < {GATES['min_reasoning']} after {E2E_WARMUP} records "
+    assert (f"gate min_reasoning breached: observed 0.000 < {GATES.min_reasoning} after {E2E_WARMUP} records "
             f"(e.g. {offenders})") in out.stderr, out.stderr[-3000:]
     assert f"Nothing was published; the records are in {cache}" in out.stderr
     assert not (tmp_path / "out" / "responses.jsonl").exists() and not (tmp_path / "metrics").exists()

@@ -1,40 +1,20 @@
 """The SGLang client (eaglepipe/engines/sglang.py): its answer checks, and its retries, failover and limits against
-tests/sglang_server.py in --no-compute mode (real protocol, made-up ids, no model) over loopback."""
-import json
+eaglepipe/testing/sglang_server.py in --no-compute mode (real protocol, made-up ids, no model) over loopback."""
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
-from eaglepipe import chat, target
+from eaglepipe import config, chat, target
 from eaglepipe.engines import Failure, Output, Sampling
 from eaglepipe.engines.sglang import (BadAnswer, SGLangEngine, SGLangError, check_answer, sampling_params,
                                       tokenizer_probes)
-from sglang_server import free_port, start_server, stop_server
+from eaglepipe.testing.sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
 
 STOP = 2  # the embedded model's <|im_end|>
 SAMPLING = Sampling(max_new_tokens=8, stop_token_ids=(STOP,))
 PROMPT = [1, 9690, 198, 2683, 314, 216, 34, 30, 216, 34, 47, 2, 198, 1, 520, 9531, 198]
-
-
-# ---- helpers shared with test_sglang_e2e.py (starting and stopping the server: sglang_server.py) ------------------
-def configure(url: str, **knobs) -> dict:
-    req = urllib.request.Request(url + "/_test/config", data=json.dumps(knobs).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
-
-
-def stats(url: str) -> dict:
-    with urllib.request.urlopen(url + "/_test/stats", timeout=10) as r:
-        return json.loads(r.read())
-
-
-CLEAN = dict(latency=0.0, fault_rate=0.0, faults="all", fault_mode="random", fault_budget=None, hang_s=30.0,
-             batch_arrays=False, exclude_stop=False, old_api=False, tokenize_skew=False, unhealthy=False, seed=0,
-             fail_rids=[], fake_stop_after=None, reset_stats=True)
 
 
 # ---- answer checks (no server) ------------------------------------------------------------------------------------
@@ -129,7 +109,7 @@ def fresh(server):
 def engine(url, tokenizer, **over):
     cfg = {"urls": [url], "concurrency": 4, "timeout_s": 5, "health_timeout_s": 10, "retries": 3,
            "backoff_s": 0.01, "backoff_max_s": 0.05, **over}
-    return SGLangEngine(cfg, tokenizer)
+    return SGLangEngine(config.SGLang(**cfg), tokenizer)
 
 
 def prompts(tokenizer, n):
@@ -305,5 +285,5 @@ def test_a_launched_server_that_dies_is_reported_with_its_log(tokenizer, tmp_pat
     launch = {"model_path": "embedded", "port": free_port(), "log": str(tmp_path / "server.log"),
               "command": [sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(3)"]}
     with pytest.raises(SGLangError, match="exited with code 3") as e:
-        SGLangEngine({"launch": launch, "health_timeout_s": 30}, tokenizer).start()
+        SGLangEngine(config.SGLang(launch=config.Launch(**launch), health_timeout_s=30), tokenizer).start()
     assert "no GPU here" in str(e.value)

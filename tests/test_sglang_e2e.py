@@ -1,4 +1,4 @@
-"""End to end: stages/infer.py with infer.engine: sglang against tests/sglang_server.py over loopback.
+"""End to end: stages/infer.py with infer.engine: sglang against eaglepipe/testing/sglang_server.py over loopback.
 
 The compute server generates with the embedded model through HFEngine (batch size 1, one request at a time), so a
 clean greedy run must give the records of the embedded engine run with batch_size 1, field for field (meta aside).
@@ -16,8 +16,9 @@ import pytest
 import yaml
 
 from eaglepipe.records import Prompt, content_id, write_jsonl
-from sglang_server import free_port, start_server, stop_server
-from test_sglang import CLEAN, configure, stats
+from eaglepipe.testing.sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
+
+pytestmark = pytest.mark.slow  # the real stage against a real server process
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
@@ -51,7 +52,7 @@ def write_params(folder: Path, engine: str = "sglang", **sglang) -> Path:
 def stage_cmd(folder: Path, params: Path, prompts: Path, name: str) -> list[str]:
     return [sys.executable, "stages/infer.py", "--params", str(params), "--prompts", str(prompts),
             "--out", str(folder / name / "out"), "--report", str(folder / name / "report.json"),
-            "--cache", str(folder / "cache")]
+            "--timings", str(folder / name / "timings.json"), "--cache", str(folder / "cache")]
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -192,8 +193,7 @@ def test_kill_9_mid_run_then_resume_keeps_every_record_once(work, compute_server
     assert 2 <= done < len(PROMPTS), f"the run was not interrupted mid-way ({done} records cached)"
     out = run_stage(tmp_path, params, work / "prompts.jsonl", "sg")
     assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads((tmp_path / "sg" / "report.json").read_text())
-    assert report["this_run"]["generated"] == len(PROMPTS) - done
+    assert json.loads((tmp_path / "sg" / "timings.json").read_text())["generated"] == len(PROMPTS) - done
     cached = cache_lines(tmp_path)
     assert sorted(c["id"] for c in cached) == sorted(p.id for p in PROMPTS)  # each once
     assert_same_records(records(tmp_path, "sg"), reference)
@@ -240,7 +240,7 @@ def test_failures_over_the_limit_fail_the_stage_and_keep_the_rest(fast_server, w
     configure(fast_server, **CLEAN)  # the fault is gone: a rerun generates only the failed prompt
     out = run_stage(tmp_path, params, work / "prompts.jsonl", "sg")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads((tmp_path / "sg" / "report.json").read_text())["this_run"]["generated"] == 1
+    assert json.loads((tmp_path / "sg" / "timings.json").read_text())["generated"] == 1
     assert len(records(tmp_path, "sg")) == len(PROMPTS)
 
 
@@ -248,7 +248,7 @@ def test_failures_over_the_limit_fail_the_stage_and_keep_the_rest(fast_server, w
 def test_a_launched_server_is_stopped_at_the_end_and_on_failure(work, tmp_path, ok):
     port = free_port()
     launch = {"model_path": "embedded", "tp": 1, "dp": 1, "port": port, "log": str(tmp_path / "launched.log"),
-              "command": [sys.executable, "tests/sglang_server.py", "--no-compute"], "stop_timeout_s": 10,
+              "command": [sys.executable, "eaglepipe/testing/sglang_server.py", "--no-compute"], "stop_timeout_s": 10,
               "extra_args": [] if ok else ["--tokenize-skew"]}
     out = run_stage(tmp_path, write_params(tmp_path, launch=launch), work / "prompts.jsonl", "sg")
     assert port_closed(port), "the launched server outlived the stage"

@@ -24,10 +24,10 @@ class Sampling:
     stop_token_ids: tuple = ()
 
     @classmethod
-    def from_params(cls, p: dict, stop_token_ids) -> "Sampling":
-        return cls(temperature=float(p["temperature"]), top_p=float(p["top_p"]), top_k=int(p["top_k"]),
-                   min_p=float(p["min_p"]), max_new_tokens=int(p["max_new_tokens"]), seed=int(p["seed"]),
-                   stop_token_ids=tuple(sorted(stop_token_ids)))
+    def from_params(cls, p, stop_token_ids) -> "Sampling":
+        """From the ``infer`` section (config.Infer)."""
+        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                   max_new_tokens=p.max_new_tokens, seed=p.seed, stop_token_ids=tuple(sorted(stop_token_ids)))
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -48,18 +48,17 @@ class Failure:
     reason: str
 
 
-def create(params: dict, folder, tokenizer):
-    """The engine named by ``infer.engine``, as a context manager: ``with create(...) as engine:``. Leaving it
-    releases what the engine holds (connections, an SGLang server it launched), also on errors."""
-    if params["engine"] == "hf":
+def create(params, folder, tokenizer):
+    """The engine named by ``infer.engine`` (``params`` is the ``infer`` section, config.Infer), as a context manager:
+    ``with create(...) as engine:``. Leaving it releases what the engine holds (connections, an SGLang server it
+    launched), also on errors."""
+    if params.engine == "hf":
         from contextlib import nullcontext
 
         from .. import target
         from .hf import HFEngine
 
-        return nullcontext(HFEngine(target.load_model(folder), tokenizer.pad_token_id, int(params["batch_size"])))
-    if params["engine"] == "sglang":
-        from .sglang import SGLangEngine
+        return nullcontext(HFEngine(target.load_model(folder), tokenizer.pad_token_id, params.batch_size))
+    from .sglang import SGLangEngine
 
-        return SGLangEngine(params.get("sglang"), tokenizer)
-    raise ValueError(f"infer.engine={params['engine']!r}: expected 'hf' or 'sglang'")
+    return SGLangEngine(params.sglang, tokenizer)

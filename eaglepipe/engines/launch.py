@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..config import CACHE
+
 
 def _die_with_parent():  # pragma: no cover - runs in the child between fork and exec
     if sys.platform.startswith("linux"):
@@ -35,18 +37,15 @@ def _die_with_parent():  # pragma: no cover - runs in the child between fork and
 
 
 class LaunchedServer:
-    def __init__(self, cfg: dict):
-        if not cfg.get("model_path"):
-            raise ValueError("infer.sglang.launch needs model_path")
-        self.model_path = str(cfg["model_path"])
-        self.tp, self.dp = int(cfg.get("tp") or 1), int(cfg.get("dp") or 1)
-        self.host, self.port = str(cfg.get("host") or "127.0.0.1"), int(cfg.get("port") or 30000)
-        extra = cfg.get("extra_args") or []
-        self.extra_args = shlex.split(extra) if isinstance(extra, str) else [str(a) for a in extra]
-        command = cfg.get("command") or [sys.executable, "-m", "sglang.launch_server"]
-        self.command = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
-        self.log_path = Path(cfg.get("log") or Path(".cache") / "sglang" / f"server-{self.port}.log")
-        self.stop_timeout_s = float(cfg.get("stop_timeout_s") or 60)
+    def __init__(self, cfg):
+        """``cfg``: ``infer.sglang.launch`` (config.Launch)."""
+        self.model_path, self.tp, self.dp, self.host, self.port = cfg.model_path, cfg.tp, cfg.dp, cfg.host, cfg.port
+        extra = cfg.extra_args
+        self.extra_args = shlex.split(extra) if isinstance(extra, str) else list(extra)
+        command = cfg.command or [sys.executable, "-m", "sglang.launch_server"]
+        self.command = shlex.split(command) if isinstance(command, str) else list(command)
+        self.log_path = Path(cfg.log) if cfg.log else CACHE / "sglang" / f"server-{self.port}.log"
+        self.stop_timeout_s = cfg.stop_timeout_s
         self.proc: subprocess.Popen | None = None
 
     @property

@@ -56,14 +56,13 @@ import aiohttp
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from ..errors import UserError
 from . import Failure, Output, Sampling
 
 _dumps, _loads = orjson.dumps, orjson.loads  # JSON at 256 requests in flight: the client's CPU time matters
 
 log = logging.getLogger(__name__)
 
-DEFAULTS = {"urls": ["http://127.0.0.1:30000"], "concurrency": 256, "timeout_s": 1800.0, "health_timeout_s": 600.0,
-            "retries": 5, "backoff_s": 1.0, "backoff_max_s": 60.0, "launch": None}
 # SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET: the number of prompt ids the #10896/#17240 bug puts in front.
 PROMPT_TAIL = 5
 FINISH_TYPES = ("stop", "length", "abort")
@@ -71,7 +70,7 @@ IDENTITY_KEYS = ("dtype", "quantization", "kv_cache_dtype")
 JSON = {"Content-Type": "application/json"}
 
 
-class SGLangError(RuntimeError):
+class SGLangError(UserError, RuntimeError):
     """The run cannot go on: no server, a server that disagrees with the local tokenizer or with the others."""
 
 
@@ -204,26 +203,20 @@ class _Server:
 
 
 class SGLangEngine:
-    """The engine for ``infer.engine: sglang``; ``params`` is ``infer.sglang``. Use as a context manager (the stage
+    """The engine for ``infer.engine: sglang``; ``params`` is ``infer.sglang`` (config.SGLang). Use as a context manager (the stage
     does, through ``engines.create``): entering launches the server if asked, waits for health and checks every
     server; leaving closes the connections and stops a launched server."""
     name = "sglang"
 
-    def __init__(self, params: dict | None, tokenizer):
-        cfg = {**DEFAULTS, **(params or {})}
-        urls = cfg["urls"]
-        self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else list(urls or []))]
-        self.concurrency = int(cfg["concurrency"])
-        self.timeout_s = float(cfg["timeout_s"])
-        self.health_timeout_s = float(cfg["health_timeout_s"])
-        self.retries = int(cfg["retries"])
-        self.backoff_s = float(cfg["backoff_s"])
-        self.backoff_max_s = float(cfg["backoff_max_s"])
-        self.launch = cfg["launch"] or None
-        if self.concurrency < 1 or self.retries < 0 or self.timeout_s <= 0:
-            raise ValueError(f"infer.sglang: concurrency >= 1, retries >= 0 and timeout_s > 0 expected, got {cfg}")
-        if not self.urls and not self.launch:
-            raise ValueError("infer.sglang: give 'urls' (running servers) or 'launch' (a server to start)")
+    def __init__(self, params, tokenizer):
+        self.urls = [u.rstrip("/") for u in params.urls]
+        self.concurrency = params.concurrency
+        self.timeout_s = params.timeout_s
+        self.health_timeout_s = params.health_timeout_s
+        self.retries = params.retries
+        self.backoff_s = params.backoff_s
+        self.backoff_max_s = params.backoff_max_s
+        self.launch = params.launch
         self.tokenizer = tokenizer
         self.stats = Counter()
         self._servers: list[_Server] = []

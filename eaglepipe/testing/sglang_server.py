@@ -1,6 +1,6 @@
 """A stand-in for an SGLang server that speaks its native HTTP API, for the tests and bench/bench_sglang_client.py.
 
-    python tests/sglang_server.py --port 30000 [--model-path embedded] [--no-compute] [--latency 0.2]
+    python eaglepipe/testing/sglang_server.py --port 30000 [--model-path embedded] [--no-compute] [--latency 0.2]
         [--fault-rate 0.1] [--faults all|http429,reset,...] [--fault-mode random|cycle] [--fault-budget N]
         [--hang-s 30] [--startup-delay 2] [--batch-arrays] [--exclude-stop] [--old-api] [--tokenize-skew]
         [--reasoning wrap|drop]
@@ -68,10 +68,7 @@ from aiohttp import web
 
 dumps, loads = orjson.dumps, orjson.loads  # the benchmark wants the server cheap
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from eaglepipe import target  # noqa: E402
+from eaglepipe import target
 
 log = logging.getLogger("sglang_server")
 
@@ -568,10 +565,10 @@ def free_port() -> int:
 
 
 def start_server(port: int, log: Path, *args) -> subprocess.Popen:
-    """tests/sglang_server.py on a loopback port; returns once /health answers 200."""
+    """This server on a loopback port; returns once /health answers 200."""
     out = open(log, "ab")
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--port", str(port), *map(str, args)],
-                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "eaglepipe.testing.sglang_server", "--port", str(port),
+                             *map(str, args)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     out.close()
     wait_healthy(f"http://127.0.0.1:{port}", proc, log)
@@ -591,6 +588,25 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 1
             pass
         time.sleep(0.2)
     raise RuntimeError(f"test server not healthy in {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def configure(url: str, **knobs) -> dict:
+    """Set the server's test knobs (faults, latency, ...; CLEAN resets them all)."""
+    req = urllib.request.Request(url + "/_test/config", data=dumps(knobs), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return loads(r.read())
+
+
+def stats(url: str) -> dict:
+    """What the server has seen since its start or the last reset."""
+    with urllib.request.urlopen(url + "/_test/stats", timeout=10) as r:
+        return loads(r.read())
+
+
+CLEAN = dict(latency=0.0, fault_rate=0.0, faults="all", fault_mode="random", fault_budget=None, hang_s=30.0,
+             batch_arrays=False, exclude_stop=False, old_api=False, tokenize_skew=False, unhealthy=False, seed=0,
+             fail_rids=[], fake_stop_after=None, reset_stats=True)
 
 
 def stop_server(proc: subprocess.Popen) -> None:

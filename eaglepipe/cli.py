@@ -1,0 +1,42 @@
+"""What every stage script shares: logging, the validated params, user errors as one line, the reports."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import click
+
+from . import config
+from .errors import UserError
+from .records import write_json
+
+
+def stage(fn):
+    """Decorate a stage's click command body: plain logging, and a ``UserError`` (or a missing file) ends the stage
+    as one line naming its cause, with exit code 1."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            raise click.ClickException(str(e)) from None
+        except FileNotFoundError as e:
+            raise click.ClickException(f"{e.filename}: no such file") from None
+    return run
+
+
+def params(path) -> config.Params:
+    """The params file, validated whole before anything is loaded."""
+    return config.load(path)
+
+
+def publish(report: dict, metrics, timings=None) -> None:
+    """Write a stage's report: the figures a user compares across versions to ``metrics`` (DVC metrics, in git), and
+    its ``run`` part (seconds, tokens/s, what this run computed or reused: it changes with every run) to ``timings``
+    (kept out of git, so a repro that rebuilds every output bit for bit leaves ``git status`` clean)."""
+    report = dict(report)
+    run = report.pop("run", None)
+    if timings:
+        write_json(timings, run or {})
+    write_json(metrics, report)

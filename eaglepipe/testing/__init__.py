@@ -1,0 +1,1 @@
+"""Test doubles the tests and benchmarks share (no stage imports them)."""

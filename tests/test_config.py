@@ -1,0 +1,130 @@
+"""The typed params: every kind of mistake is refused naming the key, the value and what is allowed, by every stage,
+in one line, before it loads a model; speed knobs and result knobs are told apart in one place."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglepipe import config, sources, toolcalls
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def with_(**sections) -> dict:
+    """The project's params with some keys of some sections replaced."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for name, keys in sections.items():
+        raw[name] = {**raw.get(name, {}), **keys}
+    return raw
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"infer": {"max_new_token": 64}}, "unknown key infer.max_new_token (did you mean max_new_tokens?)"),
+    ({"evaluate": {"num_step": 1}}, "unknown key evaluate.num_step (did you mean num_steps?)"),
+    ({"train": {"epochs": "three"}}, "train.epochs = 'three': input should be a valid integer"),
+    ({"infer": {"temperature": "hot"}}, "infer.temperature = 'hot': input should be a valid number"),
+    ({"infer": {"engine": "vlm"}}, "infer.engine = 'vlm': input should be 'hf' or 'sglang'"),
+    ({"infer": {"top_p": 1.5}}, "infer.top_p = 1.5: input should be less than or equal to 1"),
+    ({"infer": {"samples": 3, "temperature": 0}}, "infer: samples: 3 answers per prompt need temperature > 0"),
+    ({"infer": {"gates": {"max_truncted": 0.5}}}, "unknown key infer.gates.max_truncted (did you mean max_truncated?)"),
+    ({"infer": {"sglang": {"launch": {"tp": 8}}}}, "infer.sglang.launch.model_path is missing"),
+    ({"target": {"reasoning": "thnk"}}, "target.reasoning = 'thnk': input should be 'none', 'think' or 'harmony'"),
+    ({"target": {"reasoning": {"start": "<r>"}}}, "target.reasoning.end is missing"),
+    ({"target": {"tool_calls": "openai"}}, "target.tool_calls = 'openai': input should be 'none', 'hermes'"),
+    ({"hidden": {"layers": [2, 15.5, 27]}}, "hidden.layers[1] = 15.5: input should be a valid integer"),
+    ({"hidden": {"dtype": "fp8"}}, "hidden.dtype = 'fp8': input should be 'bfloat16', 'float16' or 'float32'"),
+    ({"train": {"betas": [0.9]}}, "train.betas[1] is missing"),
+    ({"train": {"autocast": True}}, "train.autocast = True: input should be 'bfloat16' or 'none'"),
+    ({"evaluate": {"ngram": {"maximum": 3}}}, "unknown key evaluate.ngram.maximum (did you mean max?)"),
+    ({"tarjet": {"model": "x"}}, "unknown key tarjet (did you mean target?)"),
+])
+def test_each_kind_of_mistake_names_key_value_and_what_is_allowed(sections, message):
+    with pytest.raises(config.ConfigError) as e:
+        config.parse(with_(**sections), "params.yaml")
+    assert str(e.value).startswith("params.yaml: ") and message in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_several_mistakes_are_all_named_at_once():
+    with pytest.raises(config.ConfigError) as e:
+        config.parse(with_(infer={"max_new_token": 64}, train={"epochs": "three"}), "p.yaml")
+    assert "infer.max_new_token" in str(e.value) and "train.epochs" in str(e.value)
+
+
+def test_the_project_params_are_valid_and_defaults_fill_what_is_left_out():
+    p = config.load(ROOT / "params.yaml")
+    assert p.infer.samples == BASE["infer"]["samples"]
+    minimal = config.parse({"prepare": BASE["prepare"]})
+    assert minimal.train == config.Train() and minimal.train.step_weight == 0.8
+
+
+def test_value_lists_agree_with_the_code_that_implements_them():
+    assert set(config.FORMATS) == set(sources.FORMATS)
+    assert set(config.TOOL_CALLS) == set(toolcalls.FAMILIES)
+
+
+def test_speed_knobs_are_not_tracked():
+    assert "threads" not in config.Train.tracked_keys() and "checkpoint_every" not in config.Train.tracked_keys()
+    assert {"threads", "limit"}.isdisjoint(config.Evaluate.tracked_keys())
+    assert "sglang" not in config.Infer.tracked_keys() and "temperature" in config.Infer.tracked_keys()
+    a, b = config.Train(threads=1), config.Train(threads=8, checkpoint_every=7)
+    assert a.tracked() == b.tracked() and a.tracked() != config.Train(lr=0.002).tracked()
+
+
+def test_every_key_is_documented():
+    out = subprocess.run([sys.executable, "-m", "eaglepipe.config"], capture_output=True, text=True, check=True).stdout
+    for section, model in config.Params.model_fields.items():
+        for key, field in model.annotation.model_fields.items():
+            assert f"{section}.{key}" in out
+            assert field.description, f"{section}.{key} has no description"
+
+
+STAGE_ARGS = {
+    "prepare": ["--out", "o/p.jsonl", "--report", "o/r.json"],
+    "infer": ["--prompts", "o/p.jsonl", "--out", "o/r", "--report", "o/r.json", "--timings", "o/t.json"],
+    "merge": ["--responses", "o/r.jsonl", "--out", "o/s", "--report", "o/r.json"],
+    "hidden": ["--sequences", "o/s", "--out", "o/h", "--report", "o/r.json", "--timings", "o/t.json"],
+    "train": ["--hidden", "o/h", "--out", "o/d", "--metrics", "o/m.json", "--plots", "o/c.json",
+              "--timings", "o/t.json"],
+    "evaluate": ["--prompts", "o/p.jsonl", "--draft", "o/d", "--report", "o/r.json", "--positions", "o/p.json",
+                 "--timings", "o/t.json"],
+}
+PROBE = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+         "except SystemExit as e:\n    code = e.code\n"
+         "import gc, warnings\nwarnings.simplefilter('ignore')\ntorch = sys.modules.get('torch')\n"
+         "print('models', sum(isinstance(o, torch.nn.Module) for o in gc.get_objects()) if torch else 0)\n"
+         "sys.exit(code)\n")
+
+
+@pytest.mark.parametrize("stage", list(STAGE_ARGS))
+def test_every_stage_refuses_bad_params_in_one_line_before_loading_anything(stage, tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(with_(infer={"engine": "vlm"}, evaluate={"num_step": 1})))
+    out = subprocess.run([sys.executable, "-c", PROBE, str(ROOT / "stages" / f"{stage}.py"), "--params", str(params),
+                          *STAGE_ARGS[stage]], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"Error: {params}: infer.engine = 'vlm': input should be 'hf' or 'sglang'; unknown key evaluate.num_step "
+        "(did you mean num_steps?)"], out.stderr
+    assert "models 0" in out.stdout  # refused before any model was built
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_missing_source_file_is_one_line_naming_the_source(tmp_path):
+    raw = with_(prepare={"sources": [*BASE["prepare"]["sources"][:1],
+                                     {"name": "sharegpt", "path": "nowhere/sg.json", "format": "sharegpt", "n": 5}]})
+    raw["prepare"]["sources"][0]["path"] = str(ROOT / raw["prepare"]["sources"][0]["path"])
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    out = subprocess.run([sys.executable, str(ROOT / "stages/prepare.py"), "--params", "params.yaml",
+                          *STAGE_ARGS["prepare"]], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert out.stderr.strip() == "Error: prepare.sources[1] (sharegpt): no such file nowhere/sg.json", out.stderr
+
+
+def test_a_missing_params_file_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "stages/train.py"), "--params", "nope.yaml",
+                          *STAGE_ARGS["train"]], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 1 and out.stderr.strip() == "Error: nope.yaml: no such params file", out.stderr
