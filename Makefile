@@ -59,7 +59,7 @@ exps: venv
 # (.dvc/config.local) then names, so a plain `dvc plots show` uses it too. Prints the page's file:// address.
 PLOTS_PAGE := $(VENV)/plots/page.html
 
-$(PLOTS_PAGE): tools/plots_page.py
+$(PLOTS_PAGE): tools/plots_page.py $(VENV)/.installed
 	python3 tools/plots_page.py --out $@
 
 plots: venv $(PLOTS_PAGE)

@@ -10,31 +10,29 @@ throughputs and their ratio (the goal is >= 0.85).
 """
 import tempfile
 import time
-from pathlib import Path
 
 import click
 import torch
-import yaml
 
-from eaglepipe import target, train
+from eaglepipe import config, target, train
 
 
 def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
-    steps = int(p["ttt_steps"])
+    steps = p.ttt_steps
     model, train_set, _, head_draft, _ = train.setup(hidden_folder, folder, p)
     lengths = [s.ids.shape[0] for s in train_set]
-    opt = torch.optim.AdamW(model.parameters(), lr=float(p["lr"]), betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=p.betas, weight_decay=0.0)
     model.train()
     tokens, seconds = 0, 0.0
-    for e in range(int(p["epochs"])):
-        for idx in train.plan_batches(lengths, int(p["batch_tokens"]), int(p["seed"]), e):
+    for e in range(p.epochs):
+        for idx in train.plan_batches(lengths, p.batch_tokens, p.seed, e):
             batch = train.collate([train_set[i] for i in idx], steps, head_draft)  # not timed
             start = time.perf_counter()
             with train.autocast(train.uses_bf16(p)):  # as train.run
-                loss, _ = train.ttt_forward(model, batch, steps)
+                loss, _ = train.ttt_forward(model, batch, steps, p.step_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), float(p["grad_clip"]))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip)
             opt.step()
             seconds += time.perf_counter() - start
             tokens += batch["tokens"]
@@ -46,18 +44,18 @@ def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
 @click.option("--params", default="params.yaml", show_default=True)
 @click.option("--epochs", default=None, type=int, help="Epochs on each side [default: params train.epochs].")
 def main(hidden_folder, params, epochs):
-    cfg = yaml.safe_load(Path(params).read_text())
-    folder = target.resolve(cfg["target"]["model"])
-    p = {**cfg["train"], "epochs": epochs or cfg["train"]["epochs"]}
-    if int(p["threads"]):  # as train.run does
-        torch.set_num_threads(int(p["threads"]))
+    cfg = config.load(params)
+    folder = target.resolve(cfg.target.model)
+    p = cfg.train.model_copy(update={"epochs": epochs or cfg.train.epochs})
+    if p.threads:  # as train.run does
+        torch.set_num_threads(p.threads)
     bare_tokens, bare_s = bare_steps(hidden_folder, folder, p)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         _, report, _ = train.run(hidden_folder, folder, p, tmp)
         train_s = time.perf_counter() - start
     bare, full = bare_tokens / bare_s, bare_tokens / train_s
-    print(f"tokens: {bare_tokens} in {p['epochs']} epochs, {report['steps']} batches")
+    print(f"tokens: {bare_tokens} in {p.epochs} epochs, {report['steps']} batches")
     print(f"bare forward+backward steps: {bare:.1f} tokens/s ({bare_s:.1f} s)")
     print(f"train stage (train.run):     {full:.1f} tokens/s ({train_s:.1f} s)")
     print(f"ratio: {full / bare:.3f}")

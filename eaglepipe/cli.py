@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import resource
 
 import click
 
@@ -31,12 +32,12 @@ def params(path) -> config.Params:
     return config.load(path)
 
 
-def publish(report: dict, metrics, timings=None) -> None:
+def publish(report: dict, metrics, timings) -> None:
     """Write a stage's report: the figures a user compares across versions to ``metrics`` (DVC metrics, in git), and
-    its ``run`` part (seconds, tokens/s, what this run computed or reused: it changes with every run) to ``timings``
-    (kept out of git, so a repro that rebuilds every output bit for bit leaves ``git status`` clean)."""
+    its ``run`` part (seconds, tokens/s, what this run computed or reused: it changes with every run) with the
+    process's peak resident memory to ``timings`` (kept out of git, so a repro that rebuilds every output bit for bit
+    leaves ``git status`` clean)."""
     report = dict(report)
-    run = report.pop("run", None)
-    if timings:
-        write_json(timings, run or {})
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    write_json(timings, {**report.pop("run", {}), "peak_rss_mb": round(peak_mb, 1)})
     write_json(metrics, report)

@@ -83,6 +83,8 @@ class Source(Section):
     path: str = Field(min_length=1, description="JSON Lines or JSON array file")
     format: Literal[FORMATS] = Field(description="record format (README, prepare)")
     n: int = Field(ge=0, description="prompts to sample from it")
+    on_error: Literal["fail", "skip"] | None = Field(None, description="this source's on_error [default: "
+                                                     "prepare.on_error]")
 
 
 class Prepare(Section):
@@ -148,7 +150,11 @@ class Infer(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     top_k: int = Field(-1, ge=-1, description="-1 = off")
     min_p: float = Field(0.0, ge=0, le=1, description="min-p sampling, 0 = off")
-    seed: int = Field(0, description="sampling seed")
+    seed: int = Field(0, description="sampling seed (with each record's id: eaglepipe/engines seed_for)")
+    on_error: Literal["fail", "skip"] = Field("fail", description="a prompt that cannot give a trainable sequence "
+                                              "(it exceeds the target's context with max_new_tokens, or leaves no "
+                                              "room within merge.max_length) stops the stage before any "
+                                              "generation (fail) or is left out, counted with its id (skip)")
     max_failure_rate: float = speed(0.0, "the stage fails when more prompts than this share fail permanently",
                                     ge=0, le=1)
     gates: Gates = Field(Gates(), description="checked while infer runs; a breach stops it and publishes nothing")
@@ -174,6 +180,8 @@ class Merge(Section):
     valid_fraction: float = Field(0.1, ge=0, lt=1, description="share of prompts in the valid split")
     max_length: int = Field(1024, ge=2, description="longer sequences keep their first max_length tokens")
     shard_tokens: int = Field(1_000_000, ge=1, description="tokens per safetensors shard")
+    max_left_out: float = Field(0.1, ge=0, le=1, description="the stage fails when it leaves out more than this share "
+                                "of the records (aborted, or a prompt with no room for an answer), or all of them")
 
 
 # ------------------------------------------------------------------------------------------------------------ hidden

@@ -54,9 +54,9 @@ Checkpoint (``save``/``load``): ``config.json`` + ``model.safetensors`` with exa
 ``model_type: llama``, ``num_hidden_layers: 1``, ``tie_word_embeddings: false`` (SGLang would make lm_head the
 embedding otherwise), ``vocab_size`` (target), ``draft_vocab_size``, the target's Llama fields (sizes, heads,
 head_dim, rms_norm_eps, rope_theta/rope_scaling and rope_parameters, max_position_embeddings, hidden_act) and
-``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang's convention: SGLang captures the state entering layer
-id + 1, so its ids are the HF indices minus one ([1, 14, 26] for a 30-layer target = hidden_states [2, 15, 27]).
-vLLM reads the same key as "state entering layer id" (no + 1): for vLLM pass the HF indices ([2, 15, 27]).
+``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang's convention (the HF indices minus one, see
+features.py: [1, 14, 26] for hidden_states [2, 15, 27]). vLLM reads the same key without SGLang's + 1: for vLLM
+pass the HF indices.
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ import torch
 
 from . import features, sequences, shards
 from .hashing import files_hash
+from .errors import UserError
 from .records import write_json
 
 log = logging.getLogger(__name__)
@@ -94,17 +95,31 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
     aux = torch.empty((T, 3 * H), dtype=dtype)
     final = torch.empty((T, H), dtype=dtype)
     top = torch.empty(T, dtype=torch.int32)
-    for batch in plan_batches(lengths, batch_tokens):
-        width = lengths[batch[0]]
+    def run_batch(batch):
+        """The states of ``batch`` (sample indices); a batch that fails (out of memory, a bad id) is retried in two
+        halves, down to one sample, whose failure stops the stage naming it (shards already written are kept)."""
+        width = max(lengths[i] for i in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         for row, i in enumerate(batch):
             ids[row, :lengths[i]] = torch.as_tensor(samples[i][1])
-        a, f = forward_states(model, ids, layers)
+        try:
+            a, f = forward_states(model, ids, layers)
+        except (RuntimeError, ValueError, IndexError, MemoryError) as e:  # torch's OutOfMemoryError included
+            if len(batch) == 1:
+                raise UserError(f"hidden: sequence {samples[batch[0]][0]} ({lengths[batch[0]]} tokens) fails alone: "
+                                f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+            log.warning("a batch of %d sequences failed (%s): retrying it in halves", len(batch), type(e).__name__)
+            run_batch(batch[:len(batch) // 2])
+            run_batch(batch[len(batch) // 2:])
+            return
         for row, i in enumerate(batch):
             s, n = offsets[i], lengths[i]
             aux[s:s + n] = a[row, :n]
             final[s:s + n] = f[row, :n]
             top[s:s + n] = greedy(model, f[row, :n])
+
+    for batch in plan_batches(lengths, batch_tokens):
+        run_batch(batch)
     return {**packed, "aux": aux, "final": final, "top": top}
 
 

@@ -15,11 +15,12 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from . import chat, toolcalls
+from . import chat, sequences, toolcalls
 from .derive import Spec, to_response
 from .engines import Failure, Sampling
 from .errors import UserError
@@ -94,12 +95,67 @@ class Cache:
         self._append(self.failures_path, {"id": rid, "reason": reason})
 
 
+def create_engine(params, folder, tokenizer):
+    """The engine named by ``infer.engine`` (``params`` is the ``infer`` section, config.Infer), as a context manager:
+    ``with create_engine(...) as engine:``. Leaving it releases what the engine holds (connections, an SGLang server it
+    launched), also on errors."""
+    if params.engine == "hf":
+        from contextlib import nullcontext
+
+        from . import target
+        from .engines.hf import HFEngine
+
+        return nullcontext(HFEngine(target.load_model(folder), tokenizer.pad_token_id, params.batch_size))
+    from .engines.sglang import SGLangEngine
+
+    return SGLangEngine(params.sglang, tokenizer)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What is known before any generation about which prompts can give a trainable sequence."""
+    context_length: int | None = None   # the target's (max_position_embeddings): prompt + max_new_tokens must fit
+    max_length: int | None = None       # merge.max_length: the prompt must leave room for an answer (has_room)
+    on_error: str = "fail"              # infer.on_error: a prompt that breaks a limit stops the run, or is left out
+    where: str = "prompts"              # the prompts file, for messages
+
+
+def admit(prompts, ids: dict, sampling: Sampling, limits: Limits) -> tuple[list, dict]:
+    """The prompts within the limits, and {reason: [prompt ids]} of those left out (``exceeds_context``,
+    ``no_room_in_max_length``). Under ``on_error: fail`` the first one left out is a UserError naming it."""
+    kept, left_out = [], {}
+    for line, p in enumerate(prompts, start=1):
+        n, reason = len(ids[p.id]), None
+        if limits.context_length and n + sampling.max_new_tokens > limits.context_length:
+            reason, why = "exceeds_context", (f"{n} prompt tokens + infer.max_new_tokens {sampling.max_new_tokens} "
+                                              f"exceed the target's context of {limits.context_length}")
+        elif limits.max_length and not sequences.has_room(n, limits.max_length):
+            reason, why = "no_room_in_max_length", (f"{n} prompt tokens leave no room for an answer within "
+                                                    f"merge.max_length {limits.max_length}")
+        if reason is None:
+            kept.append(p)
+            continue
+        if limits.on_error == "fail":
+            raise UserError(f"{limits.where}:{line}: prompt {p.id} of source {p.source}: {why} (set infer.on_error: "
+                            "skip to leave such prompts out, counted)")
+        left_out.setdefault(reason, []).append(p.id)
+    if left_out:
+        log.warning("left out before generating: %s", {k: len(v) for k, v in left_out.items()})
+    return kept, left_out
+
+
 def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates, cache: Cache,
-        template_kwargs: dict, max_failure_rate: float = 0.0, samples: int = 1) -> tuple[list[Response], dict]:
+        template_kwargs: dict, max_failure_rate: float = 0.0, samples: int = 1,
+        limits: Limits = Limits()) -> tuple[list[Response], dict]:
     """Generate the ``samples`` answers per prompt that the cache lacks, check the gates as records arrive, and
-    return (responses, report). Raises GateBreach (or UserError for too many failures) after keeping everything
-    generated in the cache."""
+    return (responses, report). Prompts outside ``limits`` get no generation (``admit``). Raises GateBreach (or
+    UserError for too many failures) after keeping everything generated in the cache."""
     ids = {p.id: chat.prompt_ids(tokenizer, p.messages, p.tools, template_kwargs) for p in prompts}
+    read = len(prompts)
+    prompts, left_out = admit(prompts, ids, sampling, limits)
+    if not prompts:
+        raise UserError(f"{limits.where}: no prompt is left to generate for ({read} read, left out: "
+                        f"{ {k: len(v) for k, v in left_out.items()} })")
     wanted = [(p, k, record_id(p.id, k)) for p in prompts for k in range(samples)]
     done, cache_counts = cache.load()
     responses = {}
@@ -136,7 +192,8 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates
         raise UserError(f"{len(failures)} of {len(wanted)} answers failed (more than infer.max_failure_rate="
                            f"{max_failure_rate}); see {cache.failures_path}")
     ordered = [responses[rid] for _, _, rid in wanted if rid in responses]
-    return ordered, report(ordered, failures, cache_counts, len(todo), new_tokens, elapsed, gates, len(prompts))
+    rep = report(ordered, failures, cache_counts, len(todo), new_tokens, elapsed, gates, len(prompts))
+    return ordered, {**rep, "left_out": {k: len(v) for k, v in left_out.items()}, "left_out_ids": left_out}
 
 
 def report(responses: list[Response], failures: list, cache_counts: Counter, generated: int, new_tokens: int,

@@ -8,6 +8,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import derive, sequences
+from .errors import UserError
 from .records import RecordError, read_jsonl, response_from_json
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,11 @@ def run(responses_path: Path, out: Path, tokenizer, spec: derive.Spec, end_of_tu
         built = sequences.build(r, end_of_turn, params.max_length, counts)
         if built:
             records.append((r.id, r.source, *built))
+    dropped = {k: v for k, v in counts.items() if k.startswith("left_out")}
+    read = len(records) + sum(dropped.values())
+    if not records or sum(dropped.values()) > params.max_left_out * read:  # fail here, not two stages later
+        raise UserError(f"{responses_path}: {sum(dropped.values())} of {read} records would be left out {dropped}, "
+                        f"more than merge.max_left_out {params.max_left_out}: nothing is written")
     splits = sequences.split_and_shuffle(records, params.seed, params.valid_fraction)
     policy = {"end_of_turn_id": end_of_turn, "max_length": params.max_length, "seed": params.seed,
               "valid_fraction": params.valid_fraction}
@@ -34,3 +40,4 @@ def run(responses_path: Path, out: Path, tokenizer, spec: derive.Spec, end_of_tu
     log.info("merged %d records: %d train, %d valid samples; %s", len(records), stats["train"]["samples"],
              stats["valid"]["samples"], dict(counts))
     return stats
+

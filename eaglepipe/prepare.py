@@ -24,9 +24,12 @@ log = logging.getLogger(__name__)
 COUNTS = ("n", "read", "valid", "skipped", "duplicates", "selected", "shortfall")
 
 
-def read_valid(src, on_error: str) -> tuple[list[Prompt], Counter, int]:
-    """The valid prompts of one source in file order, the skipped records by reason, and how many records were read."""
-    valid, skipped, read = [], Counter(), 0
+def read_candidates(src, on_error: str, seen: set) -> tuple[list[Prompt], dict]:
+    """The valid prompts of one source whose ids are not in ``seen``, in file order (their ids are added to it), and
+    the source's counts: read, valid, skipped, skipped_by_reason, duplicates, and ``damage`` (``{offset, bytes,
+    records_before}``) when the file ends in an unreadable tail (counted as one record skipped as ``damaged``).
+    Records are streamed and only the candidates kept, so memory grows with the distinct prompts, not the file."""
+    candidates, skipped, damage, read, duplicates = [], Counter(), None, 0, 0
     for item in read_source(src.path, src.format, src.name):
         read += 1
         if isinstance(item, RecordError):
@@ -34,9 +37,15 @@ def read_valid(src, on_error: str) -> tuple[list[Prompt], Counter, int]:
                 raise item
             log.warning("skipped (%s): %s", item.reason, item)
             skipped[item.reason] += 1
+            damage = item.damage or damage
+        elif item.id in seen:
+            duplicates += 1
         else:
-            valid.append(item)
-    return valid, skipped, read
+            seen.add(item.id)
+            candidates.append(item)
+    counts = {"read": read, "valid": read - sum(skipped.values()), "skipped": sum(skipped.values()),
+              "skipped_by_reason": dict(skipped), "duplicates": duplicates}
+    return candidates, counts | ({"damage": damage} if damage else {})
 
 
 def sample(candidates: list, n: int, seed: int, name: str) -> list:
@@ -52,26 +61,18 @@ def prepare(cfg) -> tuple[list[Prompt], dict]:
     for i, src in enumerate(cfg.sources):  # before reading any: a typo in the last path costs no time
         if not Path(src.path).is_file():
             raise UserError(f"prepare.sources[{i}] ({src.name}): no such file {src.path}")
-    seed, on_error = cfg.seed, cfg.on_error
     seen, selected, report = set(), [], {"sources": {}}
     for src in cfg.sources:
-        valid, skipped, read = read_valid(src, on_error)
-        candidates = []
-        for p in valid:
-            if p.id not in seen:
-                seen.add(p.id)
-                candidates.append(p)
-        picked = sample(candidates, src.n, seed, src.name)
+        candidates, counts = read_candidates(src, src.on_error or cfg.on_error, seen)
+        picked = sample(candidates, src.n, cfg.seed, src.name)
         if len(picked) < src.n:
             log.warning("source %s: only %d usable records for n=%d", src.name, len(picked), src.n)
         selected += picked
-        report["sources"][src.name] = {
-            "n": src.n,
-            "read": read, "valid": len(valid), "skipped": sum(skipped.values()), "skipped_by_reason": dict(skipped),
-            "duplicates": len(valid) - len(candidates), "selected": len(picked),
-            "shortfall": src.n - len(picked),
-        }
+        report["sources"][src.name] = {"n": src.n, **counts, "selected": len(picked), "shortfall": src.n - len(picked)}
     report["totals"] = totals(list(report["sources"].values()))
+    if not selected:  # fail here, not in a later stage
+        raise UserError(f"prepare: no prompt selected from {len(cfg.sources)} source(s) "
+                        f"({report['totals']['read']} records read, {report['totals']['skipped']} skipped)")
     return selected, report
 
 
@@ -82,7 +83,7 @@ def totals(per_source: list[dict]) -> dict:
 
 
 def summary(report: dict) -> str:
-    """A few human lines: one per source, the totals, and the skip reasons if any."""
+    """A few human lines: one per source, the totals, the skip reasons and the damaged files if any."""
     lines = [f"{'source':<12} {'read':>6} {'valid':>6} {'skipped':>8} {'dups':>5} {'selected':>9} {'short':>6}"]
     for name, s in [*report["sources"].items(), ("TOTAL", report["totals"])]:
         lines.append(f"{name:<12} {s['read']:>6} {s['valid']:>6} {s['skipped']:>8} {s['duplicates']:>5} "
@@ -90,4 +91,9 @@ def summary(report: dict) -> str:
     reasons = report["totals"]["skipped_by_reason"]
     if reasons:
         lines.append("skipped: " + ", ".join(f"{reason} {count}" for reason, count in reasons.items()))
+    for name, s in report["sources"].items():
+        if "damage" in s:
+            d = s["damage"]
+            lines.append(f"damaged: {name} from byte {d['offset']} to its end ({d['bytes']} bytes), "
+                         f"after {d['records_before']} records")
     return "\n".join(lines)

@@ -9,8 +9,9 @@ Layout of ``data/sequences/`` (a sharded dataset, format: ``shards.py``):
 Policy: the sequence is never re-tokenised from text. ``loss_mask`` is 1 exactly on the output ids (reasoning,
 answer, end-of-turn token). A ``stop`` record whose output lacks the end-of-turn id gets it appended (counted).
 ``abort`` records are left out (counted). Sequences longer than ``merge.max_length`` keep their first
-``max_length`` tokens (counted as truncated); a record whose prompt alone fills ``max_length`` has nothing to train
-on and is left out (counted). The split is decided per prompt by a seeded hash of its id (adding data never moves
+``max_length`` tokens (counted as truncated); a record whose prompt leaves no room for ``MIN_TRAINED`` output tokens
+within ``max_length`` has nothing to train on and is left out (counted; infer leaves such prompts out before
+generating, with the same rule, ``has_room``). The split is decided per prompt by a seeded hash of its id (adding data never moves
 a record between train and valid; the answers to one prompt never straddle them); the order within a split is a
 seeded shuffle.
 """
@@ -31,6 +32,14 @@ def _unit(seed: int, salt: str, rid: str) -> float:
     return int(hashlib.sha256(f"{seed}:{salt}:{rid}".encode()).hexdigest()[:12], 16) / 16 ** 12
 
 
+MIN_TRAINED = 2  # output tokens a sequence needs for one trained position (the drafter predicts t+2 from t)
+
+
+def has_room(prompt_tokens: int, max_length: int) -> bool:
+    """Whether a prompt of this length leaves room for a trainable answer within ``merge.max_length``."""
+    return prompt_tokens + MIN_TRAINED <= max_length
+
+
 def build(r: Response, end_of_turn: int, max_length: int, counts: Counter):
     """(input_ids, loss_mask) for one record, or None when it is left out (the reason is counted)."""
     if r.finish_reason == "abort":
@@ -40,7 +49,7 @@ def build(r: Response, end_of_turn: int, max_length: int, counts: Counter):
     if r.finish_reason == "stop" and (not output or output[-1] != end_of_turn):
         output.append(end_of_turn)
         counts["end_of_turn_appended"] += 1
-    if len(r.prompt_ids) >= max_length:
+    if not has_room(len(r.prompt_ids), max_length):
         counts["left_out_prompt_too_long"] += 1
         return None
     ids = list(r.prompt_ids) + output

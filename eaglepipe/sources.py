@@ -4,6 +4,8 @@ A converter takes one raw record (a dict) and returns ``(messages, tools)``, the
 (or tool) turn: the assistant answer that will be regenerated is dropped, earlier assistant turns stay.
 A broken record raises ``BadRecord(reason, field, problem)``; ``read_source`` turns it into a ``records.RecordError``
 naming file, line (or JSON array index) and field, and carries the reason so skipped records can be counted.
+Files are streamed (memory does not grow with their size); a file cut short, or a JSON array broken so that no later
+record can be found, ends in a ``Damage``: its byte offset, its size and the records read before it.
 
 Formats (field layouts of the public datasets they are named after):
     sharegpt          ``conversations``: turns ``{from, value}`` (human/gpt/system/function_call/observation...) or
@@ -19,17 +21,21 @@ Formats (field layouts of the public datasets they are named after):
 """
 from __future__ import annotations
 
-import io
 import json
+import os
 import re
-from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
+
+import ijson
 
 from eaglepipe.records import LineError, Prompt, RecordError, content_id, scan_jsonl
 
 
 class BadRecord(ValueError):
-    """A record that cannot become a prompt; ``reason`` is the short key counted in the report."""
+    """A record that cannot become a prompt; ``reason`` is the short key counted in the report. ``damage`` is None
+    but for a ``Damage``."""
+
+    damage: dict | None = None
 
     def __init__(self, reason: str, field: str | None, problem: str):
         super().__init__(problem)
@@ -38,38 +44,123 @@ class BadRecord(ValueError):
 
 # ---------------------------------------------------------------------------------------------------------- files
 
-def _jsonl(data: bytes) -> Iterator[tuple[int, dict | BadRecord]]:
-    """(line, object or BadRecord) per non-blank line: a broken line does not stop the lines after it."""
-    for n, _, item in scan_jsonl(io.BytesIO(data)):
-        yield n, BadRecord(item.reason, None, item.problem) if isinstance(item, LineError) else item
+CHUNK = 1 << 16
+"""Bytes read at a time from a JSON array file; a record may span any number of chunks."""
 
 
-def _json_array(path: Path, data: bytes) -> list:
-    """The items of a JSON array file. The file parses as a whole, so a broken one fails whatever ``on_error`` says."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise RecordError(path, line, None, f"is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise RecordError(path, e.lineno, None, f"is not valid JSON ({e.msg}, column {e.colno})") from None
+class Damage(BadRecord):
+    """The unreadable tail of a file: it starts at byte ``offset`` and runs to the end of the file (``size`` bytes),
+    after ``records_before`` records read whole. ``damage`` is its entry in the prepare report."""
+
+    def __init__(self, offset: int, size: int, records_before: int, cause: str):
+        super().__init__("damaged", None, f"is damaged from byte {offset} to its end ({size} bytes): {cause}")
+        self.damage = {"offset": offset, "bytes": size, "records_before": records_before}
+
+
+def _skip(f: BinaryIO, offset: int, comma: bool) -> int:
+    """The offset of the first byte from ``offset`` on that is neither JSON whitespace nor, with ``comma``, the first
+    comma met."""
+    f.seek(offset)
+    while (b := f.read(1)) and (b in b" \t\r\n" or comma and b == b","):
+        comma = comma and b != b","
+        offset += 1
+    return offset
+
+
+def _jsonl(f: BinaryIO) -> Iterator[tuple[int, dict | BadRecord]]:
+    """(line, object or BadRecord) per non-blank line: a broken line does not stop the lines after it. A last line
+    that lacks its newline and does not parse was cut short: it is the file's Damage."""
+    size = os.fstat(f.fileno()).st_size
+    for index, (n, raw, item) in enumerate(scan_jsonl(f)):
+        if isinstance(item, LineError) and not raw.endswith(b"\n"):
+            item = Damage(size - len(raw), len(raw), index,
+                          f"its last line is cut short and {item.problem} (record index {index}, counted from 0)")
+        elif isinstance(item, LineError):
+            item = BadRecord(item.reason, None, item.problem)
+        yield n, item
+
+
+def _parser(target):
+    """An incremental parser of a JSON array: bytes sent to it send each item to ``target`` as soon as it is whole."""
+    return ijson.items_coro(target, "item", use_float=True)
+
+
+class _Count:
+    """A parser target that only counts the items."""
+
+    def __init__(self):
+        self.n = 0
+
+    def send(self, _item):
+        self.n += 1
+
+
+def _json_array(f: BinaryIO) -> Iterator[tuple[int, object]]:
+    """(array index, item) per item of a JSON array file, read ``CHUNK`` bytes at a time: memory holds a chunk and
+    the items ending in it, whatever the file's size. When the file is cut short, or broken so that no later item can
+    be told apart, the last pair is (index of the first item not read, Damage)."""
+    items, index, at, error = ijson.sendable_list(), 0, 0, None
+    ended_in = 0  # offset of the chunk in which the last item so far ended
+    parser = _parser(items)
+    while True:
+        chunk = f.read(CHUNK)
+        try:
+            parser.send(chunk) if chunk else parser.close()
+        except ijson.JSONError as e:
+            error = e
+        if items:
+            ended_in = at
+        for item in items:
+            yield index, item
+            index += 1
+        items.clear()
+        if error or not chunk:
+            break
+        at += len(chunk)
+    if error:
+        start = _tail_start(f, index, ended_in)
+        cause = f"the JSON array breaks off ({_first_line(error)})"
+        yield index, Damage(start, os.fstat(f.fileno()).st_size - start, index, cause)
+
+
+def _first_line(error: Exception) -> str:
+    """The first line of the parser's message (the lines after it point into the text)."""
+    message = error.args[0] if error.args else ""
+    if isinstance(message, bytes):
+        message = message.decode("utf-8", "replace")
+    return (message.strip().splitlines() or ["not valid JSON"])[0]
+
+
+def _tail_start(f: BinaryIO, count: int, ended_in: int) -> int:
+    """Where the unreadable tail of a JSON array file starts: the first byte after its first ``count`` items and the
+    separator after them (whitespace, a comma). The file is parsed again up to ``ended_in``, the chunk in which the
+    last of those items ended, and that chunk one byte at a time."""
+    if count == 0:
+        return _skip(f, _skip(f, 0, comma=False) + 1, comma=False)
+    done = _Count()
+    parser = _parser(done)
+    f.seek(0)
+    while f.tell() < ended_in:
+        parser.send(f.read(min(CHUNK, ended_in - f.tell())))
+    end = ended_in
+    while done.n < count:
+        parser.send(f.read(1))
+        end += 1
+    return _skip(f, end, comma=True)
 
 
 def raw_records(path) -> Iterator[tuple[int, bool, dict | BadRecord]]:
-    """Yield ``(position, is_array_index, record or BadRecord)`` for a JSON Lines file or a JSON array file.
+    """Yield ``(position, is_array_index, record or BadRecord)`` for a JSON Lines file or a JSON array file, streamed:
+    memory does not grow with the file. A file that cannot be read to its end ends with a ``Damage``.
 
     The kind is told by content: a file whose first non-blank character is ``[`` is a JSON array (position is the
     array index, from 0), anything else is JSON Lines (position is the line number, from 1)."""
-    path = Path(path)
-    data = path.read_bytes()
-    if data.lstrip()[:1] == b"[":
-        for i, item in enumerate(_json_array(path, data)):
-            yield i, True, item
-    else:
-        for n, item in _jsonl(data):
-            yield n, False, item
+    with open(path, "rb") as f:
+        f.seek(_skip(f, 0, comma=False))
+        is_array = f.read(1) == b"["
+        f.seek(0)
+        for pos, item in _json_array(f) if is_array else _jsonl(f):
+            yield pos, is_array, item
 
 
 # ------------------------------------------------------------------------------------------------- turns and fields
@@ -305,7 +396,8 @@ def to_prompt(rec, fmt: str, source: str) -> Prompt:
 
 
 def read_source(path, fmt: str, source: str) -> Iterator[Prompt | RecordError]:
-    """Each record of a source file as a Prompt, or as a RecordError (with ``.reason``) when it is broken."""
+    """Each record of a source file as a Prompt, or as a RecordError (with ``.reason``, and ``.damage``: None, or
+    for the unreadable tail of a damaged file ``{offset, bytes, records_before}``) when it is broken."""
     for pos, is_index, rec in raw_records(path):
         try:
             if isinstance(rec, BadRecord):
@@ -314,5 +406,5 @@ def read_source(path, fmt: str, source: str) -> Iterator[Prompt | RecordError]:
         except BadRecord as bad:
             problem = bad.problem + (f" (record at JSON array index {pos}, counted from 0)" if is_index else "")
             err = RecordError(path, pos, bad.field, problem)
-            err.reason = bad.reason
+            err.reason, err.damage = bad.reason, bad.damage
             yield err

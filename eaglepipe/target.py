@@ -91,6 +91,14 @@ def load_model(folder: Path, dtype: str = "float32"):
     return model
 
 
+def context_length(folder: Path) -> int | None:
+    """The longest sequence the target takes (``max_position_embeddings`` of its text config), if it says."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder)
+    return getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "max_position_embeddings", None)
+
+
 def stop_ids(folder: Path, tokenizer) -> list[int]:
     """Token ids that end a turn: the tokenizer's EOS plus generation_config.json's eos_token_id(s)."""
     ids = set()

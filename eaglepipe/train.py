@@ -34,8 +34,9 @@ cuts right-padded batches of at most ``batch_tokens`` (rows x longest, at least 
 
 Checkpoints (``<checkpoints>/state.pt``, written atomically every ``checkpoint_every`` steps and at each epoch's end):
 model, optimizer, schedule, torch RNG, data position (epoch, batch within it), per-epoch history and the running sums
-of the current epoch. Batches are a pure function of (seed, epoch), so a resumed run replays exactly the remaining
-batches and ends bit-for-bit where an uninterrupted run ends.
+of the current epoch: tensors and plain data only, loaded with ``weights_only=True`` (no unpickling of arbitrary
+objects, so a state file shared or copied from elsewhere cannot run code). Batches are a pure function of (seed,
+epoch), so a resumed run replays exactly the remaining batches and ends bit-for-bit where an uninterrupted run ends.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -54,6 +56,7 @@ import torch
 from safetensors import safe_open
 
 from . import draft, features, records, shards
+from .errors import UserError
 from .hashing import files_hash
 
 log = logging.getLogger(__name__)
@@ -308,7 +311,7 @@ def setup(hidden_folder, target_folder, p, keep=None):
     train_set = load_samples(hidden_folder, "train", p.positions, keep)
     valid_set = load_samples(hidden_folder, "valid") if "valid" in index else []  # as at inference
     if not train_set:
-        raise ValueError(f"{hidden_folder}: no training sample has a position to train (two generated tokens)")
+        raise UserError(f"{hidden_folder}: no training sample has a position to train (two generated tokens)")
     torch.manual_seed(p.seed)
     counts = token_counts(train_set)
     cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), p.draft_vocab_size,
@@ -346,7 +349,11 @@ def run(hidden_folder, target_folder, params, checkpoints, keep=None):
     path = Path(checkpoints) / "state.pt"
     epoch, batch_pos, history, running = 0, 0, [], torch.zeros(steps, 4)
     if path.exists():
-        state = torch.load(path, weights_only=False)
+        try:  # tensors and plain data only: a state file from elsewhere cannot run code
+            state = torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UserError(f"{path}: not a checkpoint this code wrote ({str(e).splitlines()[0][:120]}); delete it to "
+                            "start over") from None
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["schedule"])

@@ -8,7 +8,7 @@ import click
 from eaglepipe import cli, derive, infer, target
 from eaglepipe.config import CACHE
 from eaglepipe.errors import UserError
-from eaglepipe.engines import Sampling, create
+from eaglepipe.engines import Sampling
 from eaglepipe.gates import Gates
 from eaglepipe.records import read_prompts, write_json, write_jsonl
 
@@ -31,14 +31,16 @@ def main(params, prompts, out, report, timings, cache):
     folder = target.resolve(cfg.target.model)
     tokenizer = target.load_tokenizer(folder)
     sampling = Sampling.from_params(p, target.stop_ids(folder, tokenizer))
-    with create(p, folder, tokenizer) as engine:  # leaving it closes the engine (and a server it launched)
+    with infer.create_engine(p, folder, tokenizer) as engine:  # leaving it closes it (and a server it launched)
         template_kwargs = cfg.target.chat_template_kwargs
         fp = infer.fingerprint(target.fingerprint(folder), engine.name, engine.identity(), sampling, template_kwargs)
         work = Path(cache) / fp
         try:
             responses, rep = infer.run(prompt_list, engine, tokenizer, sampling, spec,
                                        Gates(p.gates, spec.expects_reasoning, derive.markup(tokenizer)),
-                                       infer.Cache(work), template_kwargs, p.max_failure_rate, p.samples)
+                                       infer.Cache(work), template_kwargs, p.max_failure_rate, p.samples,
+                                       infer.Limits(target.context_length(folder), cfg.merge.max_length, p.on_error,
+                                                    prompts))
         except UserError as e:
             raise UserError(f"{e}. Nothing was published; the records are in {work}") from None
         write_jsonl(Path(out) / "responses.jsonl", responses)

@@ -12,14 +12,16 @@ from eaglepipe import cli, derive, merge, target
 @click.option("--responses", required=True, type=click.Path(dir_okay=False), help="infer's responses.jsonl.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder of the sequences.")
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Dataset statistics (DVC metrics).")
+@click.option("--timings", required=True, type=click.Path(dir_okay=False),
+              help="This run's peak memory (not in git).")
 @cli.stage
-def main(params, responses, out, report):
+def main(params, responses, out, report, timings):
     cfg = cli.params(params)
     spec = derive.spec_from_params(cfg.target.reasoning, cfg.target.tool_calls)
     folder = target.resolve(cfg.target.model)
     tokenizer = target.load_tokenizer(folder)
     end_of_turn = target.end_of_turn_id(folder, tokenizer)
-    cli.publish(merge.run(Path(responses), Path(out), tokenizer, spec, end_of_turn, cfg.merge), report)
+    cli.publish(merge.run(Path(responses), Path(out), tokenizer, spec, end_of_turn, cfg.merge), report, timings)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,14 @@ from eaglepipe.records import write_jsonl
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Prompt records (JSON Lines).")
 @click.option("--report", required=True, type=click.Path(dir_okay=False),
               help="Counts per source: read, valid, skipped by reason, duplicates, selected (DVC metrics).")
+@click.option("--timings", required=True, type=click.Path(dir_okay=False),
+              help="This run's peak memory (not in git).")
 @cli.stage
-def main(params, out, report):
+def main(params, out, report, timings):
     cfg = cli.params(params)
     prompts, counts = lib.prepare(cfg.prepare)
     write_jsonl(out, prompts)
-    cli.publish(counts, report)
+    cli.publish(counts, report, timings)
     logging.getLogger("prepare").info("wrote %d prompts to %s\n%s", len(prompts), out, lib.summary(counts))
 
 

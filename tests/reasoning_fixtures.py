@@ -177,10 +177,6 @@ class ScriptedEngine:
             self.served += 1
             yield i, Output(out, finish, {"engine": self.name, "rid": rids[i]})
 
-    def generate(self, prompts: list[list[int]], sampling, rids: list[str] | None = None) -> list[Output]:
-        rids = rids or [str(i) for i in range(len(prompts))]
-        return [o for _, o in self.stream(prompts, sampling, rids)]
-
 
 def question_of(prompt_text: str) -> str:
     """The last user turn of a rendered ChatML or harmony prompt."""

@@ -83,9 +83,9 @@ def test_every_key_is_documented():
 
 
 STAGE_ARGS = {
-    "prepare": ["--out", "o/p.jsonl", "--report", "o/r.json"],
+    "prepare": ["--out", "o/p.jsonl", "--report", "o/r.json", "--timings", "o/t.json"],
     "infer": ["--prompts", "o/p.jsonl", "--out", "o/r", "--report", "o/r.json", "--timings", "o/t.json"],
-    "merge": ["--responses", "o/r.jsonl", "--out", "o/s", "--report", "o/r.json"],
+    "merge": ["--responses", "o/r.jsonl", "--out", "o/s", "--report", "o/r.json", "--timings", "o/t.json"],
     "hidden": ["--sequences", "o/s", "--out", "o/h", "--report", "o/r.json", "--timings", "o/t.json"],
     "train": ["--hidden", "o/h", "--out", "o/d", "--metrics", "o/m.json", "--plots", "o/c.json",
               "--timings", "o/t.json"],

@@ -99,6 +99,15 @@ def test_params_list_exactly_the_result_keys_each_stage_reads(name):
     assert reads and set(stage["params"]) == reads, f"stage {name}: reads {sorted(reads)}"
 
 
+def test_every_tracked_key_is_in_params_yaml():
+    """DVC refuses to run a stage whose tracked key is missing from params.yaml (defaults do not count)."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for name, stage in stages().items():
+        for key in stage["params"]:
+            section, _, field = key.partition(".")
+            assert field in params.get(section, {}), f"stage {name} tracks {key}, which params.yaml lacks"
+
+
 def tiny_params(params: dict) -> dict:
     for source in params["prepare"]["sources"]:
         source["n"] = 2
@@ -161,6 +170,21 @@ def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     (project / "params.yaml").write_text(yaml.safe_dump(changed, sort_keys=False))
     assert set(json.loads(dvc(project, "status", "--json").stdout)) == {"train"}  # evaluate waits on train's output
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    # a version is its commit plus the remote: pushed here, pulled into another clone, every output is back
+    remote = project.parent / "remote"
+    dvc(project, "remote", "modify", "--local", "local", "url", str(remote))
+    dvc(project, "push")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "add", "-A"], cwd=project, check=True)
+    subprocess.run([*git, "commit", "-qm", "v1"], cwd=project, check=True)
+    clone = project.parent / "clone"
+    subprocess.run(["git", "clone", "-q", str(project), str(clone)], check=True)
+    dvc(clone, "remote", "modify", "--local", "local", "url", str(remote))
+    dvc(clone, "pull")
+    assert json.loads(dvc(clone, "status", "--json").stdout) == {}
+    for out in ("data/responses/responses.jsonl", "models/draft/model.safetensors"):
+        assert (clone / out).read_bytes() == (project / out).read_bytes()
 
     with open(project / "eaglepipe/reasoning.py", "a") as f:
         f.write("\n# a change to how reasoning is derived\n")

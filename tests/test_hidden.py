@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from eaglepipe import config, features, hidden, sequences, shards
+from eaglepipe.errors import UserError
 
 PARAMS = config.Hidden(layers="auto", dtype="bfloat16", batch_tokens=64, shard_tokens=60)
 
@@ -177,3 +178,18 @@ def test_resume_keeps_finished_shards_and_a_changed_input_reuses_nothing(tmp_pat
     fresh = hidden.run(tmp_path / "seq", tmp_path / "out4", model, PARAMS, "model-fp", tmp_path / "cache2")
     assert fresh["run"]["fingerprint"] == rep["run"]["fingerprint"]
     assert {p.name: p.read_bytes() for p in (tmp_path / "out4").iterdir()} == published
+
+
+def test_a_poison_sequence_is_named_and_its_batch_mates_are_computed(model):
+    """A batch that fails is retried in halves down to one sequence: the one that fails alone stops the stage naming
+    it (its batch mates were computed without it); and a sequence's states in a batch are the ones it gets alone."""
+    good = [(f"g{i}", [1] + list(range(10 + i, 20 + i)), [0] * 5 + [1] * 6) for i in range(3)]
+    poison = ("poison", [1, 2, model.config.vocab_size + 3, 4], [0, 0, 1, 1])
+    layers = features.layer_ids("auto", model.config.num_hidden_layers)
+    with pytest.raises(UserError, match=r"hidden: sequence poison \(4 tokens\) fails alone: IndexError"):
+        hidden.extract_shard(model, [good[0], poison, *good[1:]], layers, 1000, torch.bfloat16)
+    batch = hidden.extract_shard(model, good, layers, 1000, torch.bfloat16)
+    for i, sample in enumerate(good):
+        alone = hidden.extract_shard(model, [sample], layers, 1000, torch.bfloat16)
+        start = int(batch["offsets"][i])
+        torch.testing.assert_close(batch["aux"][start:start + len(sample[1])], alone["aux"], rtol=0.02, atol=0.02)

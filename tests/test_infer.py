@@ -11,11 +11,13 @@ import pytest
 import torch
 import yaml
 
-from eaglepipe import config, chat, derive, infer, target
-from eaglepipe.engines import Sampling
+from eaglepipe import chat, config, derive, infer, target
+from eaglepipe.engines import Failure, Sampling
 from eaglepipe.engines.hf import HFEngine
+from eaglepipe.errors import UserError
 from eaglepipe.gates import Gates
-from eaglepipe.records import Prompt, content_id, prompt_of, read_jsonl, response_from_json, write_jsonl
+from eaglepipe.records import (Prompt, content_id, prompt_of, read_jsonl, response_from_json, to_json,
+                               write_jsonl)
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
@@ -95,6 +97,62 @@ def test_adding_a_source_generates_only_its_prompts(model, tokenizer, target_fol
     assert len(responses) == 5 and report["per_source"] == {"a": 3, "b": 2}
 
 
+def test_a_sampled_answer_depends_on_its_record_alone(model, tokenizer, target_folder, tmp_path):
+    """Under sampling, each answer is a function of the model, the sampling params, the seed and its record id:
+    the same bytes whatever the batch size, and when the prompts come in two increments."""
+    ps = prompts(QUESTIONS)
+    kw = dict(max_new_tokens=12, samples=2, temperature=0.8)
+    whole, _ = run(ps, model, tokenizer, target_folder, tmp_path / "a", batch_size=8, **kw)
+    other, _ = run(ps, model, tokenizer, target_folder, tmp_path / "b", batch_size=3, **kw)
+    run(ps[:5], model, tokenizer, target_folder, tmp_path / "c", batch_size=4, **kw)
+    grown, report = run(ps, model, tokenizer, target_folder, tmp_path / "c", batch_size=4, **kw)
+    assert report["run"]["generated"] == 6
+    as_bytes = lambda rs: [json.dumps(to_json(r)) for r in rs]  # noqa: E731
+    assert as_bytes(whole) == as_bytes(other) == as_bytes(grown)
+    assert len({tuple(r.output_ids) for r in whole}) > len(ps)  # the two samples of a prompt differ
+
+
+def test_a_poison_record_never_takes_its_batch_mates_down(model, tokenizer, target_folder):
+    good = [chat.prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:5]]
+    poison = good[2][:-1] + [model.config.vocab_size + 7]  # an id the embedding does not have
+    batch = good[:2] + [poison] + good[2:]
+    sampling = Sampling(max_new_tokens=8, stop_token_ids=tuple(target.stop_ids(target_folder, tokenizer)))
+    engine = HFEngine(model, tokenizer.pad_token_id, batch_size=6)
+    outs = dict(engine.stream(batch, sampling, [f"r{i}" for i in range(len(batch))]))
+    assert sorted(outs) == list(range(6))
+    assert [i for i, o in outs.items() if isinstance(o, Failure)] == [2] and "IndexError" in outs[2].reason
+    alone = HFEngine(model, tokenizer.pad_token_id, batch_size=1)
+    for i in (0, 1, 3, 4, 5):
+        assert outs[i].output_ids == next(alone.stream([batch[i]], sampling, [f"r{i}"]))[1].output_ids
+
+
+def test_prompts_that_cannot_train_get_no_generation(model, tokenizer, target_folder, tmp_path):
+    """A 5 MB turn (beyond the target's context), a 500-turn conversation and a prompt longer than merge.max_length
+    are left out before any generation under skip, counted with their ids; under fail the first is an error naming
+    the prompts file's line, the source and the lengths."""
+    huge = Prompt("a" * 16, "big", [{"role": "user", "content": "lorem ipsum dolor sit amet " * 200_000}])
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} of a long chat"} for i in range(499)]
+    long_chat = Prompt("b" * 16, "chat", turns)
+    wordy = Prompt("c" * 16, "code", [{"role": "user", "content": "explain this code: " + "x = x + 1; " * 300}])
+    ps = [*prompts(QUESTIONS[:2]), huge, long_chat, wordy]
+    context = target.context_length(target_folder)
+    skip = infer.Limits(context, 1024, "skip", "prompts.jsonl")
+    engine = HFEngine(model, tokenizer.pad_token_id, 4)
+    sampling = Sampling(max_new_tokens=8, stop_token_ids=tuple(target.stop_ids(target_folder, tokenizer)))
+    cache = infer.Cache(tmp_path / "skip")
+    responses, report = infer.run(ps, engine, tokenizer, sampling, derive.spec_from_params("none"),
+                                  Gates(config.Gates(**GATES), False), cache, {}, limits=skip)
+    assert [r.id for r in responses] == [p.id for p in ps[:2]]
+    assert report["left_out_ids"] == {"exceeds_context": [huge.id], "no_room_in_max_length": [long_chat.id, wordy.id]}
+    assert report["left_out"] == {"exceeds_context": 1, "no_room_in_max_length": 2} and report["run"]["generated"] == 2
+    with pytest.raises(UserError, match=rf"prompts.jsonl:3: prompt {huge.id} of source big: \d+ prompt tokens \+ "
+                                        rf"infer.max_new_tokens 8 exceed the target's context of {context}"):
+        infer.run(ps, engine, tokenizer, sampling, derive.spec_from_params("none"),
+                  Gates(config.Gates(**GATES), False), infer.Cache(tmp_path / "fail"), {},
+                  limits=infer.Limits(context, 1024, "fail", "prompts.jsonl"))
+    assert not (tmp_path / "fail" / "generations.jsonl").exists()  # nothing was generated
+
+
 def test_other_params_never_reuse_a_cache(model, tokenizer, target_folder, tmp_path):
     ps = prompts(QUESTIONS[:2])
     run(ps, model, tokenizer, target_folder, tmp_path, max_new_tokens=6)
@@ -115,32 +173,34 @@ def test_torn_last_line_and_duplicates_are_dropped_and_counted(tmp_path):
 
 def write_params(tmp_path, **infer_overrides):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["infer"].update(batch_size=1, max_new_tokens=24, samples=1, temperature=0.0, **infer_overrides)
+    params["infer"].update({"batch_size": 1, "max_new_tokens": 24, "samples": 1, "temperature": 0.0, **infer_overrides})
     params["infer"]["gates"].update(GATES)
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     return path
 
 
-def stage(tmp_path, params):
+def stage(tmp_path, params, name="out"):
     return [sys.executable, str(ROOT / "stages/infer.py"), "--params", str(params), "--prompts",
-            str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "out"), "--report", str(tmp_path / "report.json"),
-            "--timings", str(tmp_path / "timings.json"), "--cache", str(tmp_path / "cache")]
+            str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / name), "--report", str(tmp_path / "report.json"),
+            "--timings", str(tmp_path / "timings.json"), "--cache", str(tmp_path / f"cache-{name}")]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
+    """Under sampling, a run interrupted and resumed publishes the very bytes an uninterrupted run publishes."""
     ps = prompts(QUESTIONS)
     write_jsonl(tmp_path / "prompts.jsonl", ps)
-    cmd = stage(tmp_path, write_params(tmp_path))
+    params = write_params(tmp_path, batch_size=4, samples=2, temperature=0.8)
+    cmd = stage(tmp_path, params)
     # A shell running the tests in the background leaves SIGINT ignored in its children; a user's Ctrl-C is not.
     restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=restore_sigint)
     deadline = time.time() + 120
     cache_file = None
     while time.time() < deadline and proc.poll() is None:  # wait until some, not all, records are in the cache
-        files = list((tmp_path / "cache").glob("*/generations.jsonl"))
-        if files and 2 <= len(files[0].read_text().splitlines()) <= len(ps) // 2:  # far from the end
+        files = list((tmp_path / "cache-out").glob("*/generations.jsonl"))
+        if files and 2 <= len(files[0].read_text().splitlines()) <= len(ps):  # at most half of the 2 x 8 answers
             cache_file = files[0]
             break
         time.sleep(0.05)
@@ -153,9 +213,36 @@ def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
 
     subprocess.run(cmd, check=True, capture_output=True)
     records = [response_from_json(obj) for _, obj in read_jsonl(tmp_path / "out" / "responses.jsonl")]
-    assert sorted(r.id for r in records) == sorted(p.id for p in ps)
+    assert sorted(r.id for r in records) == sorted(i for p in ps for i in (p.id, f"{p.id}.1"))
     timings = json.loads((tmp_path / "timings.json").read_text())
-    assert timings["generated"] == len(ps) - done_before
+    assert timings["generated"] == 2 * len(ps) - done_before
+    subprocess.run(stage(tmp_path, params, "uninterrupted"), check=True, capture_output=True)
+    published = (tmp_path / "out" / "responses.jsonl").read_bytes()
+    assert published == (tmp_path / "uninterrupted" / "responses.jsonl").read_bytes()
+
+
+def test_the_stage_checks_the_limits_before_generating(tmp_path):
+    """The real stage on a prompt too long for merge.max_length: one line naming it under fail; left out and counted
+    under skip, the other prompts generated."""
+    long_prompt = [{"role": "user", "content": "Summarise: " + "the cat sat on the mat. " * 40}]
+    ps = [*prompts(QUESTIONS[:2]), Prompt(content_id(long_prompt, None), "wordy", long_prompt)]
+    write_jsonl(tmp_path / "prompts.jsonl", ps)
+    for on_error in ("fail", "skip"):
+        params = yaml.safe_load(write_params(tmp_path, max_new_tokens=4, on_error=on_error).read_text())
+        params["merge"]["max_length"] = 64
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+        out = subprocess.run(stage(tmp_path, tmp_path / "params.yaml", on_error), capture_output=True, text=True)
+        if on_error == "fail":
+            assert out.returncode == 1, out.stderr
+            assert out.stderr.strip().splitlines()[-1].startswith(
+                f"Error: {tmp_path / 'prompts.jsonl'}:3: prompt {ps[2].id} of source wordy: "), out.stderr
+            assert "leave no room for an answer within merge.max_length 64" in out.stderr
+            assert not list((tmp_path / "cache-fail").glob("*/generations.jsonl"))  # nothing generated
+        else:
+            assert out.returncode == 0, out.stderr
+            report = json.loads((tmp_path / "report.json").read_text())
+            assert report["left_out"] == {"no_room_in_max_length": 1} and report["completions"] == 2
+            assert report["left_out_ids"] == {"no_room_in_max_length": [ps[2].id]}
 
 
 def test_hf_engine_ignores_sampling_defaults_of_the_model_folder(target_folder, tokenizer, tmp_path):
@@ -165,13 +252,13 @@ def test_hf_engine_ignores_sampling_defaults_of_the_model_folder(target_folder, 
 
     folder = tmp_path / "model"
     shutil.copytree(target_folder, folder)
-    config = json.loads((folder / "generation_config.json").read_text())
-    config.update(repetition_penalty=1.8, top_k=3, no_repeat_ngram_size=2)
-    (folder / "generation_config.json").write_text(json.dumps(config))
+    gen_config = json.loads((folder / "generation_config.json").read_text())
+    gen_config.update(repetition_penalty=1.8, top_k=3, no_repeat_ngram_size=2)
+    (folder / "generation_config.json").write_text(json.dumps(gen_config))
     ids = [chat.prompt_ids(tokenizer, [{"role": "user", "content": "Write a haiku about rain."}])]
     sampling = Sampling(max_new_tokens=24, stop_token_ids=(tokenizer.eos_token_id,))
-    plain = HFEngine(target.load_model(target_folder), tokenizer.pad_token_id).generate(ids, sampling)[0]
-    tweaked = HFEngine(target.load_model(folder), tokenizer.pad_token_id).generate(ids, sampling)[0]
+    plain = next(HFEngine(target.load_model(target_folder), tokenizer.pad_token_id).stream(ids, sampling, ["a"]))[1]
+    tweaked = next(HFEngine(target.load_model(folder), tokenizer.pad_token_id).stream(ids, sampling, ["a"]))[1]
     assert tweaked.output_ids == plain.output_ids
 
 
@@ -180,13 +267,14 @@ def test_sampling_filters_follow_sglang():
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
     top = logits.argmax(-1)
-    draw = lambda **kw: pick(logits, Sampling(temperature=1.0, **kw), torch.Generator().manual_seed(1))  # noqa: E731
+    rngs = lambda seed: [torch.Generator().manual_seed(seed + row) for row in range(4)]  # noqa: E731
+    draw = lambda **kw: pick(logits, Sampling(temperature=1.0, **kw), rngs(1))  # noqa: E731
     for only_the_top in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
         assert torch.equal(draw(**only_the_top), top), only_the_top
     assert torch.equal(draw(), draw())  # seeded
     probs = torch.softmax(logits, -1)
     for _ in range(20):  # top_k=3 only ever draws among the three best; top_p=0.5 among the nucleus
-        seed = torch.Generator().manual_seed(_)
+        seed = rngs(_ * 4)
         picked = pick(logits, Sampling(temperature=1.0, top_k=3), seed)
         assert all(p in row for p, row in zip(picked.tolist(), logits.topk(3).indices.tolist()))
         picked = pick(logits, Sampling(temperature=1.0, top_p=0.5), seed)
@@ -195,3 +283,5 @@ def test_sampling_filters_follow_sglang():
             rank = order[row].tolist().index(p)
             assert sorted_probs[row, :rank].sum() <= 0.5
     assert torch.equal(pick(logits, Sampling(), None), top)  # temperature 0: greedy
+    alone = [pick(logits[i:i + 1], Sampling(temperature=1.0), rngs(7)[i:i + 1]) for i in range(4)]
+    assert torch.equal(torch.cat(alone), pick(logits, Sampling(temperature=1.0), rngs(7)))  # batch mates don't matter

@@ -12,7 +12,7 @@ from eaglepipe import config
 from eaglepipe import prepare as lib
 from eaglepipe.errors import UserError
 from eaglepipe.records import RecordError, content_id, prompt_from_json, read_prompts
-from eaglepipe.sources import raw_records, read_source
+from eaglepipe.sources import CHUNK, raw_records, read_source
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "sources"
@@ -184,6 +184,13 @@ def test_config_is_checked(tmp_path):
         prepare_({"sources": [source("x", x, -1)]})
 
 
+def test_a_selection_with_no_prompt_fails_there(tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    with pytest.raises(UserError, match=r"prepare: no prompt selected from 1 source\(s\) \(0 records read"):
+        prepare_({"sources": [source("x", empty, 5)]})
+
+
 def test_a_missing_source_file_is_named_before_any_source_is_read(tmp_path):
     x = alpaca_file(tmp_path / "x.jsonl", ["a"])
     with pytest.raises(UserError, match=r"prepare.sources\[1\] \(gone\): no such file .*nowhere.jsonl"):
@@ -230,6 +237,7 @@ def test_bad_line_fails_naming_file_line_and_field(tmp_path, reason):
     counts = report["sources"]["bad"]
     assert (counts["read"], counts["valid"], counts["skipped"], counts["selected"]) == (3, 2, 1, 2)
     assert counts["skipped_by_reason"] == {reason: 1} == report["totals"]["skipped_by_reason"]
+    assert "damage" not in counts  # a broken line followed by others is no damage
 
 
 def test_bad_item_of_a_json_array_names_its_index(tmp_path):
@@ -238,14 +246,6 @@ def test_bad_item_of_a_json_array_names_its_index(tmp_path):
     with pytest.raises(RecordError) as e:
         prepare_({"sources": [source("bad", path, 5)]})
     assert (e.value.line, e.value.field) == (2, "instruction") and "JSON array index 2" in str(e.value)
-
-
-def test_broken_json_array_fails_even_with_skip(tmp_path):
-    path = tmp_path / "bad.json"
-    path.write_text('[\n  {"instruction": "a"},\n  {"instruction": }\n]\n')
-    with pytest.raises(RecordError) as e:
-        prepare_({"on_error": "skip", "sources": [source("bad", path, 5)]})
-    assert (e.value.path, e.value.line) == (str(path), 3)
 
 
 def test_skip_counts_every_reason(tmp_path):
@@ -257,6 +257,88 @@ def test_skip_counts_every_reason(tmp_path):
     counts = report["sources"]["m"]
     assert counts["skipped_by_reason"] == {"broken_json": 1, "unknown_role": 2, "empty_conversation": 1}
     assert counts["read"] == counts["valid"] + counts["skipped"] == 5
+
+
+# ---------------------------------------------------------------------------------------------------------- damage
+
+ARRAY_HEAD = b'[\n  {"instruction": "a"},\n  {"instruction": "b"},\n  '
+LINES_HEAD = b'{"instruction": "a"}\n\n{"instruction": "b"}\n'
+DAMAGED = {  # name: (file, where the damage starts, records before it)
+    "array cut in a record": (ARRAY_HEAD + b'{"instruction": "c', len(ARRAY_HEAD), 2),
+    "array cut in a character": (ARRAY_HEAD + b'{"instruction": "caf\xc3', len(ARRAY_HEAD), 2),
+    "array broken in a record": (b'[\n  {"instruction": "a"},\n  {"instruction": }\n]\n', 28, 1),
+    "array cut after a record": (ARRAY_HEAD.rstrip(b" ,\n"), len(ARRAY_HEAD.rstrip(b" ,\n")), 2),
+    "array cut at its start": (b'  [\n  {"instr', 6, 0),
+    "torn last line": (LINES_HEAD + b'{"instruction": "c', len(LINES_HEAD), 2),
+    "torn character": (LINES_HEAD + b'{"instruction": "caf\xc3', len(LINES_HEAD), 2),
+}
+
+
+def damaged_file(tmp_path, name):
+    data, offset, before = DAMAGED[name]
+    path = tmp_path / ("bad.json" if data.lstrip().startswith(b"[") else "bad.jsonl")
+    path.write_bytes(data)
+    return path, {"offset": offset, "bytes": len(data) - offset, "records_before": before}
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGED))
+def test_damaged_file_keeps_the_records_before_the_damage_under_skip(tmp_path, name):
+    path, damage = damaged_file(tmp_path, name)
+    ok = alpaca_file(tmp_path / "ok.jsonl", ["fine"])  # a selection with nothing at all fails the stage
+    prompts, report = prepare_({"on_error": "skip", "sources": [source("bad", path, 5), source("ok", ok, 1)]})
+    assert [p.messages[0]["content"] for p in prompts if p.source == "bad"] == ["a", "b"][:damage["records_before"]]
+    counts = report["sources"]["bad"]
+    assert counts["damage"] == damage
+    assert counts["skipped_by_reason"] == {"damaged": 1}
+    assert (counts["read"], counts["valid"]) == (damage["records_before"] + 1, damage["records_before"])
+    assert f"damaged: bad from byte {damage['offset']} to its end" in lib.summary(report)
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGED))
+def test_damaged_file_fails_naming_file_byte_offset_and_record_index(tmp_path, name):
+    path, damage = damaged_file(tmp_path, name)
+    with pytest.raises(RecordError) as e:
+        prepare_({"sources": [source("bad", path, 5)]})
+    index = damage["records_before"]
+    is_array = path.suffix == ".json"
+    assert (e.value.path, e.value.line) == (str(path), index if is_array else DAMAGED[name][0].count(b"\n") + 1)
+    assert f"is damaged from byte {damage['offset']} to its end ({damage['bytes']} bytes)" in str(e.value)
+    assert (f"JSON array index {index}," if is_array else f"record index {index},") in str(e.value)
+
+
+def test_damage_is_located_exactly_across_chunks(tmp_path):
+    """Records spanning chunk boundaries, one longer than several chunks, then a cut: the offset is still exact."""
+    records = [{"instruction": f"question {i} " + "x" * (i % 300)} for i in range(1500)]
+    records[700]["instruction"] += "long " * (3 * CHUNK // 5)
+    whole = json.dumps(records, indent=1)
+    cut = whole.rindex('{\n  "instruction": "question 1499') + 20
+    path = tmp_path / "cut.json"
+    path.write_text(whole[:cut])
+    assert path.stat().st_size > 5 * CHUNK
+    _, report = prepare_({"on_error": "skip", "sources": [source("cut", path, 2000)]})
+    counts = report["sources"]["cut"]
+    assert counts["valid"] == counts["selected"] == 1499
+    assert counts["damage"] == {"offset": cut - 20, "bytes": 20, "records_before": 1499}
+
+
+def test_a_clean_file_reports_no_damage(tmp_path):
+    path = tmp_path / "ok.json"
+    path.write_text(json.dumps([{"instruction": "a"}]) + "\n")
+    jsonl = alpaca_file(tmp_path / "ok.jsonl", ["b"])
+    jsonl.write_bytes(jsonl.read_bytes().rstrip(b"\n"))  # a last line without its newline, but whole
+    _, report = prepare_({"sources": [source("array", path, 1), source("lines", jsonl, 1)]})
+    assert not any("damage" in s or s["skipped"] for s in report["sources"].values())
+
+
+def test_on_error_can_be_set_per_source(tmp_path):
+    path, _ = damaged_file(tmp_path, "torn last line")
+    ok = alpaca_file(tmp_path / "ok.jsonl", ["fine"])
+    _, report = prepare_({"sources": [source("ok", ok, 1), {**source("bad", path, 5), "on_error": "skip"}]})
+    assert report["sources"]["bad"]["skipped_by_reason"] == {"damaged": 1}
+    with pytest.raises(RecordError, match="is damaged from byte 43"):
+        prepare_({"on_error": "skip", "sources": [source("ok", ok, 1), {**source("bad", path, 5), "on_error": "fail"}]})
+    with pytest.raises(config.ConfigError, match=r"prepare.sources\[0\].on_error = 'ignore'"):
+        prepare_({"sources": [{**source("bad", path, 5), "on_error": "ignore"}]})
 
 
 # ------------------------------------------------------------------------------------------------------ stage script
@@ -277,7 +359,8 @@ def test_stage_runs_end_to_end_without_heavy_imports(tmp_path):
     run = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
            "except SystemExit as e:\n    assert not e.code, e.code\n"
            "assert not {'torch', 'transformers'} & set(sys.modules), 'prepare imported a model library'\n")
-    args = [str(STAGE), "--params", str(params), "--out", str(out), "--report", str(report)]
+    args = [str(STAGE), "--params", str(params), "--out", str(out), "--report", str(report), "--timings",
+            str(tmp_path / "timings.json")]
     outputs = []
     for _ in range(2):
         subprocess.run([sys.executable, "-c", run, *args], cwd=tmp_path, check=True, capture_output=True)
@@ -300,10 +383,60 @@ def test_stage_stops_on_a_bad_record_with_a_clear_message(tmp_path):
     bad.write_bytes(GOOD + b"\n" + BAD_LINES["broken_json"][1] + b"\n")
     params = params_file(tmp_path, [source("bad", bad, 2, "sharegpt")])
     result = subprocess.run([sys.executable, str(STAGE), "--params", str(params), "--out", "data/prompts.jsonl",
-                             "--report", "data/prepare.json"], cwd=tmp_path, capture_output=True, text=True)
+                             "--report", "data/prepare.json", "--timings", "data/timings.json"], cwd=tmp_path,
+                            capture_output=True, text=True)
     assert result.returncode == 1
     assert f"{bad}:2:" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "data").exists()  # nothing half-written
+
+
+# -------------------------------------------------------------------------------------------------------- big files
+
+PEAK_RSS = ("import resource, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n"
+            "    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+
+
+def repeated_source(path, records, size: int) -> int:
+    """A JSON array (``.json``) or JSON Lines file holding ``records`` over and over until it has ``size`` bytes;
+    returns how many records it holds."""
+    array = path.suffix == ".json"
+    block = "".join((json.dumps(r) + (",\n" if array else "\n")) for r in records).encode()
+    copies = max(1, size // len(block))
+    with open(path, "wb") as f:
+        f.write(b"[\n" if array else b"")
+        for _ in range(copies):
+            f.write(block)
+        f.write(b'{"instruction": "last"}\n]\n' if array else b'{"instruction": "last"}\n')
+    return copies * len(records) + 1
+
+
+def stage_peak_rss(tmp_path, path, n: int) -> tuple[int, dict]:
+    """Peak resident memory (KiB) of the prepare stage run on one source, and its report."""
+    params = params_file(tmp_path, [source("s", path, n)])
+    out, report = tmp_path / f"{path.name}.prompts.jsonl", tmp_path / f"{path.name}.report.json"
+    run = subprocess.run([sys.executable, "-c", PEAK_RSS, str(STAGE), "--params", str(params), "--out", str(out),
+                          "--report", str(report), "--timings", str(tmp_path / "timings.json")],
+                         cwd=tmp_path, check=True, capture_output=True, text=True)
+    return int(run.stdout.split()[-1]), json.loads(report.read_text())["sources"]["s"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("container", ["json", "jsonl"])
+def test_peak_memory_does_not_grow_with_the_source_file(tmp_path, container):
+    """Bound: prepare on a 128 MiB file peaks at less than 1/32 of the file's size (4 MiB) above prepare on a file
+    holding the same distinct records once."""
+    records = [{"instruction": f"Prompt {i}: " + "lorem ipsum " * 60, "input": "", "output": "ok"} for i in range(400)]
+    tiny, big = tmp_path / f"tiny.{container}", tmp_path / f"big.{container}"
+    repeated_source(tiny, records, 0)
+    held = repeated_source(big, records, 128 << 20)
+    size = big.stat().st_size
+    tiny_peak, tiny_counts = stage_peak_rss(tmp_path, tiny, 50)
+    big_peak, big_counts = stage_peak_rss(tmp_path, big, 50)
+    big.unlink()
+    assert (big_counts["read"], big_counts["duplicates"], big_counts["selected"]) == (held, held - 401, 50)
+    assert (tiny_counts["read"], tiny_counts["duplicates"]) == (401, 0)
+    assert (big_peak - tiny_peak) * 1024 < size / 32, (tiny_peak, big_peak, size)
 
 
 # ------------------------------------------------------------------------------------------------------ shipped data

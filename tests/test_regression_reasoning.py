@@ -260,7 +260,7 @@ def answers(tok, model):
     longest_block = max(len(think_block(tok, t)) for t in ({}, {"prefill_think": False}))
     sampling = Sampling(max_new_tokens=E2E_MAX_NEW - longest_block, stop_token_ids=(2,))
     prompts = [chat.prompt_ids(tok, p.messages, None, {"prefill_think": False}) for p in E2E_PROMPTS]
-    outs = engine.generate(prompts, sampling)
+    outs = [o for _, o in sorted(engine.stream(prompts, sampling, [p.id for p in E2E_PROMPTS]))]
     assert all(o.finish_reason == "stop" for o in outs), "an answer no longer fits: pick shorter questions"
     return {p.id: o.output_ids for p, o in zip(E2E_PROMPTS, outs)}
 

@@ -274,11 +274,11 @@ def test_stopping_early_cancels_what_is_in_flight_and_aborts_it_on_the_server(fr
     assert s["inflight"] and set(s["inflight"]) <= set(s["aborted_rids"])  # and was told to stop each one
 
 
-def test_generate_returns_outputs_in_prompt_order(fresh, tokenizer):
+def test_stream_names_each_answer_by_its_prompt_index(fresh, tokenizer):
     ps = prompts(tokenizer, 3)
     with engine(fresh, tokenizer) as eng:
-        outs = eng.generate(ps, SAMPLING, ["x", "y", "z"])
-    assert [o.meta["rid"] for o in outs] == ["x", "y", "z"]
+        outs = dict(eng.stream(ps, SAMPLING, ["x", "y", "z"]))
+    assert {i: o.meta["rid"] for i, o in outs.items()} == {0: "x", 1: "y", 2: "z"}
 
 
 def test_a_launched_server_that_dies_is_reported_with_its_log(tokenizer, tmp_path):

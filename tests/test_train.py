@@ -2,6 +2,7 @@
 KV-cached inference chain, the loss decreases, and a stage run killed after a checkpoint (``kill -9``) resumes and
 ends bit-for-bit where an uninterrupted run ends."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from eaglepipe import config, draft, features, shards, train
+from eaglepipe.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 V, H, LAYERS = 512, 64, 8
@@ -204,12 +206,31 @@ def test_loss_decreases_and_a_killed_run_resumes_exactly(data, tmp_path, autocas
     assert report["valid"] == {f"{m}_{k}": row[2, "valid", k][m] for m in ("loss", "acc") for k in range(3)}
 
     checkpoints = killed_after_first_checkpoint(data, params, tmp_path)
-    state = torch.load(checkpoints / "state.pt", weights_only=False)
+    state = torch.load(checkpoints / "state.pt", weights_only=True)  # tensors and plain data only
     assert state["epoch"] < params.epochs, "killed before the end"
     resumed, _, history_b = train.run(data / "hidden", data / "target", params, checkpoints)
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert history_b == history
+
+
+class _Payload:
+    """What a doctored state file could carry: unpickling it would run a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_doctored_resume_state_cannot_run_code(data, tmp_path):
+    checkpoints, marker = tmp_path / "checkpoints", tmp_path / "ran"
+    checkpoints.mkdir()
+    torch.save({"model": _Payload(marker)}, checkpoints / "state.pt")
+    with pytest.raises(UserError, match="state.pt: not a checkpoint this code wrote"):
+        train.run(data / "hidden", data / "target", config.Train(**PARAMS), checkpoints)
+    assert not marker.exists()
 
 
 def test_plan_batches_respects_budget_and_is_seeded():

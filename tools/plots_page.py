@@ -10,12 +10,13 @@ The template follows dvc-render's contract: it holds ``{plot_divs}`` (where DVC 
     python3 tools/plots_page.py --out .venv/plots/page.html
     dvc plots show --html-template .venv/plots/page.html
 """
-import argparse
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import click
 
 LIBRARIES = {"vega": "5.33.1", "vega-lite": "5.23.0", "vega-embed": "6.29.0"}  # loaded in this order
 PLACEHOLDERS = ("{plot_divs}", "{refresh_tag}", "{scripts}")
@@ -66,16 +67,15 @@ def page(scripts: dict[str, str]) -> str:
     return PAGE.replace("LIBRARY_TAGS", "\n".join(tags))
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prefix", default=".venv/plots", help="npm prefix the libraries are installed into")
-    ap.add_argument("--out", default=".venv/plots/page.html", help="the HTML template to write")
-    args = ap.parse_args(argv)
-    prefix = Path(args.prefix)
+@click.command(help=__doc__.split("\n\n")[0])
+@click.option("--prefix", default=".venv/plots", show_default=True, help="npm prefix the libraries are installed into.")
+@click.option("--out", default=".venv/plots/page.html", show_default=True, help="The HTML template to write.")
+def main(prefix, out) -> None:
+    prefix = Path(prefix)
     install(prefix)
     scripts = {n: (prefix / "node_modules" / n / "build" / f"{n}.min.js").read_text(encoding="utf-8")
                for n in LIBRARIES}
-    out = Path(args.out)
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page(scripts), encoding="utf-8")
     print(f"{out}: {', '.join(f'{n}@{v}' for n, v in LIBRARIES.items())} inlined", file=sys.stderr)

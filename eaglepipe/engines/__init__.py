@@ -1,6 +1,5 @@
 """Engines turn prompt id lists into output id lists. Every engine has the same interface:
 
-    engine.generate(prompts: list[list[int]], sampling: Sampling, rids: list[str]) -> list[Output]
     engine.stream(prompts, sampling, rids) -> iterator of (index into prompts, Output | Failure), as they finish
 
 ``Output.output_ids`` are exactly the ids the engine produced (a stop token is kept when the engine emitted it),
@@ -9,6 +8,7 @@ Engines are chosen by ``infer.engine`` (``hf``: in-process Hugging Face; ``sglan
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 
 
@@ -48,17 +48,8 @@ class Failure:
     reason: str
 
 
-def create(params, folder, tokenizer):
-    """The engine named by ``infer.engine`` (``params`` is the ``infer`` section, config.Infer), as a context manager:
-    ``with create(...) as engine:``. Leaving it releases what the engine holds (connections, an SGLang server it
-    launched), also on errors."""
-    if params.engine == "hf":
-        from contextlib import nullcontext
-
-        from .. import target
-        from .hf import HFEngine
-
-        return nullcontext(HFEngine(target.load_model(folder), tokenizer.pad_token_id, params.batch_size))
-    from .sglang import SGLangEngine
-
-    return SGLangEngine(params.sglang, tokenizer)
+def seed_for(seed: int, record_id: str) -> int:
+    """The sampling seed of one record: every engine draws a record's tokens from its own generator seeded with
+    this, so an answer depends on the model, the sampling params, ``infer.seed`` and the record's id (which names
+    its prompt and sample index) only: not on its batch mates, the order, a resume or the concurrency."""
+    return int(hashlib.sha256(f"{seed}:{record_id}".encode()).hexdigest()[:8], 16)

@@ -12,12 +12,14 @@ would see alone. Sampling follows SGLang's order: temperature, then top-k, top-p
 """
 from __future__ import annotations
 
-import hashlib
+import logging
 
 import torch
 from transformers import DynamicCache
 
-from . import Output, Sampling
+from . import Failure, Output, Sampling, seed_for
+
+log = logging.getLogger(__name__)
 
 
 class HFEngine:
@@ -29,8 +31,9 @@ class HFEngine:
         self.batch_size = batch_size
 
     def identity(self) -> dict:
-        """What, beyond the model files, decides this engine's ids (part of the infer cache's fingerprint)."""
-        return {"dtype": str(self.model.dtype), "batch_size": self.batch_size}
+        """What, beyond the model files, decides this engine's ids (part of the infer cache's fingerprint). The
+        batch size does not: each row samples from its own generator (``seed_for``) and attends only to itself."""
+        return {"dtype": str(self.model.dtype)}
 
     def describe(self) -> dict:
         """What the stage keeps about the engine next to its records (engine.json)."""
@@ -38,25 +41,36 @@ class HFEngine:
 
     def stream(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
         """Generate in batches of similar length (less padding), longest first; yield (index, Output) as rows
-        finish."""
+        finish, or (index, Failure) for a record that fails alone (``isolated``)."""
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: duplicates stay adjacent
         for b in range(0, len(order), self.batch_size):
-            batch = order[b:b + self.batch_size]
-            for row, out in self._decode([prompts[i] for i in batch], sampling, [rids[i] for i in batch]):
-                yield batch[row], out
+            yield from self.isolated(order[b:b + self.batch_size], prompts, sampling, rids)
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling, rids: list[str] | None = None) -> list[Output]:
-        """All prompts as one batch; outputs in prompt order."""
-        outs = dict(self._decode(prompts, sampling, rids or [str(i) for i in range(len(prompts))]))
-        return [outs[i] for i in range(len(prompts))]
+    def isolated(self, batch: list[int], prompts, sampling: Sampling, rids):
+        """Decode ``batch`` (indices into ``prompts``); when it fails (out of memory, a bad id, ...), the rows not yet
+        finished are retried in two halves, down to a single record, which becomes a Failure with the reason: a
+        poison record never takes its batch mates down. A retried row gives the answer it gives alone (its sampling
+        generator restarts from its own seed)."""
+        finished = set()
+        try:
+            for row, out in self._decode([prompts[i] for i in batch], sampling, [rids[i] for i in batch]):
+                finished.add(batch[row])
+                yield batch[row], out
+        except (RuntimeError, ValueError, IndexError, MemoryError) as e:  # torch's OutOfMemoryError is a RuntimeError
+            left = [i for i in batch if i not in finished]
+            if len(left) == 1:
+                yield left[0], Failure(f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                return
+            log.warning("a batch of %d failed (%s): retrying its %d unfinished rows in halves", len(batch),
+                        type(e).__name__, len(left))
+            yield from self.isolated(left[:len(left) // 2], prompts, sampling, rids)
+            yield from self.isolated(left[len(left) // 2:], prompts, sampling, rids)
 
     @torch.inference_mode()
     def _decode(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
         """Yield (row, Output) for one batch, each row as it finishes."""
-        # One seed per batch, derived from the run's seed and the batch's record ids: reruns are reproducible.
-        seed = int(hashlib.sha256(f"{sampling.seed}:{','.join(rids)}".encode()).hexdigest()[:8], 16)
-        rng = torch.Generator().manual_seed(seed)
-        meta = {"engine": self.name, "batch_size": len(prompts), "seed": seed}
+        rngs = [torch.Generator().manual_seed(seed_for(sampling.seed, rid)) for rid in rids]  # one per record
+        meta = {"engine": self.name}
         stops = set(sampling.stop_token_ids)
 
         # Prefill each distinct prompt once (the samples of a prompt are adjacent), then give every row its copy.
@@ -83,7 +97,7 @@ class HFEngine:
         rows = list(range(len(prompts)))       # batch row -> prompt row, None once finished
         outputs = [[] for _ in prompts]
         while True:
-            tokens = pick(logits.float(), sampling, rng).tolist()
+            tokens = pick(logits.float(), sampling, rngs).tolist()
             for j, (row, token) in enumerate(zip(rows, tokens)):
                 if row is None:
                     continue
@@ -98,27 +112,32 @@ class HFEngine:
                 sel = torch.tensor(live)
                 cache.batch_select_indices(sel)
                 attention, position = attention[sel], position[sel]
-                rows, tokens = [rows[j] for j in live], [tokens[j] for j in live]
+                rows, tokens, rngs = [rows[j] for j in live], [tokens[j] for j in live], [rngs[j] for j in live]
             attention = torch.cat((attention, torch.ones_like(attention[:, :1])), 1)
             position = position + 1
             logits = self.model(input_ids=torch.tensor(tokens)[:, None], attention_mask=attention,
                                 position_ids=position[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
 
 
-def pick(logits: torch.Tensor, sampling: Sampling, rng: torch.Generator) -> torch.Tensor:
-    """The next token of every row: argmax when greedy; else a draw from the temperature-scaled probabilities
-    without the tokens that top-k, top-p (mass ranked above a token > top_p) or min-p (below min_p x the top
-    probability) rule out, as SGLang's sampler does."""
+def pick(logits: torch.Tensor, sampling: Sampling, rngs: list) -> torch.Tensor:
+    """The next token of every row: argmax when greedy; else a draw, from row i's own generator ``rngs[i]``, from the
+    temperature-scaled probabilities without the tokens that top-k, top-p (mass ranked above a token > top_p) or
+    min-p (below min_p x the top probability) rule out, as SGLang's sampler does."""
     if sampling.temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / sampling.temperature, -1)
     if sampling.min_p > 0:
         probs = probs.masked_fill(probs < sampling.min_p * probs.amax(-1, keepdim=True), 0.0)
     if sampling.top_k <= 0 and sampling.top_p >= 1.0:  # no ranking needed (a sort of the vocabulary is slow)
-        return torch.multinomial(probs, 1, generator=rng)[:, 0]
+        return draw(probs, rngs)
     probs, order = probs.sort(-1, descending=True)
     if sampling.top_k > 0:
         probs[:, sampling.top_k:] = 0.0
     if sampling.top_p < 1.0:
         probs = probs.masked_fill(probs.cumsum(-1) - probs > sampling.top_p, 0.0)
-    return order.gather(-1, torch.multinomial(probs, 1, generator=rng))[:, 0]
+    return order.gather(-1, draw(probs, rngs)[:, None])[:, 0]
+
+
+def draw(probs: torch.Tensor, rngs: list) -> torch.Tensor:
+    """One index per row of ``probs``, drawn with that row's generator."""
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, rngs)])

@@ -41,7 +41,6 @@ in the driver's cache).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import queue
 import random
@@ -57,7 +56,7 @@ import orjson
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from ..errors import UserError
-from . import Failure, Output, Sampling
+from . import Failure, Output, Sampling, seed_for
 
 _dumps, _loads = orjson.dumps, orjson.loads  # JSON at 256 requests in flight: the client's CPU time matters
 
@@ -88,11 +87,6 @@ class _Retry(Exception):
 
 class _Permanent(Exception):
     pass
-
-
-def seed_for(seed: int, record_id: str) -> int:
-    """The per-record sampling seed sent as ``sampling_seed`` when sampling (temperature > 0)."""
-    return int(hashlib.sha256(f"{seed}:{record_id}".encode()).hexdigest()[:8], 16)
 
 
 def sampling_params(s: Sampling, record_id: str) -> dict:
@@ -350,16 +344,6 @@ class SGLangEngine:
                 fut.cancel()
                 finished.wait(timeout=30)
             self._log_stats()
-
-    def generate(self, prompts: list[list[int]], sampling: Sampling, rids: list[str] | None = None) -> list[Output]:
-        rids = rids or [str(i) for i in range(len(prompts))]
-        out: list = [None] * len(prompts)
-        for i, o in self.stream(prompts, sampling, rids):
-            out[i] = o
-        failed = [f"{rids[i]}: {o.reason}" for i, o in enumerate(out) if isinstance(o, Failure)]
-        if failed:
-            raise SGLangError(f"{len(failed)} of {len(prompts)} prompts failed: " + "; ".join(failed[:5]))
-        return out
 
     def _log_stats(self):
         if self.stats:

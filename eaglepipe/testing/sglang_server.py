@@ -388,7 +388,7 @@ class FakeSGLang:
             sampling = Sampling(temperature=sp["temperature"], top_p=sp["top_p"], top_k=top_k, min_p=sp["min_p"],
                                 max_new_tokens=budget, seed=int(sp.get("sampling_seed") or 0),
                                 stop_token_ids=tuple(sorted(stops)))
-            gen = self.engine.generate([model_ids], sampling, [rid])[0].output_ids
+            gen = next(self.engine.stream([model_ids], sampling, [rid]))[1].output_ids
         gen = block + gen
         # SGLang's Req.check_finished: the length limit first, then the stop ids; the matched id stays in output_ids.
         if len(gen) >= limit:
