@@ -38,9 +38,10 @@ inspect: venv
 params: venv
 	python -m eaglepipe.config
 
-# The figures a version is compared by, and the last run's speed of each stage.
+# The figures a version is compared by, one per line (DVC's own table is one row per file, thousands of columns), and
+# the last run's speed and memory of each stage.
 metrics: venv
-	dvc metrics show
+	dvc metrics show --json | python tools/metrics_table.py
 timings: venv
 	@for f in metrics/timings/*.json; do echo "== $$f"; cat "$$f"; done 2>/dev/null || echo "no timings yet: run a stage"
 

@@ -191,6 +191,8 @@ class Hidden(Section):
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="storage dtype of aux and final")
     batch_tokens: int = Field(4096, ge=1, description="tokens per forward pass (rows x longest; length-sorted)")
     shard_tokens: int = Field(32768, ge=1, description="tokens per safetensors shard (the unit of resume)")
+    max_failure_rate: float = speed(0.0, "the stage fails when more sequences than this share fail alone (each is "
+                                    "left out of its shard, with its reason in failures.jsonl)", ge=0, le=1)
 
 
 # ------------------------------------------------------------------------------------------------------------- train

@@ -12,8 +12,10 @@ Resume: shards are written atomically into the work folder ``.cache/hidden/<fing
 finished and belongs to that fingerprint, which covers the sequences (their bytes), the ``hidden`` params, the code
 that writes the shards, the target model's fingerprint and the torch / transformers versions. A rerun after an
 interruption keeps the finished shards; a different fingerprint never sees them. At the end the work folder gets
-its index.json and is moved (renamed) to the output folder. The fingerprint stays out of the published files (it
-is in the run report): a code change that leaves the states as they are changes no published byte.
+its index.json and is moved (renamed) to the output folder. A sequence that fails alone (``extract_shard``) is left
+out of its shard and listed with its reason in ``failures.jsonl`` (published with the shards; kept across resumes).
+The fingerprint stays out of the published files (it is in the run report): a code change that leaves the states as
+they are changes no published byte.
 """
 from __future__ import annotations
 
@@ -86,41 +88,44 @@ def greedy(model, states: torch.Tensor, rows: int = 512) -> torch.Tensor:
 
 @torch.inference_mode()
 def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dtype: torch.dtype,
-                  pad_id: int = 0) -> dict:
+                  pad_id: int = 0) -> tuple[dict, list[dict]]:
     """The tensors of one shard (``features.py``) for ``samples`` = [(id, input_ids, loss_mask)], in the given
-    order."""
-    packed = sequences.pack([(s[1], s[2]) for s in samples])
-    lengths, offsets = [len(s[1]) for s in samples], packed["offsets"].tolist()
-    T, H = offsets[-1], text_config(model.config).hidden_size
-    aux = torch.empty((T, 3 * H), dtype=dtype)
-    final = torch.empty((T, H), dtype=dtype)
-    top = torch.empty(T, dtype=torch.int32)
+    order, and the samples left out of it [{id, tokens, reason}]. A batch that fails (out of memory, a bad id) is
+    retried in two halves, down to one sample; a sample that fails alone is left out with its reason, so a poison
+    sequence never takes its batch mates down."""
+    lengths = [len(s[1]) for s in samples]
+    rows, failed = {}, []
+
     def run_batch(batch):
-        """The states of ``batch`` (sample indices); a batch that fails (out of memory, a bad id) is retried in two
-        halves, down to one sample, whose failure stops the stage naming it (shards already written are kept)."""
-        width = max(lengths[i] for i in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        ids = torch.full((len(batch), max(lengths[i] for i in batch)), pad_id, dtype=torch.long)
         for row, i in enumerate(batch):
             ids[row, :lengths[i]] = torch.as_tensor(samples[i][1])
         try:
             a, f = forward_states(model, ids, layers)
         except (RuntimeError, ValueError, IndexError, MemoryError) as e:  # torch's OutOfMemoryError included
             if len(batch) == 1:
-                raise UserError(f"hidden: sequence {samples[batch[0]][0]} ({lengths[batch[0]]} tokens) fails alone: "
-                                f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                log.warning("hidden: sequence %s (%d tokens) fails alone, left out: %s", samples[batch[0]][0],
+                            lengths[batch[0]], reason)
+                failed.append({"id": samples[batch[0]][0], "tokens": lengths[batch[0]], "reason": reason})
+                return
             log.warning("a batch of %d sequences failed (%s): retrying it in halves", len(batch), type(e).__name__)
             run_batch(batch[:len(batch) // 2])
             run_batch(batch[len(batch) // 2:])
             return
         for row, i in enumerate(batch):
-            s, n = offsets[i], lengths[i]
-            aux[s:s + n] = a[row, :n]
-            final[s:s + n] = f[row, :n]
-            top[s:s + n] = greedy(model, f[row, :n])
+            n = lengths[i]
+            rows[i] = (a[row, :n].to(dtype), f[row, :n].to(dtype), greedy(model, f[row, :n]))
 
     for batch in plan_batches(lengths, batch_tokens):
         run_batch(batch)
-    return {**packed, "aux": aux, "final": final, "top": top}
+    kept = [i for i in range(len(samples)) if i in rows]
+    packed = sequences.pack([(samples[i][1], samples[i][2]) for i in kept])
+    H = text_config(model.config).hidden_size
+    stack = lambda part, width, kind: torch.cat([rows[i][part] for i in kept]) if kept \
+        else torch.empty((0, width) if width else 0, dtype=kind)  # noqa: E731
+    return {**packed, "aux": stack(0, 3 * H, dtype), "final": stack(1, H, dtype),
+            "top": stack(2, 0, torch.int32).to(torch.int32)}, failed
 
 
 def run(seq_folder, out, model, params, model_fp: str, cache_root) -> dict:
@@ -138,7 +143,10 @@ def run(seq_folder, out, model, params, model_fp: str, cache_root) -> dict:
     for stale in work.glob("*.tmp*"):  # a shard being written when the last run stopped
         stale.unlink()
     index = {"layers": layers, "layer_convention": features.LAYER_CONVENTION, "hidden_size": H, "dtype": dtype_name}
-    computed_tokens, reused, computed, elapsed = 0, 0, 0, 0.0
+    computed_tokens, reused, computed, elapsed, total = 0, 0, 0, 0.0, 0
+    failures_path = work / "failures.jsonl"  # samples left out of their shard, with the reason
+    failures = {f["id"]: f for f in map(json.loads, failures_path.read_text().splitlines())} \
+        if failures_path.exists() else {}
     seq_index = json.loads((seq_folder / "index.json").read_text())
     for split in shards.SPLITS:
         samples = [(rid, ids, mask) for rid, _source, ids, mask in sequences.read(seq_folder, split)] \
@@ -151,16 +159,26 @@ def run(seq_folder, out, model, params, model_fp: str, cache_root) -> dict:
                 reused += 1
             else:
                 start = time.perf_counter()
-                tensors = extract_shard(model, chunk, layers, batch_tokens, dtype)
+                tensors, left_out = extract_shard(model, chunk, layers, batch_tokens, dtype)
+                if left_out:  # recorded before the shard, so a finished shard's left-out samples are always known
+                    with open(failures_path, "a") as fh:
+                        fh.writelines(json.dumps({"shard": file, **f}) + "\n" for f in left_out)
+                    failures.update({f["id"]: f for f in left_out})
                 shards.write(path, tensors)
                 elapsed += time.perf_counter() - start
                 computed += 1
                 computed_tokens += int(tensors["offsets"][-1])
                 log.info("hidden %s: %d samples, %d tokens (%.0f tokens/s so far)", file, len(chunk),
                          int(tensors["offsets"][-1]), computed_tokens / max(elapsed, 1e-9))
+            chunk = [c for c in chunk if c[0] not in failures]
             entries.append({"file": file, "samples": len(chunk), "tokens": sum(len(c[1]) for c in chunk),
                             "ids": [c[0] for c in chunk]})
-        index[split] = {"shards": entries, "samples": len(samples), "tokens": sum(s["tokens"] for s in entries)}
+        index[split] = {"shards": entries, "samples": sum(e["samples"] for e in entries),
+                        "tokens": sum(e["tokens"] for e in entries)}
+        total += len(samples)
+    if len(failures) > params.max_failure_rate * total:
+        raise UserError(f"hidden: {len(failures)} of {total} sequences fail alone, more than hidden.max_failure_rate "
+                        f"{params.max_failure_rate} (reasons in {failures_path}; finished shards are kept)")
     write_json(work / "index.json", index)
     files = [work / s["file"] for split in shards.SPLITS for s in index[split]["shards"]]
     total_bytes = sum(p.stat().st_size for p in files)
@@ -174,7 +192,7 @@ def run(seq_folder, out, model, params, model_fp: str, cache_root) -> dict:
     return {"layers": layers, "hidden_size": H, "samples": sum(index[s]["samples"] for s in shards.SPLITS),
             "tokens": tokens, "train_tokens": index["train"]["tokens"], "valid_tokens": index["valid"]["tokens"],
             "hidden_bytes_per_token": 4 * H * bytes_el, "bytes_per_token": round(total_bytes / max(tokens, 1), 2),
-            "bytes": total_bytes,
+            "bytes": total_bytes, "left_out": len(failures),
             "run": {"fingerprint": fp, "computed_tokens": computed_tokens, "computed_shards": computed,
                     "reused_shards": reused, "seconds": round(elapsed, 2),
                     "tokens_per_s": round(computed_tokens / elapsed, 1) if elapsed else None}}

@@ -20,7 +20,8 @@ def model(target_folder):
 
 
 def pytest_collection_modifyitems(items):
-    """A test that runs the real model (the ``model`` fixture) is slow: `make test-fast` leaves it out."""
+    """A test that runs the real model (the ``model`` fixture) or a stage end to end (``e2e`` in its name) is slow:
+    `make test-fast` leaves it out."""
     for item in items:
-        if "model" in getattr(item, "fixturenames", ()):
+        if "model" in getattr(item, "fixturenames", ()) or "e2e" in item.name:
             item.add_marker(pytest.mark.slow)

@@ -186,6 +186,7 @@ def stage(tmp_path, params, name="out"):
             "--timings", str(tmp_path / "timings.json"), "--cache", str(tmp_path / f"cache-{name}")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
     """Under sampling, a run interrupted and resumed publishes the very bytes an uninterrupted run publishes."""
@@ -221,6 +222,7 @@ def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
     assert published == (tmp_path / "uninterrupted" / "responses.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_the_stage_checks_the_limits_before_generating(tmp_path):
     """The real stage on a prompt too long for merge.max_length: one line naming it under fail; left out and counted
     under skip, the other prompts generated."""

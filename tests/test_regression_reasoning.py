@@ -188,6 +188,7 @@ def test_3_gpt_oss_harmony_channels(tok, folder, tmp_path):
             derive.spec_from_params("think"), {"harmony": True})
 
 
+@pytest.mark.slow
 def test_4_stage_on_a_non_reasoning_model_under_think_fails_its_gate(tmp_path):
     """The embedded SmolLM2 never writes think tags: under ``target.reasoning: think`` the real stage stops at its
     first check, names the gate, the rate and the records, and publishes nothing."""
