@@ -142,7 +142,8 @@ class SGLang(Section):
 class Infer(Section):
     engine: Literal["hf", "sglang"] = Field("hf", description="hf (in-process Hugging Face) | sglang (servers' "
                                             "native /generate)")
-    batch_size: int = Field(64, ge=1, description="hf engine: prompts per batch (rows leave it as they finish)")
+    batch_size: int = speed(64, "hf engine: prompts per batch (rows leave it as they finish); an answer does not "
+                            "depend on it (per-record sampling seeds)", ge=1)
     samples: int = Field(3, ge=1, description="answers per prompt (record ids <prompt id>, <prompt id>.1, ...); more "
                          "than one needs temperature > 0")
     max_new_tokens: int = Field(128, ge=1, description="longest answer, in tokens")

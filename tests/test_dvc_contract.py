@@ -163,6 +163,7 @@ def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     fast["train"].update(threads=1, checkpoint_every=7)
     fast["evaluate"].update(threads=2, limit=1)
     fast["infer"]["sglang"].update(urls=["http://127.0.0.2:30000"], concurrency=8)
+    fast["infer"]["batch_size"] = 3
     (project / "params.yaml").write_text(yaml.safe_dump(fast, sort_keys=False))
     assert json.loads(dvc(project, "status", "--json").stdout) == {}  # a bigger machine invalidates nothing
     changed = yaml.safe_load((project / "params.yaml").read_text())
