@@ -12,6 +12,17 @@ from .errors import UserError
 from .records import write_json
 
 
+# The option every stage takes for the ``timings`` file of ``publish``.
+timings = click.option("--timings", required=True, type=click.Path(dir_okay=False),
+                       help="This run's seconds, speed and peak memory (metrics/timings, not in git; see publish).")
+
+
+def cache(stage_name: str):
+    """The option of a stage that keeps resumable work folders, one per fingerprint, under ``config.CACHE``."""
+    return click.option("--cache", default=str(config.CACHE / stage_name), show_default=True,
+                        type=click.Path(file_okay=False), help="Folder of resumable work folders, one per fingerprint.")
+
+
 def stage(fn):
     """Decorate a stage's click command body: plain logging, and a ``UserError`` (or a missing file) ends the stage
     as one line naming its cause, with exit code 1."""

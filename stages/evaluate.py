@@ -19,7 +19,7 @@ from eaglepipe.records import write_json
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Metrics (DVC metrics).")
 @click.option("--positions", required=True, type=click.Path(dir_okay=False),
               help="Acceptance rate per draft position, EAGLE and n-gram (DVC plots).")
-@click.option("--timings", required=True, type=click.Path(dir_okay=False), help="This run's speed (not in git).")
+@cli.timings
 @cli.stage
 def main(params, prompts, draft_folder, report, positions, timings):
     cfg = cli.params(params)

@@ -5,7 +5,6 @@ import logging
 import click
 
 from eaglepipe import cli, hidden, target
-from eaglepipe.config import CACHE
 
 
 @click.command(help=__doc__)
@@ -13,9 +12,8 @@ from eaglepipe.config import CACHE
 @click.option("--sequences", "seq_folder", required=True, type=click.Path(file_okay=False), help="merge's output.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder of the shards.")
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Run report (DVC metrics).")
-@click.option("--timings", required=True, type=click.Path(dir_okay=False), help="This run's speed (not in git).")
-@click.option("--cache", default=str(CACHE / "hidden"), show_default=True, type=click.Path(file_okay=False),
-              help="Folder of resumable work folders, one per fingerprint.")
+@cli.timings
+@cli.cache("hidden")
 @cli.stage
 def main(params, seq_folder, out, report, timings, cache):
     cfg = cli.params(params)

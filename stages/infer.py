@@ -6,7 +6,6 @@ from pathlib import Path
 import click
 
 from eaglepipe import cli, derive, infer, target
-from eaglepipe.config import CACHE
 from eaglepipe.errors import UserError
 from eaglepipe.engines import Sampling
 from eaglepipe.gates import Gates
@@ -19,9 +18,8 @@ from eaglepipe.records import read_prompts, write_json, write_jsonl
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Output folder: responses.jsonl and engine.json.")
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Run report (DVC metrics).")
-@click.option("--timings", required=True, type=click.Path(dir_okay=False), help="This run's speed (not in git).")
-@click.option("--cache", default=str(CACHE / "infer"), show_default=True, type=click.Path(file_okay=False),
-              help="Folder of resumable generation caches, one per fingerprint.")
+@cli.timings
+@cli.cache("infer")
 @cli.stage
 def main(params, prompts, out, report, timings, cache):
     cfg = cli.params(params)

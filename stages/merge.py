@@ -12,8 +12,7 @@ from eaglepipe import cli, derive, merge, target
 @click.option("--responses", required=True, type=click.Path(dir_okay=False), help="infer's responses.jsonl.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder of the sequences.")
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Dataset statistics (DVC metrics).")
-@click.option("--timings", required=True, type=click.Path(dir_okay=False),
-              help="This run's peak memory (not in git).")
+@cli.timings
 @cli.stage
 def main(params, responses, out, report, timings):
     cfg = cli.params(params)

@@ -14,8 +14,7 @@ from eaglepipe.records import write_jsonl
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Prompt records (JSON Lines).")
 @click.option("--report", required=True, type=click.Path(dir_okay=False),
               help="Counts per source: read, valid, skipped by reason, duplicates, selected (DVC metrics).")
-@click.option("--timings", required=True, type=click.Path(dir_okay=False),
-              help="This run's peak memory (not in git).")
+@cli.timings
 @cli.stage
 def main(params, out, report, timings):
     cfg = cli.params(params)

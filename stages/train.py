@@ -17,7 +17,7 @@ from eaglepipe.records import write_json
 @click.option("--metrics", required=True, type=click.Path(dir_okay=False), help="Last epoch's figures (DVC metrics).")
 @click.option("--plots", required=True, type=click.Path(dir_okay=False),
               help="One row per epoch, split and TTT step (DVC plots).")
-@click.option("--timings", required=True, type=click.Path(dir_okay=False), help="This run's speed (not in git).")
+@cli.timings
 @click.option("--checkpoints", default=None, type=click.Path(file_okay=False),
               help=f"Checkpoint folder [default: {CACHE / 'train'}/<fingerprint>].")
 @cli.stage
