@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Literal, Union
 
@@ -75,16 +76,45 @@ class Target(Section):
 
 
 # ----------------------------------------------------------------------------------------------------------- prepare
-FORMATS = ("sharegpt", "openai", "glaive", "opencodeinstruct", "magicoder", "alpaca")
+FORMATS = {  # each prompt-source format (eaglepipe/sources.py) and the record fields it reads
+    "sharegpt": ("conversations", "system", "tools"),
+    "openai": ("messages", "tools"),
+    "glaive": ("system", "chat"),
+    "opencodeinstruct": ("input",),
+    "magicoder": ("problem", "instruction"),
+    "alpaca": ("instruction", "input"),
+    "mtbench": ("turns",),
+}
+PACKAGE_PATH = re.compile(r"pkg:(?P<package>[A-Za-z_][A-Za-z0-9_]*)/(?P<file>[^/].*)")
+"""``pkg:<top-level package>/<path inside it>``: a file shipped inside an installed package."""
 
 
 class Source(Section):
     name: str = Field(min_length=1, description="the source's name (records' `source`; seeds its sampling)")
-    path: str = Field(min_length=1, description="JSON Lines or JSON array file")
-    format: Literal[FORMATS] = Field(description="record format (README, prepare)")
+    path: str = Field(min_length=1, description="a JSON Lines or JSON array file (.gz: gzip-compressed), a "
+                      "`datasets` save_to_disk folder, a .parquet or .arrow file or a folder of them; "
+                      "pkg:<package>/<path> is a file inside an installed package")
+    format: Literal[tuple(FORMATS)] = Field(description="record format (README, prepare)")
     n: int = Field(ge=0, description="prompts to sample from it")
     on_error: Literal["fail", "skip"] | None = Field(None, description="this source's on_error [default: "
                                                      "prepare.on_error]")
+    columns: dict[str, str] = Field({}, description="format field: the column (or key) it is read from, where "
+                                    "the data names it differently, e.g. {messages: chat}")
+
+    @field_validator("path")
+    @classmethod
+    def _package_path(cls, path):
+        if path.startswith("pkg:") and not (PACKAGE_PATH.fullmatch(path) and ".." not in path.split("/")):
+            raise ValueError(f"{path!r} should read pkg:<top-level package>/<path inside it>")
+        return path
+
+    @model_validator(mode="after")
+    def _columns_name_fields(self):
+        fields = FORMATS[self.format]
+        unknown = sorted(set(self.columns) - set(fields))
+        if unknown:
+            raise ValueError(f"columns {unknown}: format {self.format} reads only {', '.join(fields)}")
+        return self
 
 
 class Prepare(Section):

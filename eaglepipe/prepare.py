@@ -7,32 +7,44 @@ Stability rules (downstream caches key on prompt ids, so a selection must not mo
   * duplicates (same id) are removed from a source's candidates before sampling, against every valid record of the
     sources listed before it (and earlier records of its own file), so the first source in list order wins and the
     result does not depend on what the earlier sources happened to pick.
+
+A ``pkg:`` source lies outside the repository, where DVC does not look: its package is pinned in requirements.txt
+(a prepare dependency in dvc.yaml), and the report records the package's version and the file's sha256, so a
+changed file shows in ``make diff``.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import random
 from collections import Counter
-from pathlib import Path
 
+from eaglepipe.config import PACKAGE_PATH
 from eaglepipe.errors import UserError
+from eaglepipe.hashing import file_hash
 from eaglepipe.records import Prompt, RecordError
-from eaglepipe.sources import read_source
+from eaglepipe.sources import read_source, resolve
 
 log = logging.getLogger(__name__)
 
-COUNTS = ("n", "read", "valid", "skipped", "duplicates", "selected", "shortfall")
+COUNTS = ("n", "read", "valid", "skipped", "left_out", "duplicates", "selected", "shortfall")
+BY_KEY = ("skipped_by_reason", "left_out_by_rule", "rules")
 
 
 def read_candidates(src, on_error: str, seen: set) -> tuple[list[Prompt], dict]:
     """The valid prompts of one source whose ids are not in ``seen``, in file order (their ids are added to it), and
-    the source's counts: read, valid, skipped, skipped_by_reason, duplicates, and ``damage`` (``{offset, bytes,
-    records_before}``) when the file ends in an unreadable tail (counted as one record skipped as ``damaged``).
-    Records are streamed and only the candidates kept, so memory grows with the distinct prompts, not the file."""
-    candidates, skipped, damage, read, duplicates = [], Counter(), None, 0, 0
-    for item in read_source(src.path, src.format, src.name):
+    the source's counts: read, valid, skipped and skipped_by_reason (broken records), left_out and left_out_by_rule
+    (records with no prompt in them), rules (the valid records each conversation rule concerns), duplicates, and
+    ``damage`` (``{offset, bytes, records_before}``) when the file ends in an unreadable tail (counted as one record
+    skipped as ``damaged``). Records are streamed and only the candidates kept, so memory grows with the distinct
+    prompts, not the file."""
+    candidates, skipped, left_out, rules, damage, read, duplicates = [], Counter(), Counter(), Counter(), None, 0, 0
+    for item in read_source(src.path, src.format, src.name, src.columns, rules):
         read += 1
-        if isinstance(item, RecordError):
+        if isinstance(item, RecordError) and item.left_out:
+            log.debug("left out (%s): %s", item.reason, item)
+            left_out[item.reason] += 1
+        elif isinstance(item, RecordError):
             if on_error == "fail":
                 raise item
             log.warning("skipped (%s): %s", item.reason, item)
@@ -43,9 +55,20 @@ def read_candidates(src, on_error: str, seen: set) -> tuple[list[Prompt], dict]:
         else:
             seen.add(item.id)
             candidates.append(item)
-    counts = {"read": read, "valid": read - sum(skipped.values()), "skipped": sum(skipped.values()),
-              "skipped_by_reason": dict(skipped), "duplicates": duplicates}
+    counts = {"read": read, "valid": read - sum(skipped.values()) - sum(left_out.values()),
+              "skipped": sum(skipped.values()), "skipped_by_reason": dict(sorted(skipped.items())),
+              "left_out": sum(left_out.values()), "left_out_by_rule": dict(sorted(left_out.items())),
+              "rules": dict(sorted(rules.items())), "duplicates": duplicates}
     return candidates, counts | ({"damage": damage} if damage else {})
+
+
+def package_file(path: str) -> dict:
+    """What identifies the file a ``pkg:`` path names, for the report: its package's distribution and version (as
+    pinned in requirements.txt) and the file's sha256."""
+    package = PACKAGE_PATH.fullmatch(path)["package"]
+    dists = importlib.metadata.packages_distributions().get(package, [])
+    return {"distribution": ", ".join(dists), "version": ", ".join(importlib.metadata.version(d) for d in dists),
+            "sha256": file_hash(resolve(path))}
 
 
 def sample(candidates: list, n: int, seed: int, name: str) -> list:
@@ -59,8 +82,11 @@ def prepare(cfg) -> tuple[list[Prompt], dict]:
     """All selected prompts (sources in config order, each in file order) and the report for metrics/prepare.json.
     ``cfg``: the ``prepare`` section (config.Prepare)."""
     for i, src in enumerate(cfg.sources):  # before reading any: a typo in the last path costs no time
-        if not Path(src.path).is_file():
-            raise UserError(f"prepare.sources[{i}] ({src.name}): no such file {src.path}")
+        try:
+            if not resolve(src.path).exists():
+                raise FileNotFoundError(f"no such file {src.path}")
+        except FileNotFoundError as e:
+            raise UserError(f"prepare.sources[{i}] ({src.name}): {e}") from None
     seen, selected, report = set(), [], {"sources": {}}
     for src in cfg.sources:
         candidates, counts = read_candidates(src, src.on_error or cfg.on_error, seen)
@@ -69,31 +95,37 @@ def prepare(cfg) -> tuple[list[Prompt], dict]:
             log.warning("source %s: only %d usable records for n=%d", src.name, len(picked), src.n)
         selected += picked
         report["sources"][src.name] = {"n": src.n, **counts, "selected": len(picked), "shortfall": src.n - len(picked)}
+        if PACKAGE_PATH.fullmatch(src.path):
+            report["sources"][src.name]["package_file"] = package_file(src.path)
     report["totals"] = totals(list(report["sources"].values()))
     if not selected:  # fail here, not in a later stage
         raise UserError(f"prepare: no prompt selected from {len(cfg.sources)} source(s) "
-                        f"({report['totals']['read']} records read, {report['totals']['skipped']} skipped)")
+                        f"({report['totals']['read']} records read, {report['totals']['skipped']} skipped, "
+                        f"{report['totals']['left_out']} left out)")
     return selected, report
 
 
 def totals(per_source: list[dict]) -> dict:
     out = {k: sum(s[k] for s in per_source) for k in COUNTS}
-    reasons = sum((Counter(s["skipped_by_reason"]) for s in per_source), Counter())
-    return {**out, "skipped_by_reason": dict(sorted(reasons.items()))}
+    for key in BY_KEY:
+        out[key] = dict(sorted(sum((Counter(s[key]) for s in per_source), Counter()).items()))
+    return out
 
 
 def summary(report: dict) -> str:
-    """A few human lines: one per source, the totals, the skip reasons and the damaged files if any."""
-    lines = [f"{'source':<12} {'read':>6} {'valid':>6} {'skipped':>8} {'dups':>5} {'selected':>9} {'short':>6}"]
+    """A few human lines: one per source, the totals, the reasons and rules if any, and the damaged files."""
+    lines = [f"{'source':<12} {'read':>6} {'valid':>6} {'skipped':>8} {'left out':>9} {'dups':>5} {'selected':>9} "
+             f"{'short':>6}"]
     for name, s in [*report["sources"].items(), ("TOTAL", report["totals"])]:
-        lines.append(f"{name:<12} {s['read']:>6} {s['valid']:>6} {s['skipped']:>8} {s['duplicates']:>5} "
-                     f"{s['selected']:>9} {s['shortfall']:>6}")
-    reasons = report["totals"]["skipped_by_reason"]
-    if reasons:
-        lines.append("skipped: " + ", ".join(f"{reason} {count}" for reason, count in reasons.items()))
+        lines.append(f"{name:<12} {s['read']:>6} {s['valid']:>6} {s['skipped']:>8} {s['left_out']:>9} "
+                     f"{s['duplicates']:>5} {s['selected']:>9} {s['shortfall']:>6}")
+    for key, title in zip(BY_KEY, ("skipped", "left out", "rules")):
+        if report["totals"][key]:
+            lines.append(f"{title}: " + ", ".join(f"{k} {count}" for k, count in report["totals"][key].items()))
     for name, s in report["sources"].items():
         if "damage" in s:
             d = s["damage"]
-            lines.append(f"damaged: {name} from byte {d['offset']} to its end ({d['bytes']} bytes), "
+            data = " of its decompressed data" if d.get("decompressed") else ""
+            lines.append(f"damaged: {name} from byte {d['offset']}{data} to its end ({d['bytes']} bytes), "
                          f"after {d['records_before']} records")
     return "\n".join(lines)

@@ -13,7 +13,8 @@ from eaglepipe.records import write_jsonl
 @click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (section prepare).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Prompt records (JSON Lines).")
 @click.option("--report", required=True, type=click.Path(dir_okay=False),
-              help="Counts per source: read, valid, skipped by reason, duplicates, selected (DVC metrics).")
+              help="Counts per source: read, valid, skipped by reason, left out and changed by each conversation "
+                   "rule, duplicates, selected (DVC metrics).")
 @cli.timings
 @cli.stage
 def main(params, out, report, timings):

@@ -1,4 +1,5 @@
 """Tests of the prepare stage: source readers, mixing, dedup, sampling, errors, the stage script, the shipped data."""
+import gzip
 import json
 import subprocess
 import sys
@@ -207,10 +208,6 @@ BAD_LINES = {  # reason: (format, bad line, field named in the error)
     "wrong_type": ("opencodeinstruct", b'{"input": 42}', "input"),
     "unknown_role": ("sharegpt", b'{"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": ""}]}',
                      "conversations[1].from"),
-    "empty_conversation": ("sharegpt", b'{"conversations": []}', "conversations"),
-    "no_user_turn": ("openai", b'{"messages": [{"role": "system", "content": "s"}, {"role": "tool", "content": "t"}]}',
-                     "messages"),
-    "empty_turn": ("openai", b'{"messages": [{"role": "user", "content": "  "}]}', "messages"),
     "bad_tool_calls": ("openai", b'{"messages": [{"role": "user", "content": "u"}, {"role": "assistant", '
                                  b'"content": "", "tool_calls": [{"function": {"arguments": {}}}]}, '
                                  b'{"role": "tool", "content": "t"}]}', "messages[1].tool_calls"),
@@ -250,13 +247,36 @@ def test_bad_item_of_a_json_array_names_its_index(tmp_path):
 
 def test_skip_counts_every_reason(tmp_path):
     lines = [good_line("sharegpt"), BAD_LINES["broken_json"][1], BAD_LINES["unknown_role"][1],
-             BAD_LINES["unknown_role"][1], BAD_LINES["empty_conversation"][1]]
+             BAD_LINES["unknown_role"][1], BAD_LINES["wrong_type"][1]]
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b"\n".join(lines))
     _, report = prepare_({"on_error": "skip", "sources": [source("m", path, 5, "sharegpt")]})
     counts = report["sources"]["m"]
-    assert counts["skipped_by_reason"] == {"broken_json": 1, "unknown_role": 2, "empty_conversation": 1}
+    assert counts["skipped_by_reason"] == {"broken_json": 1, "unknown_role": 2, "missing_field": 1}
     assert counts["read"] == counts["valid"] + counts["skipped"] == 5
+
+
+LEFT_OUT = {  # rule: (format, a record with no prompt in it)
+    "empty_conversation": ("sharegpt", b'{"conversations": []}'),
+    "no_user_turn": ("openai", b'{"messages": [{"role": "system", "content": "s"}, {"role": "tool", "content": "t"}]}'),
+}
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_a_record_with_no_prompt_is_left_out_and_counted_under_either_on_error(tmp_path, on_error):
+    sources = []
+    for rule, (fmt, line) in LEFT_OUT.items():
+        path = tmp_path / f"{rule}.jsonl"
+        path.write_bytes(good_line(fmt) + b"\n" + line + b"\n" + line + b"\n")
+        sources.append(source(rule, path, 5, fmt))
+    prompts, report = prepare_({"on_error": on_error, "sources": sources})
+    for rule in LEFT_OUT:
+        counts = report["sources"][rule]
+        assert (counts["read"], counts["valid"], counts["left_out"], counts["skipped"]) == (3, 1, 2, 0)
+        assert counts["left_out_by_rule"] == {rule: 2}
+    assert report["totals"]["left_out_by_rule"] == {rule: 2 for rule in LEFT_OUT}
+    assert len(prompts) == 1  # the two good lines are one prompt: the second is a duplicate
+    assert "left out: empty_conversation 2, no_user_turn 2" in lib.summary(report)
 
 
 # ---------------------------------------------------------------------------------------------------------- damage
@@ -398,12 +418,12 @@ PEAK_RSS = ("import resource, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n"
 
 
 def repeated_source(path, records, size: int) -> int:
-    """A JSON array (``.json``) or JSON Lines file holding ``records`` over and over until it has ``size`` bytes;
-    returns how many records it holds."""
-    array = path.suffix == ".json"
+    """A JSON array (``.json``) or JSON Lines file (gzipped for a ``.gz`` name) holding ``records`` over and over
+    until it has ``size`` bytes (before compression); returns how many records it holds."""
+    array = path.suffixes[0] == ".json"
     block = "".join((json.dumps(r) + (",\n" if array else "\n")) for r in records).encode()
     copies = max(1, size // len(block))
-    with open(path, "wb") as f:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "wb") as f:
         f.write(b"[\n" if array else b"")
         for _ in range(copies):
             f.write(block)
@@ -422,15 +442,15 @@ def stage_peak_rss(tmp_path, path, n: int) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("container", ["json", "jsonl"])
+@pytest.mark.parametrize("container", ["json", "jsonl", "jsonl.gz"])
 def test_peak_memory_does_not_grow_with_the_source_file(tmp_path, container):
-    """Bound: prepare on a 128 MiB file peaks at less than 1/32 of the file's size (4 MiB) above prepare on a file
-    holding the same distinct records once."""
+    """Bound: prepare on a 128 MiB file (gzipped: 128 MiB once decompressed) peaks at less than 1/32 of that size
+    (4 MiB) above prepare on a file holding the same distinct records once."""
     records = [{"instruction": f"Prompt {i}: " + "lorem ipsum " * 60, "input": "", "output": "ok"} for i in range(400)]
     tiny, big = tmp_path / f"tiny.{container}", tmp_path / f"big.{container}"
     repeated_source(tiny, records, 0)
     held = repeated_source(big, records, 128 << 20)
-    size = big.stat().st_size
+    size = 128 << 20
     tiny_peak, tiny_counts = stage_peak_rss(tmp_path, tiny, 50)
     big_peak, big_counts = stage_peak_rss(tmp_path, big, 50)
     big.unlink()
