@@ -39,9 +39,22 @@ Chain drafting, prompt x_0..x_{n-1}, the target's prefill gives aux_0..aux_{n-1}
        (drop the chain) and extend with the tokens x_{n+1}..x_{n+m+1} paired with project(aux[n..n+m]) (the
        target's states at the verified positions), positions n..n+m; n becomes n+m+1; go to 2.
 
-Initialisation (``init_from_target``): fc passes the high aux state through, the midlayer is a copy of the target's
-decoder layer that consumes it (the embedding half of q/k/v zero), lm_head = the target's rows of the draft vocabulary,
-norm = the target's final norm: step 0 starts as exactly that target layer.
+Initialisation (``init_from_target``, one log line per run says which): fc passes the high aux state through,
+lm_head = the target's rows of the draft vocabulary, norm = the target's final norm, and the midlayer starts from the
+target's decoder layer that consumes the high state, each part where the target's weights for it are there with the
+drafter's shapes and stored as floats: the attention (q/k/v on the hidden-state half, the embedding half zero; o_proj;
+hidden_norm = its input norm) and the MLP (post-attention norm, gate/up/down). A part that does not fit starts fresh:
+the attention from the seeded default init, the MLP from seeded gate/up and a zero down_proj (it adds nothing until
+training grows it). The init is *exact*, step 0 computing exactly that target layer over the target's states (within
+the target's sliding window, if it has one: the drafter attends to every position), when both parts fit, no weight
+of the layer is left over and the family's layer is the Llama layer (``LLAMA_LAYER_FAMILIES``: another family with
+the same weight names may compute something else from them). Otherwise the log says not exact and names what it
+dropped or started fresh, e.g.:
+    Qwen3, Qwen3-MoE: q_norm/k_norm (RMS norms on each head's q and k) have no place in the Llama layer: dropped,
+        the projections copied.
+    Qwen2: the q/k/v biases are dropped (a bias cannot be folded into a projection of normed inputs).
+    MoE (experts and a router instead of a dense ``mlp.*``): the MLP starts fresh, at the drafter's size, the target
+        config's ``intermediate_size`` (Qwen3-MoE's dense MLP size, not ``moe_intermediate_size``, one expert's).
 
 Draft vocabulary: the N most frequent loss-masked (trained) token ids, sorted ascending (ties: lower id first), padded
 with the lowest unused ids when the data has fewer distinct ids. ``d2t`` int64 [N]: target_id = draft_id +
@@ -70,6 +83,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -308,34 +323,82 @@ class Eagle3Draft(nn.Module):
         return self.logits(h), h, cache
 
 
-# ------------------------------------------------------------------------------------------------------- save / load
-def init_from_target(model: Eagle3Draft, target: dict):
-    """Start from the target instead of noise (``target`` from ``train.target_tensors``):
-    - ``fc`` passes the high aux state through (identity on its last H inputs), so the residual stream starts as the
-      target's state entering layer ``aux_layers[2]``;
-    - the midlayer is that target decoder layer: its q/k/v weights on the hidden-state half (the embedding half is
-      zero), ``hidden_norm`` = its input norm, o_proj, post-attention norm and MLP copied; at step 0 the drafter
-      then computes exactly the target's layer over the target's own states (training teaches it the next token);
-    - ``lm_head`` = the target's output rows of the draft vocabulary, ``norm`` = the target's final norm."""
+# ---------------------------------------------------------------------------------------------------- initialisation
+ATTENTION_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                     "self_attn.o_proj.weight", "input_layernorm.weight")
+MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+LAYER_WEIGHTS = ATTENTION_WEIGHTS + MLP_WEIGHTS  # a target layer's weights the midlayer can start from
+LLAMA_LAYER_FAMILIES = ("llama", "mistral")  # model types whose decoder layer is the Llama layer over these weights
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def layer_shapes(cfg: DraftConfig) -> dict:
+    """The shape each of ``LAYER_WEIGHTS`` must have to be copied (q/k/v: into the hidden-state half)."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {"self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
+            "self_attn.o_proj.weight": (H, q), "input_layernorm.weight": (H,),
+            "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
+            "mlp.down_proj.weight": (H, I)}
+
+
+def misfit(layer: dict, names, shapes: dict) -> str:
+    """Why the target weights ``names`` cannot be copied ("" when they can)."""
+    for name in names:
+        w = layer.get(name)
+        if w is None:
+            return f"no {name}"
+        if tuple(w.shape) != shapes[name]:
+            return f"its {name} is {list(w.shape)}, the drafter's {list(shapes[name])}"
+        if w.dtype not in FLOATS:
+            return f"its {name} is stored as {w.dtype}"
+    return ""
+
+
+def init_from_target(model: Eagle3Draft, target: dict) -> str:
+    """Start from the target instead of noise (module docstring, "Initialisation"); ``target`` from
+    ``train.target_tensors``. Returns the init's one-line description, also logged."""
     H = model.cfg.hidden_size
-    layer, attn = target["layer"], model.midlayer.self_attn
+    layer, attn, mid = target["layer"], model.midlayer.self_attn, model.midlayer
+    shapes = layer_shapes(model.cfg)
+    why_attn, why_mlp = misfit(layer, ATTENTION_WEIGHTS, shapes), misfit(layer, MLP_WEIGHTS, shapes)
+    used = (() if why_attn else ATTENTION_WEIGHTS) + (() if why_mlp else MLP_WEIGHTS)
+    dropped = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in target["layer_names"] if n not in used))
     draft_ids = torch.arange(model.cfg.draft_vocab_size) + model.d2t
     with torch.no_grad():
         model.fc.weight.zero_()
         model.fc.weight[:, 2 * H:] = torch.eye(H)
-        for name in ("q_proj", "k_proj", "v_proj"):
-            w = getattr(attn, name).weight
-            w.zero_()
-            w[:, H:] = layer[f"self_attn.{name}.weight"]
-        attn.o_proj.weight.copy_(layer["self_attn.o_proj.weight"])
-        model.midlayer.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
-        model.midlayer.post_attention_layernorm.weight.copy_(layer["post_attention_layernorm.weight"])
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(model.midlayer.mlp, name).weight.copy_(layer[f"mlp.{name}.weight"])
+        if not why_attn:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                w = getattr(attn, name).weight
+                w.zero_()
+                w[:, H:] = layer[f"self_attn.{name}.weight"]
+            attn.o_proj.weight.copy_(layer["self_attn.o_proj.weight"])
+            mid.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
+        if why_mlp:
+            mid.mlp.down_proj.weight.zero_()
+        else:
+            mid.post_attention_layernorm.weight.copy_(layer["post_attention_layernorm.weight"])
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(mid.mlp, name).weight.copy_(layer[f"mlp.{name}.weight"])
         model.lm_head.weight.copy_(target["head"][draft_ids])
         model.norm.weight.copy_(target["norm"])
+    source = f"target layer {target['layer_index']} ({target['model_type']})"
+    if not (why_attn or why_mlp or dropped) and target["model_type"] in LLAMA_LAYER_FAMILIES:
+        text = f"exact: the midlayer is {source}, a Llama layer with every weight used; step 0 computes that layer"
+    else:
+        parts = [f"attention {'fresh (seeded), ' + why_attn if why_attn else 'copied'}",
+                 f"MLP {'fresh (seeded gate/up, zero down_proj), ' + why_mlp if why_mlp else 'copied'}"]
+        if dropped:
+            parts.append(f"dropped {', '.join(dropped)}")
+        elif target["model_type"] not in LLAMA_LAYER_FAMILIES:
+            parts.append(f"{target['model_type']}'s layer is not known to be the Llama layer")
+        text = f"not exact: the midlayer starts from {source}: {'; '.join(parts)}"
+    log.info("drafter init: %s", text)
+    return text
 
 
+# ------------------------------------------------------------------------------------------------------- save / load
 def save(model: Eagle3Draft, folder) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

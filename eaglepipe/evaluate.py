@@ -42,10 +42,19 @@ def position_rows(rates: dict[str, list[float]]) -> list[dict]:
             for method, per_position in rates.items() for i, r in enumerate(per_position)]
 
 
+def decoded_record(p: dict, output_ids: list, eagle: speculative.Stats, layers: list) -> dict:
+    """One line of the decoded file (``data/decoded``, read by the serve check, serve.py): the prompt's ids, the
+    plain greedy output ids and the EAGLE run's counts (verification steps, tokens they emitted, per draft position
+    the steps that proposed and that accepted a token) with the target layers the drafter read (HF indices)."""
+    return {"index": p["index"], "category": p["category"], "prompt_ids": p["ids"], "output_ids": output_ids,
+            "eagle": {"steps": eagle.steps, "emitted": eagle.emitted, "proposed": eagle.proposed,
+                      "accepted": eagle.accepted, "layers": list(layers)}}
+
+
 def run(prompts: list[dict], model, drafter_model, stop_ids, params) -> dict:
     """Decode every prompt three ways; return the metrics (``lossless`` False lists the mismatches). ``positions``
-    holds the acceptance rate per draft position of ``eagle`` and ``ngram`` as plot rows (``position_rows``), for
-    their own file: every other key is a metric."""
+    holds the acceptance rate per draft position of ``eagle`` and ``ngram`` as plot rows (``position_rows``), and
+    ``decoded`` one ``decoded_record`` per prompt, each for its own file: every other key is a metric."""
     num_steps, max_new = params.num_steps, params.max_new_tokens
     eagle = speculative.EagleDrafter(drafter_model)
     lookup = speculative.NgramDrafter(params.ngram.max, params.ngram.min)
@@ -63,15 +72,16 @@ def run(prompts: list[dict], model, drafter_model, stop_ids, params) -> dict:
         decode(method, prompts[0]["ids"], speculative.Stats(), min(8, max_new))
     totals = {m: speculative.Stats() for m in METHODS}
     per_cat = defaultdict(lambda: {m: speculative.Stats() for m in METHODS})
-    mismatches = []
+    mismatches, decoded = [], []
     for p in prompts:
-        outputs = {}
+        outputs, stats = {}, {}
         order = METHODS[p["index"] % 3:] + METHODS[:p["index"] % 3]  # rotate: no method always runs first
         for method in order:
-            stats = speculative.Stats()
-            outputs[method] = decode(method, p["ids"], stats)
-            totals[method].merge(stats)
-            per_cat[p["category"]][method].merge(stats)
+            stats[method] = speculative.Stats()
+            outputs[method] = decode(method, p["ids"], stats[method])
+            totals[method].merge(stats[method])
+            per_cat[p["category"]][method].merge(stats[method])
+        decoded.append(decoded_record(p, outputs["plain"], stats["eagle"], eagle.layers))
         for method in ("eagle", "ngram"):
             if outputs[method] != outputs["plain"]:
                 mismatches.append({"prompt": p["index"], "method": method,
@@ -104,6 +114,7 @@ def run(prompts: list[dict], model, drafter_model, stop_ids, params) -> dict:
                 "per_category_speedup": {cat: round(s["eagle"].tokens_per_s / s["plain"].tokens_per_s, 4)
                                          if s["plain"].tokens_per_s else None for cat, s in sorted(per_cat.items())}},
         "positions": position_rows({m: [round(r, 4) for r in totals[m].acceptance_rate] for m in ("eagle", "ngram")}),
+        "decoded": decoded,
     }
 
 

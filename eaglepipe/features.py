@@ -37,11 +37,19 @@ LAYER_CONVENTION = "hf_hidden_states"
 def layer_ids(value, num_layers: int) -> list[int]:
     """The three layer ids (low, mid, high) for ``hidden.layers``: ``auto`` or explicit ids.
 
-    ``auto`` = ``[2, L // 2, L - 3]``. Explicit ids must be three strictly increasing integers in ``[0, L - 1]``
-    (inputs of decoder layers; index ``L`` would be the normed final state, which is stored separately)."""
+    ``auto`` = ``[2, L // 2, L - 3]`` for L >= 7 layers. Below 7 those ids collide, and ``auto`` is the three
+    consecutive ids around the middle, ``[L // 2 - 1, L // 2, L // 2 + 1]`` ([1, 2, 3] for 4 or 5 layers, [2, 3, 4]
+    for 6, the default's value at 7): never id 0 (the embedding output, which several SGLang and vLLM models cannot
+    capture: they add a residual that does not exist yet), so ``auto`` needs at least 4 layers. The drafter's config
+    names its layers for both engines (draft.py), so ids other than the engines' default are served as they are.
+    Explicit ids must be three strictly increasing integers in ``[0, L - 1]`` (inputs of decoder layers; index ``L``
+    would be the normed final state, which is stored separately)."""
     L = int(num_layers)
     if value is None or value == "auto":
-        ids = [2, L // 2, L - 3]
+        if L < 4:
+            raise ValueError(f"the target has {L} decoder layers: EAGLE-3 reads the inputs of three distinct layers "
+                             "other than the embedding output, so it needs at least 4")
+        ids = [2, L // 2, L - 3] if L >= 7 else [L // 2 - 1, L // 2, L // 2 + 1]
     elif isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         ids = [int(i) for i in value]
     else:

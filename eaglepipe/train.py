@@ -58,6 +58,7 @@ from safetensors import safe_open
 from . import draft, features, records, shards
 from .errors import UserError
 from .hashing import files_hash
+from .target import EMBED, HEAD, LAYERS, NORM, weights as stored_weights
 
 log = logging.getLogger(__name__)
 WINDOW = 64
@@ -75,33 +76,32 @@ class Sample:
 
 
 # ------------------------------------------------------------------------------------------------------------- data
-LAYER_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
-                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-
-
 def target_tensors(folder, layer: int) -> dict:
-    """From the target's safetensors files (the model is not loaded), float32: ``embed`` (input embedding),
-    ``head`` (output head; the embedding when tied), ``norm`` (final norm) and ``layer`` {name: weight} of decoder
-    layer ``layer`` (the drafter's midlayer starts from it)."""
+    """From the target's safetensors files (the model is not loaded; the headers tell which file holds what):
+    ``embed`` (input embedding), ``head`` (output head; the embedding when tied), ``norm`` (final norm), float32, and
+    for ``draft.init_from_target``: ``layer`` {name: weight as stored} of decoder layer ``layer``'s weights among
+    ``draft.LAYER_WEIGHTS``, ``layer_names`` every weight name of that layer, ``layer_index`` and ``model_type``."""
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else ["model.safetensors"]
-    names = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight", "norm": "model.norm.weight",
-             **{w: f"model.layers.{layer}.{w}" for w in LAYER_WEIGHTS}}
+    stored = stored_weights(folder)
+    prefix = f"{LAYERS}{layer}."
+    layer_names = sorted(n[len(prefix):] for n in stored if n.startswith(prefix))
+    wanted = {"embed": EMBED, "head": HEAD, "norm": NORM, **{w: prefix + w for w in draft.LAYER_WEIGHTS}}
+    missing = [wanted[k] for k in ("embed", "norm") if wanted[k] not in stored]
+    if missing or not layer_names:
+        raise KeyError(f"{folder}: no {missing or prefix + '*'} in the safetensors files (target.check names what a "
+                       "target needs)")
+    by_file = {}
+    for key, name in wanted.items():
+        if name in stored:
+            by_file.setdefault(stored[name][0], {})[key] = name
     found = {}
-    for file in files:
+    for file, names in by_file.items():
         with safe_open(str(folder / file), framework="pt") as f:
-            for key, name in names.items():
-                if name in f.keys():
-                    found[key] = f.get_tensor(name).float()
-    found.setdefault("head", found.get("embed"))
-    missing = [names[k] for k in names if found.get(k) is None]
-    if missing:
-        raise KeyError(f"{folder}: no {missing} in the safetensors files (a Llama-style target is expected)")
-    return {"embed": found["embed"], "head": found["head"], "norm": found["norm"],
-            "layer": {w: found[w] for w in LAYER_WEIGHTS}}
+            found.update({key: f.get_tensor(name) for key, name in names.items()})
+    head = found.get("head", found["embed"])
+    return {"embed": found["embed"].float(), "head": head.float(), "norm": found["norm"].float(),
+            "layer": {w: found[w] for w in draft.LAYER_WEIGHTS if w in found}, "layer_names": layer_names,
+            "layer_index": layer, "model_type": json.loads((folder / "config.json").read_text()).get("model_type")}
 
 
 def chain_masks(mask: torch.Tensor, steps: int) -> torch.Tensor:

@@ -19,20 +19,24 @@ from eaglepipe.records import write_json
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Metrics (DVC metrics).")
 @click.option("--positions", required=True, type=click.Path(dir_okay=False),
               help="Acceptance rate per draft position, EAGLE and n-gram (DVC plots).")
+@click.option("--decoded", required=True, type=click.Path(dir_okay=False),
+              help="Per prompt: its ids, the plain greedy output and the EAGLE counts (JSON Lines, for the serve check).")
 @cli.timings
 @cli.stage
-def main(params, prompts, draft_folder, report, positions, timings):
+def main(params, prompts, draft_folder, report, positions, decoded, timings):
     cfg = cli.params(params)
     p = cfg.evaluate
     if p.threads:
         torch.set_num_threads(p.threads)
     folder = target.resolve(cfg.target.model)
+    target.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
     tokenizer = target.load_tokenizer(folder)
     prompt_list = evaluate.load_prompts(prompts, tokenizer, cfg.target.chat_template_kwargs)[:p.limit]
     model = target.load_model(folder)
     drafter = evaluate.load_drafter(draft_folder, model)
     metrics = evaluate.run(prompt_list, model, drafter, target.stop_ids(folder, tokenizer), p)
     write_json(positions, metrics.pop("positions"))
+    write_jsonl(decoded, metrics.pop("decoded"))
     cli.publish(metrics, report, timings)
     logging.info("acceptance length %.3f (n-gram %.3f), lossless %s", metrics["acceptance_length"],
                  metrics["baseline_acceptance_length"], metrics["lossless"])

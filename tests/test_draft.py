@@ -169,7 +169,7 @@ def test_init_from_target_step_zero_is_the_target_layer(target_folder, model, to
     cfg = draft.DraftConfig.from_target(model.config, 512, [2, 15, 27])
     drafter = draft.Eagle3Draft(cfg, tgt["embed"])
     drafter.set_vocab(*draft.build_vocab(Counter({i * 7: 1 for i in range(512)}), 512, 49152))
-    draft.init_from_target(drafter, tgt)
+    assert draft.init_from_target(drafter, tgt).startswith("exact: the midlayer is target layer 27 (llama)")
     assert torch.equal(drafter.lm_head.weight, tgt["head"][drafter.to_target(torch.arange(512))])
     ids = tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt")["input_ids"]
     with torch.no_grad():

@@ -1,0 +1,230 @@
+"""families: tiny random targets of four decoder-only families, built here (Qwen3 with QK-norm, Qwen2 with q/k/v
+biases, a Qwen3-MoE, a 4-layer Llama), each through hidden, train and evaluate (lossless); the drafter's init is
+exact for the Llama target only, measured against the target's own layer on its own states, and logged as not exact
+for the others; a target the pipeline cannot serve is refused in seconds, naming why, by each stage before it loads
+anything."""
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+from test_config import ROOT, STAGE_ARGS, with_
+from transformers import (AutoModelForCausalLM, GemmaConfig, GlmConfig, LlamaConfig, Qwen2Config, Qwen2VLConfig,
+                          Qwen3Config, Qwen3MoeConfig, T5Config)
+
+from eaglepipe import chat, config, draft, evaluate, features, hidden, sequences, speculative, target, train
+
+SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 256}
+FAMILIES = {  # config class, its own keys; vocab and special ids are the embedded target's tokenizer's
+    "qwen3": (Qwen3Config, {"num_hidden_layers": 5, "head_dim": 16}),
+    "qwen2": (Qwen2Config, {"num_hidden_layers": 4, "tie_word_embeddings": False}),
+    "qwen3_moe": (Qwen3MoeConfig, {"num_hidden_layers": 4, "head_dim": 16, "num_experts": 4,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "llama": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 16}),
+}
+TRAIN = config.Train(seed=0, draft_vocab_size=256, ttt_steps=2, epochs=1, batch_tokens=128, lr=1e-3, warmup_steps=1,
+                     threads=0, positions="all", autocast="none")
+HIDDEN = config.Hidden(layers="auto", dtype="bfloat16", batch_tokens=64, shard_tokens=1000)
+PROMPTS = [[{"role": "user", "content": "Count from 1 to 20."}], [{"role": "user", "content": "Name three seas."}]]
+
+
+def build_target(folder, family, tokenizer):
+    """A random target of ``family`` saved as a model folder with the tokenizer. Every norm weight is drawn in
+    [0.5, 1.5] and every bias from N(0, 0.1) (they start at 1 and 0), so a norm or bias the drafter drops or copies
+    wrongly changes its output."""
+    cls, keys = FAMILIES[family]
+    cfg = cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+              pad_token_id=tokenizer.pad_token_id, **SIZES, **keys)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def deviation(model, drafter, ids, layers) -> float:
+    """||drafter step 0 - target layer layers[2]|| / ||target layer's output||, on the target's own states of ``ids``
+    (the layer's output is computed by running that layer: hidden_states[L] would be the normed state)."""
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+        i, pos = layers[2], torch.arange(ids.shape[1])[None]
+        ref = model.model.layers[i](states[i], attention_mask=None, position_ids=pos,
+                                    position_embeddings=model.model.rotary_emb(states[i], pos))
+        _, h, _ = drafter(ids, drafter.project(torch.cat([states[j] for j in layers], -1)))
+    return float((h - ref).norm() / ref.norm())
+
+
+def generated_sequences(folder, model, n=5):
+    """Merged sequences as infer and merge write them: random prompt ids, then the target's own greedy answer (the
+    loss mask), so the target's argmax tokens are the ones the draft vocabulary is built from."""
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for i in range(n):
+        prompt = torch.randint(3, 5000, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist()
+        answer = speculative.greedy(model, prompt, int(torch.randint(6, 16, (1,), generator=g)), [])
+        items.append((f"r{i}", "s", prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+    sequences.write(folder, {"train": items[:-1], "valid": items[-1:]}, shard_tokens=1000, policy="test")
+    return items
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def ran(request, tmp_path_factory, tokenizer):
+    """One family's target through the library calls of hidden, train and evaluate."""
+    family, tmp = request.param, tmp_path_factory.mktemp(request.param)
+    build_target(tmp / "target", family, tokenizer)
+    target.check(tmp / "target")
+    model = target.load_model(tmp / "target")
+    assert model.config._attn_implementation == "sdpa"  # causal without a mask, as ``deviation`` runs the layer
+    items = generated_sequences(tmp / "seq", model)
+    hidden_report = hidden.run(tmp / "seq", tmp / "hidden", model, HIDDEN, "fp", tmp / "cache")
+    records, logger = [], logging.getLogger("eaglepipe.draft")
+    handler, level = logging.Handler(), logger.level
+    handler.emit = records.append
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        initial = train.setup(tmp / "hidden", tmp / "target", TRAIN)[0].eval()
+        trained, train_report, _ = train.run(tmp / "hidden", tmp / "target", TRAIN, tmp / "checkpoints")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    draft.save(trained, tmp / "draft")
+    drafter = evaluate.load_drafter(tmp / "draft", model)
+    prompts = [{"index": i, "category": "all", "ids": chat.prompt_ids(tokenizer, m)} for i, m in enumerate(PROMPTS)]
+    metrics = evaluate.run(prompts, model, drafter, target.stop_ids(tmp / "target", tokenizer),
+                           config.Evaluate(num_steps=3, max_new_tokens=12))
+    ids = torch.tensor([items[0][2]])
+    return {"family": family, "hidden": hidden_report, "train": train_report, "eval": metrics,
+            "init_log": [r.getMessage() for r in records if r.getMessage().startswith("drafter init")],
+            "deviation": deviation(model, initial, ids, hidden_report["layers"])}
+
+
+def test_hidden_train_and_evaluate_run_on_each_family_and_decoding_stays_lossless(ran):
+    layers = ran["hidden"]["layers"]
+    assert layers == [1, 2, 3] and ran["hidden"]["samples"] == 5  # auto on 4 or 5 layers (features.layer_ids)
+    assert ran["train"]["steps"] >= 1 and ran["train"]["train"]["loss_0"] > 0
+    assert ran["eval"]["lossless"], ran["eval"]["mismatches"]
+    assert ran["eval"]["prompts"] == 2 and ran["eval"]["verification_steps"] > 0
+
+
+def test_the_init_is_exact_for_the_llama_layer_only_and_logged_once_per_run(ran):
+    """Llama: step 0 is the target's layer (relative deviation ~1e-7). The others start from the attention (and the
+    dense MLP, where there is one) of that layer but drop its QK-norms, biases or experts: their deviation is real,
+    and the log says not exact and names what was dropped."""
+    family, dev, (setup_line, run_line) = ran["family"], ran["deviation"], ran["init_log"]
+    assert setup_line == run_line  # one line per run (setup here, then train.run's own)
+    print(f"{family}: {setup_line} (step-0 deviation from the target layer {dev:.1e})")
+    if family == "llama":
+        assert setup_line.startswith("drafter init: exact: the midlayer is target layer 3 (llama)") and dev < 1e-5
+        return
+    assert setup_line.startswith("drafter init: not exact: the midlayer starts from target layer 3") and dev > 1e-2
+    dropped = {"qwen3": "dropped self_attn.k_norm.weight, self_attn.q_norm.weight",
+               "qwen2": "dropped self_attn.k_proj.bias, self_attn.q_proj.bias, self_attn.v_proj.bias",
+               "qwen3_moe": "dropped mlp.experts.*.down_proj.weight, mlp.experts.*.gate_proj.weight, "
+                            "mlp.experts.*.up_proj.weight, mlp.gate.weight, post_attention_layernorm.weight, "
+                            "self_attn.k_norm.weight, self_attn.q_norm.weight"}[family]
+    assert setup_line.endswith(dropped)
+    assert ("MLP fresh (seeded gate/up, zero down_proj), no mlp.gate_proj.weight" in setup_line) == \
+        (family == "qwen3_moe")
+
+
+def test_auto_layer_ids_for_targets_below_7_layers():
+    """[2, L // 2, L - 3] collides below 7 layers: auto is then the three consecutive ids around the middle, never 0
+    (from 7 layers on it is the default, checked in test_hidden.py)."""
+    assert [features.layer_ids("auto", L) for L in (4, 5, 6, 7, 8)] == \
+        [[1, 2, 3], [1, 2, 3], [2, 3, 4], [2, 3, 4], [2, 4, 5]]
+    with pytest.raises(ValueError, match="^the target has 3 decoder layers: .* it needs at least 4$"):
+        features.layer_ids("auto", 3)
+    assert features.layer_ids([0, 1, 2], 3) == [0, 1, 2]  # explicit ids stay the user's choice
+
+
+def test_a_part_that_does_not_fit_starts_fresh_and_the_log_says_why():
+    """By hand: a layer with the Llama names whose gate_proj has another size (MLP fresh: zero down_proj), one whose
+    q_proj is stored quantized (attention fresh, the seeded default init), and a family not known to compute the
+    Llama layer from the same weights (every weight copied, still not exact)."""
+    cfg = draft.DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, rms_norm_eps=1e-6, rope_parameters={"rope_theta": 1e4, "rope_type": "default"},
+                            max_position_embeddings=256, hidden_act="silu", vocab_size=128, draft_vocab_size=32,
+                            aux_layers=[1, 2, 3])
+    shapes = draft.layer_shapes(cfg)
+
+    def init(model_type, **changed):
+        layer = {**{n: torch.rand(s) for n, s in shapes.items()}, **changed}
+        torch.manual_seed(0)
+        model = draft.Eagle3Draft(cfg, torch.randn(128, 64))
+        default_q = model.midlayer.self_attn.q_proj.weight.clone()
+        text = draft.init_from_target(model, {"layer": layer, "layer_names": sorted(layer), "layer_index": 3,
+                                              "model_type": model_type, "head": torch.randn(128, 64),
+                                              "norm": torch.ones(64)})
+        return text, model, layer, default_q
+
+    text, model, layer, _ = init("llama", **{"mlp.gate_proj.weight": torch.rand(64, 64)})
+    assert text == ("not exact: the midlayer starts from target layer 3 (llama): attention copied; MLP fresh (seeded "
+                    "gate/up, zero down_proj), its mlp.gate_proj.weight is [64, 64], the drafter's [128, 64]; dropped "
+                    "mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight, post_attention_layernorm.weight")
+    assert not model.midlayer.mlp.down_proj.weight.any() and model.midlayer.mlp.up_proj.weight.any()
+    assert torch.equal(model.midlayer.self_attn.o_proj.weight, layer["self_attn.o_proj.weight"])
+    text, model, _, default_q = init("llama", **{"self_attn.q_proj.weight": torch.rand(64, 64).to(torch.float8_e4m3fn)})
+    assert "attention fresh (seeded), its self_attn.q_proj.weight is stored as torch.float8_e4m3fn; MLP copied" in text
+    assert torch.equal(model.midlayer.self_attn.q_proj.weight, default_q)
+    text, _, _, _ = init("granite")
+    assert text.endswith("attention copied; MLP copied; granite's layer is not known to be the Llama layer")
+    assert init("llama")[0].startswith("exact: ")
+
+
+# ------------------------------------------------------------------------------------------- refused in seconds
+def small(cls, **keys):
+    return cls(**{**SIZES, "num_hidden_layers": 4, "vocab_size": 128, "pad_token_id": None, **keys})
+
+
+REFUSED = {  # config, reason named in the error
+    "three layers": (small(LlamaConfig, num_hidden_layers=3), "it has 3 decoder layers, fewer than 4"),
+    "gelu MLP": (small(GemmaConfig, head_dim=16), "its MLP activation is gelu_pytorch_tanh"),
+    "encoder-decoder": (T5Config(), "t5 is an encoder-decoder model"),
+    "partial RoPE": (small(GlmConfig, head_dim=16), "its RoPE rotates 0.5 of each head"),
+    "multimodal": (Qwen2VLConfig(), "qwen2_vl nests its language model in a composite"),
+    "no safetensors": (small(LlamaConfig), "no safetensors weights"),
+    "untied, no head": (small(LlamaConfig, tie_word_embeddings=False), "its weights have no lm_head.weight"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_target_the_pipeline_cannot_serve_is_refused_naming_why(case, tmp_path):
+    cfg, reason = REFUSED[case]
+    cfg.save_pretrained(tmp_path)
+    if case == "untied, no head":
+        save_file({"model.embed_tokens.weight": torch.zeros(128, 64), "model.norm.weight": torch.ones(64)},
+                  str(tmp_path / "model.safetensors"))
+    with pytest.raises(target.UnsupportedTarget, match=f"^target {tmp_path}: {reason}"):
+        target.check(tmp_path)
+
+
+def test_each_stage_refuses_it_in_seconds_before_loading_anything(tmp_path):
+    """hidden, train and evaluate, run as a user runs them (side by side) on a 3-layer target: one line naming the
+    layer count and exit code 1 within seconds. The folder holds a config and no weights, so a stage that tried to
+    load the target (or read its tokenizer) would end with another error."""
+    folder = tmp_path / "target"
+    REFUSED["three layers"][0].save_pretrained(folder)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(with_(target={"model": str(folder)})))
+    start = time.monotonic()
+    procs = {stage: subprocess.Popen([sys.executable, str(ROOT / "stages" / f"{stage}.py"), "--params", "params.yaml",
+                                      *STAGE_ARGS[stage]], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+             for stage in ("hidden", "train", "evaluate")}
+    for stage, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, err
+        assert err.strip().splitlines() == [
+            f"Error: target {folder}: it has 3 decoder layers, fewer than 4: EAGLE-3 reads the inputs of three "
+            "distinct layers, and layer 0's (the embeddings) is one several SGLang and vLLM models cannot capture"], err
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "o").exists()
