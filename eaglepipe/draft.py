@@ -67,14 +67,22 @@ Checkpoint (``save``/``load``): ``config.json`` + ``model.safetensors`` with exa
 ``model_type: llama``, ``num_hidden_layers: 1``, ``tie_word_embeddings: false`` (SGLang would make lm_head the
 embedding otherwise), ``vocab_size`` (target), ``draft_vocab_size``, the target's Llama fields (sizes, heads,
 head_dim, rms_norm_eps, rope_theta/rope_scaling and rope_parameters, max_position_embeddings, hidden_act) and
-``eagle_config.eagle_aux_hidden_state_layer_ids`` in SGLang's convention (the HF indices minus one, see
-features.py: [1, 14, 26] for hidden_states [2, 15, 27]). vLLM reads the same key without SGLang's + 1: for vLLM
-pass the HF indices.
+the aux layer ids once per engine, each where only that engine reads it, so that neither can serve the drafter with
+other layers than it was trained on (both engines give the same ids different meanings):
+    ``eagle_aux_hidden_state_layer_ids`` (top level): the HF indices ([2, 15, 27]). vLLM 0.32 reads this key first
+        (``gpu_model_runner._get_eagle3_aux_layers_from_config``; its newer runner reads only this one) as HF
+        ``hidden_states`` indices; SGLang never reads it.
+    ``eagle_config.eagle_aux_hidden_state_layer_ids``: the HF indices minus one ([1, 14, 26]). SGLang reads only this
+        key and adds one (``set_eagle3_layers_to_capture``: it counts layer outputs); vLLM reads it only when the
+        top-level key is absent.
+``load`` refuses a config whose two keys disagree, or that has only one of them.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +137,7 @@ class DraftConfig:
                 "rope_scaling": legacy_scaling, "rope_parameters": rope, "vocab_size": self.vocab_size,
                 "draft_vocab_size": self.draft_vocab_size, "tie_word_embeddings": False,
                 "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
                 "eagle_config": {"use_aux_hidden_state": True,
                                  "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers]}}
 
@@ -141,8 +150,21 @@ class DraftConfig:
         return cls(**{k: d[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                         "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
                                         "hidden_act", "vocab_size", "draft_vocab_size")},
-                   rope_parameters=rope,
-                   aux_layers=[i + 1 for i in d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]])
+                   rope_parameters=rope, aux_layers=aux_layers_of(d))
+
+
+def aux_layers_of(d: dict) -> list:
+    """The HF indices a checkpoint's config.json names, from both engines' keys (module docstring), which must
+    agree."""
+    vllm_ids = d.get("eagle_aux_hidden_state_layer_ids")
+    sglang_ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if vllm_ids is None or sglang_ids is None:
+        raise ValueError("config.json should name the aux layers for both engines: eagle_aux_hidden_state_layer_ids "
+                         "(vLLM, HF indices) and eagle_config.eagle_aux_hidden_state_layer_ids (SGLang, minus one)")
+    if [i + 1 for i in sglang_ids] != list(vllm_ids):
+        raise ValueError(f"config.json's aux layers disagree: vLLM would read hidden_states {list(vllm_ids)}, "
+                         f"SGLang {[i + 1 for i in sglang_ids]} (eagle_config's ids plus one)")
+    return list(vllm_ids)
 
 
 # ------------------------------------------------------------------------------------------------- draft vocabulary

@@ -22,8 +22,9 @@ Layer ids (``layer_convention: hf_hidden_states``; checked by tests/test_hidden.
 Hugging Face ``output_hidden_states`` indices. ``hidden_states[0]`` is the embedding output and ``hidden_states[i]``
 is the input of decoder layer ``i`` (= the output of layer ``i - 1``); ``hidden_states[L]`` is *not* the last
 layer's raw output in transformers 5.x: it is replaced by the final normed state. ``auto`` = ``[2, L // 2, L - 3]``
-(EAGLE-3's official choice, what SGLang feeds a drafter by default). SGLang's ``eagle_aux_hidden_state_layer_ids``
-and SpecForge's ids count layer *outputs*, so they are these ids minus one (``[1, L // 2 - 1, L - 4]``).
+(EAGLE-3's official choice, what SGLang and vLLM capture when a drafter names no layers) where those ids are valid
+(L >= 7; smaller targets: ``layer_ids``). vLLM's ``eagle_aux_hidden_state_layer_ids`` are these ids; SGLang's and
+SpecForge's count layer *outputs*, so they are these ids minus one (``[1, L // 2 - 1, L - 4]``); draft.py writes both.
 """
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ class Cache:
 
 def create_engine(params, folder, tokenizer):
     """The engine named by ``infer.engine`` (``params`` is the ``infer`` section, config.Infer), as a context manager:
-    ``with create_engine(...) as engine:``. Leaving it releases what the engine holds (connections, an SGLang server it
+    ``with create_engine(...) as engine:``. Leaving it releases what the engine holds (connections, a server it
     launched), also on errors."""
     if params.engine == "hf":
         from contextlib import nullcontext
@@ -106,6 +106,10 @@ def create_engine(params, folder, tokenizer):
         from .engines.hf import HFEngine
 
         return nullcontext(HFEngine(target.load_model(folder), tokenizer.pad_token_id, params.batch_size))
+    if params.engine == "vllm":
+        from .engines.vllm import VLLMEngine
+
+        return VLLMEngine(params.vllm, tokenizer)
     from .engines.sglang import SGLangEngine
 
     return SGLangEngine(params.sglang, tokenizer)

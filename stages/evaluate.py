@@ -8,7 +8,7 @@ import torch
 
 from eaglepipe import cli, evaluate, target
 from eaglepipe.errors import UserError
-from eaglepipe.records import write_json
+from eaglepipe.records import write_json, write_jsonl
 
 
 @click.command(help=__doc__)

@@ -26,7 +26,7 @@ def with_(**sections) -> dict:
     ({"evaluate": {"num_step": 1}}, "unknown key evaluate.num_step (did you mean num_steps?)"),
     ({"train": {"epochs": "three"}}, "train.epochs = 'three': input should be a valid integer"),
     ({"infer": {"temperature": "hot"}}, "infer.temperature = 'hot': input should be a valid number"),
-    ({"infer": {"engine": "vlm"}}, "infer.engine = 'vlm': input should be 'hf' or 'sglang'"),
+    ({"infer": {"engine": "vlm"}}, "infer.engine = 'vlm': input should be 'hf', 'sglang' or 'vllm'"),
     ({"infer": {"top_p": 1.5}}, "infer.top_p = 1.5: input should be less than or equal to 1"),
     ({"infer": {"samples": 3, "temperature": 0}}, "infer: samples: 3 answers per prompt need temperature > 0"),
     ({"infer": {"gates": {"max_truncted": 0.5}}}, "unknown key infer.gates.max_truncted (did you mean max_truncated?)"),
@@ -90,7 +90,8 @@ STAGE_ARGS = {
     "train": ["--hidden", "o/h", "--out", "o/d", "--metrics", "o/m.json", "--plots", "o/c.json",
               "--timings", "o/t.json"],
     "evaluate": ["--prompts", "o/p.jsonl", "--draft", "o/d", "--report", "o/r.json", "--positions", "o/p.json",
-                 "--timings", "o/t.json"],
+                 "--decoded", "o/d.jsonl", "--timings", "o/t.json"],
+    "serve": ["--decoded", "o/d.jsonl", "--draft", "o/d", "--report", "o/r.json", "--timings", "o/t.json"],
 }
 PROBE = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
          "except SystemExit as e:\n    code = e.code\n"
@@ -107,7 +108,7 @@ def test_every_stage_refuses_bad_params_in_one_line_before_loading_anything(stag
                           *STAGE_ARGS[stage]], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip().splitlines() == [
-        f"Error: {params}: infer.engine = 'vlm': input should be 'hf' or 'sglang'; unknown key evaluate.num_step "
+        f"Error: {params}: infer.engine = 'vlm': input should be 'hf', 'sglang' or 'vllm'; unknown key evaluate.num_step "
         "(did you mean num_steps?)"], out.stderr
     assert "models 0" in out.stdout  # refused before any model was built
     assert not (tmp_path / "o").exists()

@@ -51,9 +51,15 @@ def test_config_layout_and_layer_convention(target_folder):
     assert j["vocab_size"] == 49152 and j["draft_vocab_size"] == 4096 and j["hidden_size"] == 576
     assert j["num_attention_heads"] == 9 and j["num_key_value_heads"] == 3 and j["head_dim"] == 64
     assert j["rope_theta"] == 100000.0 and j["rope_scaling"] is None
-    # SGLang captures the state entering layer id + 1: HF hidden_states [2, 15, 27] are its ids [1, 14, 26]
+    # each engine's key where only it reads it: vLLM the HF indices, SGLang (which adds one) the indices minus one
+    assert j["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     assert j["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
     assert draft.DraftConfig.from_json(json.loads(json.dumps(j))) == cfg
+    one_engine = {k: v for k, v in j.items() if k != "eagle_aux_hidden_state_layer_ids"}
+    with pytest.raises(ValueError, match="both engines"):
+        draft.DraftConfig.from_json(one_engine)
+    with pytest.raises(ValueError, match="disagree"):
+        draft.DraftConfig.from_json({**j, "eagle_aux_hidden_state_layer_ids": [1, 14, 26]})
 
 
 @pytest.fixture(scope="module")

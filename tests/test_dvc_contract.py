@@ -115,6 +115,7 @@ def tiny_params(params: dict) -> dict:
     params["infer"]["gates"].update(max_truncated=1.0, warmup=4, every=4)
     params["train"].update(epochs=1, draft_vocab_size=256)
     params["evaluate"].update(limit=2, max_new_tokens=8)
+    params["serve"] = {**params.get("serve", {}), "python": str(ROOT / ".venv-vllm/bin/python")}
     return params
 
 
@@ -122,7 +123,7 @@ def tiny_params(params: dict) -> dict:
 def project(tmp_path_factory, target_folder):
     """A copy of the project (code, data sources, DVC config) in a fresh git repo, with tiny params."""
     dst = tmp_path_factory.mktemp("project")
-    skip = {".git", ".venv", ".cache", ".pytest_cache", "__pycache__", "models", "dvc.lock", "docs"}
+    skip = {".git", ".venv", ".venv-vllm", ".cache", ".pytest_cache", "__pycache__", "models", "dvc.lock", "docs"}
     outputs = {"prompts", "responses", "sequences", "hidden"}
 
     def ignore(folder, names):
@@ -164,6 +165,7 @@ def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     fast["evaluate"].update(threads=2, limit=1)
     fast["infer"]["sglang"].update(urls=["http://127.0.0.2:30000"], concurrency=8)
     fast["infer"]["batch_size"] = 3
+    fast["serve"].update(port=8012, health_timeout_s=300.0, extra_args=["--enforce-eager", "--max-num-seqs", "4"])
     (project / "params.yaml").write_text(yaml.safe_dump(fast, sort_keys=False))
     assert json.loads(dvc(project, "status", "--json").stdout) == {}  # a bigger machine invalidates nothing
     changed = yaml.safe_load((project / "params.yaml").read_text())

@@ -8,8 +8,8 @@ import pytest
 
 from eaglepipe import config, chat, target
 from eaglepipe.engines import Failure, Output, Sampling
-from eaglepipe.engines.sglang import (BadAnswer, SGLangEngine, SGLangError, check_answer, sampling_params,
-                                      tokenizer_probes)
+from eaglepipe.engines.server import BadAnswer, ServerError, tokenizer_probes
+from eaglepipe.engines.sglang import SGLangEngine, check_answer, sampling_params
 from eaglepipe.testing.sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
 
 STOP = 2  # the embedded model's <|im_end|>
@@ -109,7 +109,7 @@ def fresh(server):
 def engine(url, tokenizer, **over):
     cfg = {"urls": [url], "concurrency": 4, "timeout_s": 5, "health_timeout_s": 10, "retries": 3,
            "backoff_s": 0.01, "backoff_max_s": 0.05, **over}
-    return SGLangEngine(config.SGLang(**cfg), tokenizer)
+    return SGLangEngine(config.Servers(**cfg), tokenizer)
 
 
 def prompts(tokenizer, n):
@@ -207,7 +207,7 @@ def test_batch_shaped_answers_and_the_old_info_endpoints(fresh, tokenizer):
 def test_a_tokenizer_that_disagrees_stops_before_any_request(fresh, tokenizer):
     configure(fresh, tokenize_skew=True)
     before = stats(fresh)["generate_requests"]
-    with pytest.raises(SGLangError, match="tokenizer disagrees") as e:
+    with pytest.raises(ServerError, match="tokenizer disagrees") as e:
         engine(fresh, tokenizer).start()
     assert "<|im_start|>" in str(e.value) and "server [" in str(e.value) and "local [" in str(e.value)
     assert stats(fresh)["generate_requests"] == before
@@ -216,7 +216,7 @@ def test_a_tokenizer_that_disagrees_stops_before_any_request(fresh, tokenizer):
 def test_no_server_at_all_is_an_error_after_the_health_timeout(tokenizer):
     eng = engine(f"http://127.0.0.1:{free_port()}", tokenizer, health_timeout_s=1)
     start = time.monotonic()
-    with pytest.raises(SGLangError, match="not healthy within"):
+    with pytest.raises(ServerError, match="not healthy within"):
         eng.start()
     assert time.monotonic() - start < 10
 
@@ -241,7 +241,7 @@ def test_when_no_server_is_left_the_stream_raises(fresh, tokenizer):
     ps = prompts(tokenizer, 12)
     got = []
     with engine(fresh, tokenizer, concurrency=2, health_timeout_s=1) as eng:
-        with pytest.raises(SGLangError, match="no SGLang server left"):
+        with pytest.raises(ServerError, match="no SGLang server left"):
             for i, o in eng.stream(ps, SAMPLING, [f"p{i}" for i in range(len(ps))]):
                 got.append(i)
                 if len(got) == 3:
@@ -284,6 +284,6 @@ def test_stream_names_each_answer_by_its_prompt_index(fresh, tokenizer):
 def test_a_launched_server_that_dies_is_reported_with_its_log(tokenizer, tmp_path):
     launch = {"model_path": "embedded", "port": free_port(), "log": str(tmp_path / "server.log"),
               "command": [sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(3)"]}
-    with pytest.raises(SGLangError, match="exited with code 3") as e:
-        SGLangEngine(config.SGLang(launch=config.Launch(**launch), health_timeout_s=30), tokenizer).start()
+    with pytest.raises(ServerError, match="exited with code 3") as e:
+        SGLangEngine(config.Servers(launch=config.Launch(**launch), health_timeout_s=30), tokenizer).start()
     assert "no GPU here" in str(e.value)

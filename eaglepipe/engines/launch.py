@@ -1,19 +1,20 @@
-"""``infer.sglang.launch``: the infer stage starts ``python -m sglang.launch_server`` itself and always stops it.
+"""A server the pipeline starts itself and always stops: SGLang for ``infer.sglang.launch``, vLLM for
+``infer.vllm.launch`` and for the serve check. The ``launch`` params (config.Launch):
 
     launch:
-      model_path: /models/Kimi-K2.5   # --model-path (required)
-      tp: 8                           # --tp
-      dp: 1                           # --dp
+      model_path: /models/Kimi-K2.5   # the model served (required)
+      tp: 8                           # tensor-parallel size
+      dp: 1                           # data-parallel replicas
       host: 127.0.0.1                 # --host
       port: 30000                     # --port; the client talks to http://host:port
       extra_args: [--trust-remote-code, --mem-fraction-static, "0.9"]   # a list, or one string split like a shell
-      command: null                   # what to run instead of [python, -m, sglang.launch_server]
-      log: null                       # the server's output; default .cache/sglang/server-<port>.log
+      command: null                   # what to run instead of the engine's launcher
+      log: null                       # the server's output; default .cache/<engine>/server-<port>.log
       stop_timeout_s: 60              # SIGTERM, then SIGKILL after this long
 
-The server runs in its own process group, stopped as a group (SGLang starts scheduler and detokenizer processes);
-on Linux it also gets SIGTERM if the stage dies without cleaning up (kill -9). This file is not part of the cache
-fingerprint: how a server is started does not decide its ids (the engine reads what the server reports instead).
+The server runs in its own process group, stopped as a group (SGLang and vLLM start worker processes); on Linux it
+also gets SIGTERM if the stage dies without cleaning up (kill -9). This file is not part of the cache fingerprint:
+how a server is started does not decide its ids (the engines read what the server reports instead).
 """
 from __future__ import annotations
 
@@ -37,14 +38,16 @@ def _die_with_parent():  # pragma: no cover - runs in the child between fork and
 
 
 class LaunchedServer:
-    def __init__(self, cfg):
-        """``cfg``: ``infer.sglang.launch`` (config.Launch)."""
-        self.model_path, self.tp, self.dp, self.host, self.port = cfg.model_path, cfg.tp, cfg.dp, cfg.host, cfg.port
+    def __init__(self, cfg, engine: str, launcher: list[str], model_args: list[str], env: dict | None = None):
+        """``cfg``: the ``launch`` params (config.Launch); ``launcher``: the engine's default command; ``model_args``:
+        its arguments naming the model and the parallelism; ``env``: variables added to the server's environment."""
+        self.engine, self.host, self.port = engine, cfg.host, cfg.port
         extra = cfg.extra_args
         self.extra_args = shlex.split(extra) if isinstance(extra, str) else list(extra)
-        command = cfg.command or [sys.executable, "-m", "sglang.launch_server"]
+        command = cfg.command or launcher
         self.command = shlex.split(command) if isinstance(command, str) else list(command)
-        self.log_path = Path(cfg.log) if cfg.log else CACHE / "sglang" / f"server-{self.port}.log"
+        self.model_args, self.env = list(model_args), dict(env or {})
+        self.log_path = Path(cfg.log) if cfg.log else CACHE / engine / f"server-{self.port}.log"
         self.stop_timeout_s = cfg.stop_timeout_s
         self.proc: subprocess.Popen | None = None
 
@@ -54,24 +57,24 @@ class LaunchedServer:
         return f"http://{host}:{self.port}"
 
     def argv(self) -> list[str]:
-        return [*self.command, "--model-path", self.model_path, "--tp", str(self.tp), "--dp", str(self.dp),
-                "--host", self.host, "--port", str(self.port), *self.extra_args]
+        return [*self.command, *self.model_args, "--host", self.host, "--port", str(self.port), *self.extra_args]
 
     def describe(self) -> dict:
-        return {"argv": self.argv()[len(self.command):], "log": str(self.log_path)}
+        return {"argv": self.argv()[len(self.command):], "env": self.env, "log": str(self.log_path)}
 
     def start(self) -> None:
         with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as s:
             s.settimeout(1)
             if s.connect_ex((self.host, self.port)) == 0:
-                raise RuntimeError(f"infer.sglang.launch: something already listens on {self.host}:{self.port}; "
-                                   "stop it, pick another port, or use infer.sglang.urls to talk to it")
+                raise RuntimeError(f"{self.engine} launch: something already listens on {self.host}:{self.port}; "
+                                   "stop it, pick another port, or give its url to talk to it")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             logf.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(self.argv())}\n".encode())
             logf.flush()
             self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         env={**os.environ, **self.env}, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None

