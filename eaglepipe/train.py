@@ -58,7 +58,7 @@ from safetensors import safe_open
 from . import draft, features, records, shards
 from .errors import UserError
 from .hashing import files_hash
-from .target import EMBED, HEAD, LAYERS, NORM, weights as stored_weights
+from .compat import EMBED, HEAD, LAYERS, NORM, weights as stored_weights
 
 log = logging.getLogger(__name__)
 WINDOW = 64
@@ -88,7 +88,7 @@ def target_tensors(folder, layer: int) -> dict:
     wanted = {"embed": EMBED, "head": HEAD, "norm": NORM, **{w: prefix + w for w in draft.LAYER_WEIGHTS}}
     missing = [wanted[k] for k in ("embed", "norm") if wanted[k] not in stored]
     if missing or not layer_names:
-        raise KeyError(f"{folder}: no {missing or prefix + '*'} in the safetensors files (target.check names what a "
+        raise KeyError(f"{folder}: no {missing or prefix + '*'} in the safetensors files (compat.check names what a "
                        "target needs)")
     by_file = {}
     for key, name in wanted.items():

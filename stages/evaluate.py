@@ -6,7 +6,7 @@ import logging
 import click
 import torch
 
-from eaglepipe import cli, evaluate, target
+from eaglepipe import cli, compat, evaluate, target
 from eaglepipe.errors import UserError
 from eaglepipe.records import write_json, write_jsonl
 
@@ -29,7 +29,7 @@ def main(params, prompts, draft_folder, report, positions, decoded, timings):
     if p.threads:
         torch.set_num_threads(p.threads)
     folder = target.resolve(cfg.target.model)
-    target.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
+    compat.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
     tokenizer = target.load_tokenizer(folder)
     prompt_list = evaluate.load_prompts(prompts, tokenizer, cfg.target.chat_template_kwargs)[:p.limit]
     model = target.load_model(folder)

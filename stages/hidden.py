@@ -4,7 +4,7 @@ import logging
 
 import click
 
-from eaglepipe import cli, hidden, target
+from eaglepipe import cli, compat, hidden, target
 
 
 @click.command(help=__doc__)
@@ -18,7 +18,7 @@ from eaglepipe import cli, hidden, target
 def main(params, seq_folder, out, report, timings, cache):
     cfg = cli.params(params)
     folder = target.resolve(cfg.target.model)
-    target.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
+    compat.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
     model = target.load_model(folder)
     rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache)
     cli.publish(rep, report, timings)

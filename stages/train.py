@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from eaglepipe import cli, draft, target, train
+from eaglepipe import cli, compat, draft, target, train
 from eaglepipe.config import CACHE
 from eaglepipe.records import write_json
 
@@ -24,7 +24,7 @@ from eaglepipe.records import write_json
 def main(params, hidden_folder, out, metrics, plots, timings, checkpoints):
     cfg = cli.params(params)
     folder = target.resolve(cfg.target.model)
-    target.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
+    compat.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
     fp = train.fingerprint(hidden_folder, cfg.train, target.fingerprint(folder))
     model, report, history = train.run(hidden_folder, folder, cfg.train, Path(checkpoints or CACHE / "train" / fp))
     draft.save(model, out)

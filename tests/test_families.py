@@ -16,7 +16,7 @@ from test_config import ROOT, STAGE_ARGS, with_
 from transformers import (AutoModelForCausalLM, GemmaConfig, GlmConfig, LlamaConfig, Qwen2Config, Qwen2VLConfig,
                           Qwen3Config, Qwen3MoeConfig, T5Config)
 
-from eaglepipe import chat, config, draft, evaluate, features, hidden, sequences, speculative, target, train
+from eaglepipe import chat, compat, config, draft, evaluate, features, hidden, sequences, speculative, target, train
 
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 256}
@@ -82,7 +82,7 @@ def ran(request, tmp_path_factory, tokenizer):
     """One family's target through the library calls of hidden, train and evaluate."""
     family, tmp = request.param, tmp_path_factory.mktemp(request.param)
     build_target(tmp / "target", family, tokenizer)
-    target.check(tmp / "target")
+    compat.check(tmp / "target")
     model = target.load_model(tmp / "target")
     assert model.config._attn_implementation == "sdpa"  # causal without a mask, as ``deviation`` runs the layer
     items = generated_sequences(tmp / "seq", model)
@@ -205,8 +205,8 @@ def test_a_target_the_pipeline_cannot_serve_is_refused_naming_why(case, tmp_path
     if case == "untied, no head":
         save_file({"model.embed_tokens.weight": torch.zeros(128, 64), "model.norm.weight": torch.ones(64)},
                   str(tmp_path / "model.safetensors"))
-    with pytest.raises(target.UnsupportedTarget, match=f"^target {tmp_path}: {reason}"):
-        target.check(tmp_path)
+    with pytest.raises(compat.UnsupportedTarget, match=f"^target {tmp_path}: {reason}"):
+        compat.check(tmp_path)
 
 
 def test_each_stage_refuses_it_in_seconds_before_loading_anything(tmp_path):
