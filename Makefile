@@ -34,7 +34,11 @@ vllm-venv: $(VLLM_VENV)/.installed
 repro: venv vllm-venv
 	dvc repro
 
-# `make infer` runs one stage, re-running only the stale stages upstream of it.
+# `make infer` runs one stage, re-running only the stale stages upstream of it. `NPROC=8 make hidden` runs the stages
+# that dvc.yaml starts through eaglepipe.runtime under torchrun with 8 processes (a speed knob: nothing is invalidated).
+ifdef NPROC
+export EAGLEPIPE_NPROC := $(NPROC)
+endif
 $(STAGES): venv vllm-venv
 	dvc repro $@
 

@@ -225,6 +225,9 @@ class Hidden(Section):
     layers: Union[Literal["auto"], list[int]] = Field(
         "auto", description="auto = [2, L // 2, L - 3], or three explicit ids (convention: eaglepipe/features.py)")
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="storage dtype of aux and final")
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the dtype the target computes the states in: auto = bfloat16 on CUDA, float32 on the CPU "
+        "(eaglepipe/runtime.py; pin one so that the dtype does not follow the device)")
     batch_tokens: int = Field(4096, ge=1, description="tokens per forward pass (rows x longest; length-sorted)")
     shard_tokens: int = Field(32768, ge=1, description="tokens per safetensors shard (the unit of resume)")
     max_failure_rate: float = speed(0.0, "the stage fails when more sequences than this share fail alone (each is "
@@ -286,6 +289,19 @@ class Serve(Section):
     health_timeout_s: float = speed(900.0, "longest wait for a server to start", gt=0)
 
 
+# ----------------------------------------------------------------------------------------------------------- runtime
+class Runtime(Section):
+    device: str = speed("auto", "auto (CUDA when torch sees a GPU, else the CPU) | cpu | cuda | cuda:N; under torchrun "
+                        "(NPROC=8 make hidden) auto and cuda give each rank cuda:LOCAL_RANK (eaglepipe/runtime.py)")
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value):
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError(f"should be auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+
 class Params(Section):
     target: Target = Target()
     prepare: Prepare
@@ -295,6 +311,7 @@ class Params(Section):
     train: Train = Train()
     evaluate: Evaluate = Evaluate()
     serve: Serve = Serve()
+    runtime: Runtime = Runtime()
 
 
 # ------------------------------------------------------------------------------------------------------------ errors

@@ -10,12 +10,18 @@ ids, mask and ``top``.
 
 Resume: shards are written atomically into the work folder ``.cache/hidden/<fingerprint>/``, so a shard there is
 finished and belongs to that fingerprint, which covers the sequences (their bytes), the ``hidden`` params, the code
-that writes the shards, the target model's fingerprint and the torch / transformers versions. A rerun after an
-interruption keeps the finished shards; a different fingerprint never sees them. At the end the work folder gets
-its index.json and is moved (renamed) to the output folder. A sequence that fails alone (``extract_shard``) is left
-out of its shard and listed with its reason in ``failures.jsonl`` (published with the shards; kept across resumes).
-The fingerprint stays out of the published files (it is in the run report): a code change that leaves the states as
-they are changes no published byte.
+that writes the shards, the target model's fingerprint and compute dtype and the torch / transformers versions. A
+rerun after an interruption keeps the finished shards; a different fingerprint never sees them. At the end the work
+folder gets its index.json and is moved (renamed) to the output folder. A sequence that fails alone
+(``extract_shard``) is left out of its shard and listed with its reason in ``failures.jsonl`` (published with the
+shards; kept across resumes in ``left_out/<shard>.jsonl``, written before its shard). The fingerprint stays out of
+the published files (it is in the run report): a code change that leaves the states as they are changes no
+published byte.
+
+Ranks (torchrun, ``runtime.py``): the shards still missing when the run starts are dealt round-robin to the ranks,
+each computing its own; once all are written, rank 0 writes the index and publishes. The plan, the batches and so
+the published bytes are the same whatever the number of processes; a process killed mid-run loses only the shard it
+was writing, and a rerun at any world size computes the rest.
 """
 from __future__ import annotations
 
@@ -28,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from . import features, sequences, shards
+from . import features, runtime, sequences, shards
 from .hashing import files_hash
 from .errors import UserError
-from .records import write_json
+from .records import read_jsonl, write_json, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +103,7 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
     rows, failed = {}, []
 
     def run_batch(batch):
-        ids = torch.full((len(batch), max(lengths[i] for i in batch)), pad_id, dtype=torch.long)
+        ids = torch.full((len(batch), max(lengths[i] for i in batch)), pad_id, dtype=torch.long, device=model.device)
         for row, i in enumerate(batch):
             ids[row, :lengths[i]] = torch.as_tensor(samples[i][1])
         try:
@@ -115,7 +121,7 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
             return
         for row, i in enumerate(batch):
             n = lengths[i]
-            rows[i] = (a[row, :n].to(dtype), f[row, :n].to(dtype), greedy(model, f[row, :n]))
+            rows[i] = (a[row, :n].to("cpu", dtype), f[row, :n].to("cpu", dtype), greedy(model, f[row, :n]).cpu())
 
     for batch in plan_batches(lengths, batch_tokens):
         run_batch(batch)
@@ -128,71 +134,86 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
             "top": stack(2, 0, torch.int32).to(torch.int32)}, failed
 
 
-def run(seq_folder, out, model, params, model_fp: str, cache_root) -> dict:
-    """Extract hidden states for every split of ``seq_folder`` into ``out``; return the run report. ``params``: the
-    ``hidden`` section (config.Hidden)."""
+def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.Runtime = runtime.Runtime()) -> dict:
+    """Extract hidden states for every split of ``seq_folder`` into ``out``; return the run report (the same on every
+    rank). ``params``: the ``hidden`` section (config.Hidden); ``rt``: this process's rank and world (runtime.py)."""
     seq_folder, out = Path(seq_folder), Path(out)
     cfg = text_config(model.config)
     layers = features.layer_ids(params.layers, cfg.num_hidden_layers)
     dtype_name = params.dtype
     dtype, H = DTYPES[dtype_name], cfg.hidden_size
-    batch_tokens, shard_tokens = params.batch_tokens, params.shard_tokens
     fp = fingerprint(shards.dataset_hash(seq_folder), params.tracked(), layers, model_fp, str(model.dtype))
     work = Path(cache_root) / fp
-    work.mkdir(parents=True, exist_ok=True)
-    for stale in work.glob("*.tmp*"):  # a shard being written when the last run stopped
-        stale.unlink()
-    index = {"layers": layers, "layer_convention": features.LAYER_CONVENTION, "hidden_size": H, "dtype": dtype_name}
-    computed_tokens, reused, computed, elapsed, total = 0, 0, 0, 0.0, 0
-    failures_path = work / "failures.jsonl"  # samples left out of their shard, with the reason
-    failures = {f["id"]: f for f in map(json.loads, failures_path.read_text().splitlines())} \
-        if failures_path.exists() else {}
+    left_out_dir = work / "left_out"  # per shard, the samples left out of it: {shard, id, tokens, reason} lines
+    left_out_dir.mkdir(parents=True, exist_ok=True)
     seq_index = json.loads((seq_folder / "index.json").read_text())
+    plan = []  # (split, shard file, its samples [(id, input_ids, loss_mask)]), every split's shards in order
     for split in shards.SPLITS:
         samples = [(rid, ids, mask) for rid, _source, ids, mask in sequences.read(seq_folder, split)] \
             if split in seq_index else []
+        plan += [(split, f"{split}-{k:05d}.safetensors", samples[a:b])
+                 for k, (a, b) in enumerate(shards.plan([len(s[1]) for s in samples], params.shard_tokens))]
+    # a shard in this fingerprint's folder was written atomically: it is finished, and of these inputs
+    missing = [p for p in plan if not (work / p[1]).exists()]
+    if rt.is_main:
+        for stale in work.glob("**/*.tmp*"):  # a file being written when the last run stopped
+            stale.unlink()
+    rt.barrier()  # every rank has listed the missing shards before any is written
+    computed_tokens, elapsed = 0, 0.0
+    for _split, file, chunk in missing[rt.rank::rt.world]:
+        start = time.perf_counter()
+        tensors, left_out = extract_shard(model, chunk, layers, params.batch_tokens, dtype)
+        record = left_out_dir / f"{file}.jsonl"
+        if left_out:  # recorded before the shard, so a finished shard's left-out samples are always known
+            write_jsonl(record, [{"shard": file, **f} for f in left_out])
+        else:
+            record.unlink(missing_ok=True)  # of an earlier attempt at this shard
+        shards.write(work / file, tensors)
+        elapsed += time.perf_counter() - start
+        computed_tokens += int(tensors["offsets"][-1])
+        log.info("hidden %s: %d samples, %d tokens (%.0f tokens/s so far%s)", file, len(chunk),
+                 int(tensors["offsets"][-1]), computed_tokens / max(elapsed, 1e-9),
+                 f", rank {rt.rank} of {rt.world}" if rt.world > 1 else "")
+    ranks = rt.gather((computed_tokens, elapsed))  # also waits until every rank's shards are written
+
+    index = {"layers": layers, "layer_convention": features.LAYER_CONVENTION, "hidden_size": H, "dtype": dtype_name}
+    failures = []
+    for split in shards.SPLITS:
         entries = []
-        for k, (a, b) in enumerate(shards.plan([len(s[1]) for s in samples], shard_tokens)):
-            chunk, file = samples[a:b], f"{split}-{k:05d}.safetensors"
-            path = work / file
-            if path.exists():  # written atomically into this fingerprint's folder: finished, and of these inputs
-                reused += 1
-            else:
-                start = time.perf_counter()
-                tensors, left_out = extract_shard(model, chunk, layers, batch_tokens, dtype)
-                if left_out:  # recorded before the shard, so a finished shard's left-out samples are always known
-                    with open(failures_path, "a") as fh:
-                        fh.writelines(json.dumps({"shard": file, **f}) + "\n" for f in left_out)
-                    failures.update({f["id"]: f for f in left_out})
-                shards.write(path, tensors)
-                elapsed += time.perf_counter() - start
-                computed += 1
-                computed_tokens += int(tensors["offsets"][-1])
-                log.info("hidden %s: %d samples, %d tokens (%.0f tokens/s so far)", file, len(chunk),
-                         int(tensors["offsets"][-1]), computed_tokens / max(elapsed, 1e-9))
-            chunk = [c for c in chunk if c[0] not in failures]
-            entries.append({"file": file, "samples": len(chunk), "tokens": sum(len(c[1]) for c in chunk),
-                            "ids": [c[0] for c in chunk]})
+        for _split, file, chunk in (p for p in plan if p[0] == split):
+            record = left_out_dir / f"{file}.jsonl"
+            left_out = {f["id"]: f for _line, f in read_jsonl(record)} if record.exists() else {}
+            failures += left_out.values()
+            kept = [c for c in chunk if c[0] not in left_out]
+            entries.append({"file": file, "samples": len(kept), "tokens": sum(len(c[1]) for c in kept),
+                            "ids": [c[0] for c in kept]})
         index[split] = {"shards": entries, "samples": sum(e["samples"] for e in entries),
                         "tokens": sum(e["tokens"] for e in entries)}
-        total += len(samples)
+    total = sum(len(p[2]) for p in plan)
     if len(failures) > params.max_failure_rate * total:
         raise UserError(f"hidden: {len(failures)} of {total} sequences fail alone, more than hidden.max_failure_rate "
-                        f"{params.max_failure_rate} (reasons in {failures_path}; finished shards are kept)")
-    write_json(work / "index.json", index)
-    files = [work / s["file"] for split in shards.SPLITS for s in index[split]["shards"]]
-    total_bytes = sum(p.stat().st_size for p in files)
+                        f"{params.max_failure_rate} (reasons in {left_out_dir}; finished shards are kept)")
+    total_bytes = sum((work / p[1]).stat().st_size for p in plan)
     tokens = sum(index[split]["tokens"] for split in shards.SPLITS)
-    # publish: the work folder becomes the output folder (a rename on the same filesystem)
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(work), str(out))
+    rt.barrier()  # every rank has read the work folder before rank 0 moves it
+    if rt.is_main:
+        if failures:
+            write_jsonl(work / "failures.jsonl", failures)
+        write_json(work / "index.json", index)
+        # publish: the work folder becomes the output folder (a rename on the same filesystem)
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(work), str(out))
+        shutil.rmtree(out / left_out_dir.name)  # in failures.jsonl now
+    rt.barrier()  # no rank ends before the output is in place
+    computed_tokens, seconds = sum(r[0] for r in ranks), max(r[1] for r in ranks)
     bytes_el = torch.tensor([], dtype=dtype).element_size()
     return {"layers": layers, "hidden_size": H, "samples": sum(index[s]["samples"] for s in shards.SPLITS),
             "tokens": tokens, "train_tokens": index["train"]["tokens"], "valid_tokens": index["valid"]["tokens"],
             "hidden_bytes_per_token": 4 * H * bytes_el, "bytes_per_token": round(total_bytes / max(tokens, 1), 2),
             "bytes": total_bytes, "left_out": len(failures),
-            "run": {"fingerprint": fp, "computed_tokens": computed_tokens, "computed_shards": computed,
-                    "reused_shards": reused, "seconds": round(elapsed, 2),
-                    "tokens_per_s": round(computed_tokens / elapsed, 1) if elapsed else None}}
+            "run": {"fingerprint": fp, "world": rt.world, "computed_tokens": computed_tokens,
+                    "computed_shards": len(missing), "reused_shards": len(plan) - len(missing),
+                    "seconds": round(seconds, 2),
+                    "tokens_per_s": round(computed_tokens / seconds, 1) if seconds else None}}

@@ -1,14 +1,16 @@
 """hidden: the target's hidden states on the merged sequences, for training the drafter (format and layer
-convention: eaglepipe/features.py). Finished shards are kept in the cache as they are written, so a rerun resumes."""
+convention: eaglepipe/features.py). Finished shards are kept in the cache as they are written, so a rerun resumes.
+Runs as one process or under torchrun, whose ranks share the shards (eaglepipe/runtime.py)."""
 import logging
 
 import click
 
-from eaglepipe import cli, compat, hidden, target
+from eaglepipe import cli, compat, hidden, runtime, target
 
 
 @click.command(help=__doc__)
-@click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target.model, hidden).")
+@click.option("--params", required=True, type=click.Path(dir_okay=False),
+              help="params.yaml (target.model, hidden, runtime).")
 @click.option("--sequences", "seq_folder", required=True, type=click.Path(file_okay=False), help="merge's output.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder of the shards.")
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Run report (DVC metrics).")
@@ -19,11 +21,14 @@ def main(params, seq_folder, out, report, timings, cache):
     cfg = cli.params(params)
     folder = target.resolve(cfg.target.model)
     compat.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
-    model = target.load_model(folder)
-    rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache)
-    cli.publish(rep, report, timings)
-    logging.info("hidden: %d tokens, %s bytes/token, layers %s", rep["tokens"], rep["bytes_per_token"],
-                 rep["layers"])
+    with runtime.start(cfg.runtime.device) as rt:
+        dtype = runtime.compute_dtype(cfg.hidden.compute_dtype, rt.device)
+        model = target.load_model(folder, dtype).to(rt.device)
+        rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
+    if rt.is_main:
+        cli.publish(rep, report, timings)
+        logging.info("hidden: %d tokens, %s bytes/token, layers %s", rep["tokens"], rep["bytes_per_token"],
+                     rep["layers"])
 
 
 if __name__ == "__main__":

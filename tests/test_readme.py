@@ -9,9 +9,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Commands that run stages, tests or experiments (minutes to hours), or change git: shown, not run here.
-EXPENSIVE = re.compile(r"^(make (repro|test|test-fast|plots|inspect|prepare|infer|merge|hidden|train|evaluate)\b|"
-                       r"dvc (repro|exp run|push|pull|remote)\b|git |python bench/|python -m sglang|"
-                       r"python -m vllm|torchrun )")
+EXPENSIVE = re.compile(r"^(\w+=\S+ )*(make (repro|test|test-fast|plots|inspect|prepare|infer|merge|hidden|train|"
+                       r"evaluate|serve|vllm-venv)\b|dvc (repro|exp run|push|pull|remote)\b|git |python bench/|"
+                       r"python -m sglang|python -m vllm|python -m eaglepipe.runtime |torchrun |export |sh -c )")
 
 
 def readme_commands() -> list[str]:

@@ -43,10 +43,11 @@ def start(folder, port: int, log: Path) -> vllm.LaunchedServer:
     return server
 
 
-def params(folder: Path, engine: str, **servers) -> Path:
+def params(folder: Path, engine: str, sampled: bool = False, **servers) -> Path:
     cfg = yaml.safe_load((ROOT / "params.yaml").read_text())
     infer = cfg["infer"]
-    infer.update(engine=engine, batch_size=1, max_new_tokens=16, temperature=0.0, samples=1, max_failure_rate=0.0)
+    infer.update(engine=engine, batch_size=1, max_new_tokens=16, temperature=0.8 if sampled else 0.0,
+                 samples=2 if sampled else 1, max_failure_rate=0.0)
     infer["gates"].update(warmup=4, every=4, max_truncated=1.0, max_empty=1.0)
     infer["vllm"] = {"concurrency": 1, "timeout_s": 120, "health_timeout_s": 300, "retries": 6, "backoff_s": 0.2,
                      "backoff_max_s": 2, **servers}
@@ -125,6 +126,21 @@ def test_e2e_a_clean_run_gives_the_embedded_engines_records(work, server, refere
     assert_same_records(records(tmp_path), reference)
     engine = json.loads((tmp_path / "out" / "engine.json").read_text())
     assert engine["identity"]["vllm_version"] == "0.32.0"
+
+
+def test_e2e_sampled_records_depend_on_the_seeds_only(work, server, tmp_path):
+    # per-record seeds: the same records from two runs with other concurrency (vLLM's CPU build needs CPU_FLAGS here)
+    outs = []
+    for run, concurrency in (("a", 4), ("b", 1)):
+        folder = tmp_path / run
+        folder.mkdir()
+        p = params(folder, "vllm", sampled=True, urls=[server.url], concurrency=concurrency)
+        out = subprocess.run(cmd(folder, p, work / "prompts.jsonl"), cwd=ROOT, env=ENV, capture_output=True,
+                             text=True, timeout=TIMEOUT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        outs.append([{k: v for k, v in r.items() if k != "meta"} for r in records(folder)])
+    assert len(outs[0]) == 2 * len(PROMPTS) and outs[0] == outs[1]
+    assert any(a["output_ids"] != b["output_ids"] for a, b in zip(outs[0][::2], outs[0][1::2]))  # samples differ
 
 
 def test_e2e_kill_9_of_the_stage_then_resume_keeps_every_record_once(work, server, reference, tmp_path):

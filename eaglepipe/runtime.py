@@ -1,0 +1,137 @@
+"""Where a stage runs: its device, the target's compute dtype, its rank among the processes of a torchrun job, and
+the seeding of torch's random generators. Code takes its device from its inputs (``model.device``, a tensor's
+``.device``); this module alone chooses it.
+
+One process (``python stages/hidden.py ...``) is rank 0 of a world of 1. Under torchrun (``RANK``, ``WORLD_SIZE`` and
+``LOCAL_RANK`` in the environment) with more than one process, ``start`` joins the process group (gloo on CPU, nccl
+on CUDA) and each rank takes the GPU ``cuda:LOCAL_RANK``. The device, the number of processes and the threads are
+speed knobs, tracked by no DVC entry and no fingerprint: they decide how fast a stage computes, not what (hidden
+publishes the same bytes at any number of processes; another device or thread count may round differently). The
+compute dtype decides the numbers: ``hidden.compute_dtype`` is a result knob.
+
+dvc.yaml runs a stage as ``python -m eaglepipe.runtime stages/<stage>.py ARGS``: the script itself, or, when
+``EAGLEPIPE_NPROC`` is above 1 (``NPROC=8 make hidden`` sets it), ``torchrun --standalone --nproc-per-node 8`` on it
+(without ``--standalone`` when ``PET_NNODES`` is set: a job across nodes, whose rendezvous torchrun reads from its
+``PET_*`` variables; README).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """This process's place in the job: its device, rank, world size and rank on its node."""
+    device: torch.device = torch.device("cpu")
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that publishes a stage's outputs and reports."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here (nothing to wait for in a world of 1)."""
+        if self.world > 1:
+            dist.barrier()
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank; a barrier too."""
+        if self.world == 1:
+            return [obj]
+        objs = [None] * self.world
+        dist.all_gather_object(objs, obj)
+        return objs
+
+
+def device(name: str = "auto", local_rank: int = 0, world: int = 1) -> torch.device:
+    """The device ``runtime.device`` names: ``auto`` (CUDA when torch sees a GPU, else the CPU), ``cpu``, ``cuda``
+    or ``cuda:N``. Under torchrun ``auto`` and ``cuda`` are ``cuda:LOCAL_RANK``, one GPU per rank."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError(f"runtime.device = {name!r}, but torch sees no CUDA device (this torch: {torch.__version__})")
+    if name == "cuda":
+        name = f"cuda:{local_rank}"
+    elif world > 1:
+        raise UserError(f"runtime.device = {name!r} names one GPU, but this job runs {world} processes: use cuda or "
+                        "auto (each rank takes cuda:LOCAL_RANK)")
+    index = torch.device(name).index
+    if index >= torch.cuda.device_count():
+        raise UserError(f"{name}: torch sees {torch.cuda.device_count()} CUDA devices")
+    return torch.device(name)
+
+
+def compute_dtype(name: str, dev: torch.device) -> str:
+    """The dtype the target computes in: ``auto`` = bfloat16 on CUDA, float32 on the CPU (bf16 matmuls are slow
+    there); or the one named."""
+    if name == "auto":
+        return "bfloat16" if dev.type == "cuda" else "float32"
+    return name
+
+
+@contextlib.contextmanager
+def start(device_name: str = "auto"):
+    """This process's ``Runtime``, from torchrun's environment (a world of 1 without it); the process group is joined
+    for a world above 1 and left at the end, whatever happens."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dev = device(device_name, local_rank, world)
+    if world > 1:
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    try:
+        yield Runtime(dev, rank, world, local_rank)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def seed(value: int) -> None:
+    """Seed torch's generators: the CPU's and every GPU's."""
+    torch.manual_seed(value)
+
+
+def rng_state() -> dict:
+    """The CPU's and every GPU's generator state (for a checkpoint; ``set_rng_state`` restores it)."""
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def launch(argv: list[str]) -> None:
+    """Run ``argv`` = [script, args...]: in this process, or under torchrun when ``EAGLEPIPE_NPROC`` is above 1."""
+    nproc = os.environ.get("EAGLEPIPE_NPROC", "").strip() or "1"
+    if not nproc.isdigit() or int(nproc) < 1:
+        raise SystemExit(f"EAGLEPIPE_NPROC = {nproc!r}: should be a number of processes per node, 1 or more")
+    if int(nproc) == 1 and "PET_NNODES" not in os.environ:
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
+        return
+    single_node = [] if "PET_NNODES" in os.environ else ["--standalone"]  # torchrun = python -m torch.distributed.run
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *single_node, "--nproc-per-node", nproc,
+                              *argv])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m eaglepipe.runtime SCRIPT [ARGS...]")
+    launch(sys.argv[1:])

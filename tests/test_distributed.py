@@ -1,0 +1,195 @@
+"""The runtime (eaglepipe/runtime.py) and the hidden stage under torchrun: device and dtype choices, seeding, the
+launcher; on CPU with gloo, hidden at world 2 publishes the same bytes as at world 1 (left-out sequences of both
+ranks included), and a rank killed with SIGKILL loses only what it had not finished: a rerun reuses every finished
+shard and publishes the same bytes again; two torchrun agents ("nodes") meeting by rendezvous publish them too."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from eaglepipe import config, runtime, sequences
+from eaglepipe.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_device_and_compute_dtype_choices():
+    assert runtime.device("cpu") == torch.device("cpu")
+    assert runtime.device("auto") == torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    assert runtime.compute_dtype("auto", torch.device("cpu")) == "float32"
+    assert runtime.compute_dtype("auto", torch.device("cuda:1")) == "bfloat16"
+    assert runtime.compute_dtype("float16", torch.device("cpu")) == "float16"
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="runtime.device = 'cuda:1', but torch sees no CUDA device"):
+            runtime.device("cuda:1")
+
+
+def test_device_is_a_speed_knob_and_compute_dtype_a_result_knob():
+    assert "device" not in config.Runtime.tracked_keys() and "compute_dtype" in config.Hidden.tracked_keys()
+    with pytest.raises(config.ConfigError, match=r"runtime.device: should be auto, cpu, cuda or cuda:N, got 'gpu'"):
+        config.parse({"prepare": {"sources": [{"name": "a", "path": "a.jsonl", "format": "openai", "n": 1}]},
+                      "runtime": {"device": "gpu"}})
+
+
+def test_one_process_is_rank_0_of_1_without_a_process_group(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with runtime.start("cpu") as rt:
+        assert (rt.rank, rt.world, rt.is_main, rt.device) == (0, 1, True, torch.device("cpu"))
+        assert rt.gather({"a": 1}) == [{"a": 1}] and not torch.distributed.is_initialized()
+        rt.barrier()
+
+
+def test_rng_state_restores_cpu_draws():
+    runtime.seed(3)
+    state = runtime.rng_state()
+    first = torch.rand(4)
+    runtime.set_rng_state(state)
+    assert torch.equal(torch.rand(4), first)
+    runtime.seed(4)
+    assert not torch.equal(torch.rand(4), first)
+
+
+def test_the_launcher_refuses_a_bad_process_count(monkeypatch):
+    monkeypatch.setenv("EAGLEPIPE_NPROC", "two")
+    with pytest.raises(SystemExit, match="EAGLEPIPE_NPROC = 'two': should be a number of processes per node"):
+        runtime.launch(["stages/hidden.py"])
+
+
+# ------------------------------------------------------------------------------- the hidden stage, 1 and 2 processes
+SHARD_TOKENS = 150  # about 25 shards of 150 tokens: several per rank, each long enough to be killed in the middle
+
+
+def make_project(folder: Path) -> Path:
+    """Random sequences (ids of the embedded target's vocabulary) with two poison ones (an id past the vocabulary)
+    in shards 0 and 3, which two ranks compute, and a params file for them."""
+    rng = np.random.default_rng(0)
+    items = []
+    for i in range(40):
+        length = int(rng.integers(40, 150))
+        prompt = int(rng.integers(5, length - 5))
+        items.append((f"s{i}", "s", [1] + rng.integers(3, 40000, length - 1).tolist(),
+                      [0] * prompt + [1] * (length - prompt)))
+    train = items[:-4]
+    for at in (1, 5):
+        train.insert(at, (f"poison{at}", "s", [1, 2, 10**6, 4, 5], [0, 0, 1, 1, 1]))
+    sequences.write(folder / "seq", {"train": train, "valid": items[-4:]}, shard_tokens=10_000, policy={})
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["hidden"] = {"layers": "auto", "dtype": "bfloat16", "batch_tokens": 256, "shard_tokens": SHARD_TOKENS,
+                        "max_failure_rate": 0.1}
+    params["runtime"] = {"device": "cpu"}
+    (folder / "params.yaml").write_text(yaml.safe_dump(params))
+    return folder
+
+
+def hidden_cmd(project: Path, name: str, world: int) -> list[str]:
+    """The stage as dvc.yaml runs it: through eaglepipe.runtime (torchrun for a world above 1), or plain python."""
+    launcher = [sys.executable, "-m", "eaglepipe.runtime"] if world > 1 else [sys.executable]
+    return [*launcher, "stages/hidden.py", "--params", str(project / "params.yaml"), "--sequences",
+            str(project / "seq"), "--out", str(project / name), "--report", str(project / f"{name}.json"),
+            "--timings", str(project / f"{name}-timings.json"), "--cache", str(project / f"{name}-cache")]
+
+
+def env(world: int) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", EAGLEPIPE_NPROC=str(world))
+
+
+def run_hidden(project: Path, name: str, world: int) -> subprocess.CompletedProcess:
+    out = subprocess.run(hidden_cmd(project, name, world), cwd=ROOT, env=env(world), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def published(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The stage in one process (plain python): the bytes every other run must publish."""
+    project = make_project(tmp_path_factory.mktemp("distributed"))
+    run_hidden(project, "world1", 1)
+    files = published(project / "world1")
+    assert len([f for f in files if f.endswith(".safetensors")]) >= 10
+    failed = [json.loads(line) for line in files["failures.jsonl"].splitlines()]
+    assert [(f["id"], f["shard"]) for f in failed] == [("poison1", "train-00000.safetensors"),
+                                                       ("poison5", "train-00003.safetensors")]
+    return project, files
+
+
+def test_e2e_hidden_at_world_2_equals_world_1_byte_for_byte(reference):
+    project, files = reference
+    out = run_hidden(project, "world2", 2)
+    assert "rank 0 of 2" in out.stderr and "rank 1 of 2" in out.stderr  # both ranks computed shards
+    # shards 0 and 3 went to ranks 0 and 1: failures.jsonl (compared below) holds both ranks' left-out sequences
+    assert published(project / "world2") == files
+    assert (project / "world2.json").read_bytes() == (project / "world1.json").read_bytes()
+    timings = [json.loads((project / f"world{w}-timings.json").read_text()) for w in (1, 2)]
+    assert [t["world"] for t in timings] == [1, 2] and timings[0]["computed_shards"] == timings[1]["computed_shards"]
+
+
+def test_e2e_two_nodes_by_rendezvous_equal_world_1(reference):
+    """The README's command for several nodes, on one machine: two torchrun agents of one process each (two "nodes")
+    meet through c10d rendezvous, run as ``PET_*`` variables tell them, and publish the same bytes."""
+    project, files = reference
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node_env = dict(env(1), PET_NNODES="2", PET_RDZV_BACKEND="c10d", PET_RDZV_ENDPOINT=f"127.0.0.1:{port}",
+                    PET_RDZV_ID="test")
+    nodes = [subprocess.Popen(hidden_cmd(project, "nodes", 2), cwd=ROOT, env=node_env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for node in nodes:
+        _, stderr = node.communicate(timeout=600)
+        assert node.returncode == 0, stderr[-3000:]
+    assert published(project / "nodes") == files
+    assert json.loads((project / "nodes-timings.json").read_text())["world"] == 2
+
+
+def ranks_of(agent: int) -> dict[int, int]:
+    """{rank: pid} of the torchrun workers that are children of the agent process ``agent``."""
+    ranks = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent:
+                environ = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
+                if "RANK" in environ:
+                    ranks[int(environ["RANK"])] = int(proc.name)
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a process that ended meanwhile
+    return ranks
+
+
+def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
+    project, files = reference
+    cache = project / "killed-cache"
+    agent = subprocess.Popen(hidden_cmd(project, "killed", 2), cwd=ROOT, env=env(2), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(cache.glob("*/train-00001.safetensors")):  # rank 1's first shard (shards go round-robin)
+        assert agent.poll() is None and time.monotonic() < deadline, agent.stderr.read()[-3000:]
+        time.sleep(0.02)
+    os.kill(ranks_of(agent.pid)[1], signal.SIGKILL)
+    _, stderr = agent.communicate(timeout=120)
+    assert agent.returncode != 0 and not (project / "killed").exists(), stderr[-3000:]  # torchrun ended the job
+    (work,) = cache.iterdir()
+    kept = {p.name: p.stat().st_mtime_ns for p in work.glob("*.safetensors")}
+    total = len([f for f in files if f.endswith(".safetensors")])
+    assert 1 <= len(kept) < total, "killed in the middle of the run"
+
+    run_hidden(project, "killed", 2)
+    assert published(project / "killed") == files
+    timings = json.loads((project / "killed-timings.json").read_text())
+    assert timings["reused_shards"] == len(kept) and timings["computed_shards"] == total - len(kept)
+    for name, mtime in kept.items():  # reused as they were, not rewritten
+        assert (project / "killed" / name).stat().st_mtime_ns == mtime
