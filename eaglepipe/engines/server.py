@@ -66,6 +66,21 @@ class _Retry(Exception):
     pass
 
 
+def check_ids(ids: list, finish: str, sampling: Sampling) -> str:
+    """The checks of every engine's answer once its ids and its finish (``stop`` or ``length``) are read: at most
+    ``max_new_tokens`` ids, exactly that many on ``length``, no stop id before the end. Returns the record's
+    finish_reason: an answer whose last allowed id is a stop id is a ``stop``, as in the embedded engine."""
+    stops = set(sampling.stop_token_ids)
+    if len(ids) > sampling.max_new_tokens:
+        raise BadAnswer(f"{len(ids)} output ids for max_new_tokens={sampling.max_new_tokens}")
+    if finish == "length" and len(ids) != sampling.max_new_tokens:
+        raise BadAnswer(f"finish_reason length after {len(ids)} of {sampling.max_new_tokens} ids")
+    inner = next((n for n, t in enumerate(ids[:-1]) if t in stops), None)
+    if inner is not None:
+        raise BadAnswer(f"stop id {ids[inner]} at position {inner}, before the end of the output")
+    return "stop" if finish == "length" and ids and ids[-1] in stops else finish
+
+
 class _Permanent(Exception):
     pass
 

@@ -28,7 +28,7 @@ import sys
 
 from . import Sampling, seed_for
 from .launch import LaunchedServer
-from .server import BadAnswer, ServerEngine, ServerError, _Server
+from .server import BadAnswer, ServerEngine, ServerError, _Server, check_ids
 
 # SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET: the number of prompt ids the #10896/#17240 bug puts in front.
 PROMPT_TAIL = 5
@@ -80,7 +80,6 @@ def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = N
     if tail >= 2 and ids[:tail] == prompt_ids[-tail:]:
         raise BadAnswer(f"output_ids start with the prompt's last {tail} ids (sglang #10896/#17240)")
     stops = set(sampling.stop_token_ids)
-    reason = kind
     if kind == "stop":
         matched = finish.get("matched")
         if type(matched) is not int:
@@ -94,17 +93,7 @@ def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = N
             ids = ids + [matched]  # a server that leaves the matched id out of output_ids (but counts it)
     if len(ids) != count:
         raise BadAnswer(f"len(output_ids)={len(ids)} != completion_tokens={count}")
-    if len(ids) > sampling.max_new_tokens:
-        raise BadAnswer(f"{len(ids)} output ids for max_new_tokens={sampling.max_new_tokens}")
-    if kind == "length":
-        if len(ids) != sampling.max_new_tokens:
-            raise BadAnswer(f"finish_reason length after {len(ids)} of {sampling.max_new_tokens} ids")
-        if ids and ids[-1] in stops:
-            reason = "stop"
-    inner = next((n for n, t in enumerate(ids[:-1]) if t in stops), None)
-    if inner is not None:
-        raise BadAnswer(f"stop id {ids[inner]} at position {inner}, before the end of the output")
-    return ids, reason, meta
+    return ids, check_ids(ids, kind, sampling), meta
 
 
 class SGLangEngine(ServerEngine):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from . import Sampling, seed_for
 from .launch import LaunchedServer
-from .server import BadAnswer, ServerEngine, ServerError, _Server
+from .server import BadAnswer, ServerEngine, ServerError, _Server, check_ids
 
 VENV = Path(".venv-vllm")
 """vLLM's environment, made by ``make vllm-venv`` (requirements-vllm.txt)."""
@@ -116,21 +116,11 @@ def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = N
         raise BadAnswer(f"prompt_tokens={usage.get('prompt_tokens')} but {len(prompt_ids)} ids were sent")
     if len(ids) != usage["completion_tokens"]:
         raise BadAnswer(f"len(token_ids)={len(ids)} != completion_tokens={usage['completion_tokens']}")
-    if len(ids) > sampling.max_new_tokens:
-        raise BadAnswer(f"{len(ids)} output ids for max_new_tokens={sampling.max_new_tokens}")
     stops = set(sampling.stop_token_ids)
-    reason = kind
-    if kind == "stop":
-        if not ids or ids[-1] not in stops:
-            raise BadAnswer(f"finish_reason stop, but the last id {ids[-1] if ids else None} is not one of infer's "
-                            f"stop ids {sorted(stops)} (stop_reason {choice.get('stop_reason')!r})")
-    elif len(ids) != sampling.max_new_tokens:
-        raise BadAnswer(f"finish_reason length after {len(ids)} of {sampling.max_new_tokens} ids")
-    elif ids and ids[-1] in stops:
-        reason = "stop"
-    inner = next((n for n, t in enumerate(ids[:-1]) if t in stops), None)
-    if inner is not None:
-        raise BadAnswer(f"stop id {ids[inner]} at position {inner}, before the end of the output")
+    if kind == "stop" and (not ids or ids[-1] not in stops):
+        raise BadAnswer(f"finish_reason stop, but the last id {ids[-1] if ids else None} is not one of infer's "
+                        f"stop ids {sorted(stops)} (stop_reason {choice.get('stop_reason')!r})")
+    reason = check_ids(ids, kind, sampling)
     spec = (body.get("metrics") or {}).get("speculative_decoding")
     return ids, reason, {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": len(ids),
                          "speculative_decoding": spec}
