@@ -5,7 +5,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from eaglepipe import config, draft, evaluate, serve, target, train
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.server import BadAnswer
 from eaglepipe.engines.vllm import check_answer
+from eaglepipe.testing.e2e import port_closed
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = ROOT / ".venv-vllm" / "bin" / "python"
@@ -130,11 +130,6 @@ def test_a_bad_vllm_answer_is_refused_saying_why(body, problem):
 
 # ---- a real vLLM --------------------------------------------------------------------------------------------------
 needs_vllm = pytest.mark.skipif(not VLLM.exists(), reason="no .venv-vllm: run make vllm-venv (make test does)")
-
-
-def port_closed(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
 
 
 @pytest.fixture(scope="module")

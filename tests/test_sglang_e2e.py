@@ -6,7 +6,6 @@ Faults, kill -9 of the stage and a restart of the server must all end with every
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 from eaglepipe.records import Prompt, content_id, write_jsonl
+from eaglepipe.testing.e2e import assert_same_records, cache_lines, port_closed, wait_for
 from eaglepipe.testing.sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
 
 pytestmark = pytest.mark.slow  # the real stage against a real server process
@@ -67,42 +67,6 @@ def records(folder: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (folder / name / "out" / "responses.jsonl").read_text().splitlines()]
 
 
-def cache_lines(folder: Path) -> list[dict]:
-    """Complete lines of the generation cache (a line torn by kill -9 is left out)."""
-    out = []
-    for path in (folder / "cache").glob("*/generations.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
-
-
-def assert_same_records(got: list[dict], reference: list[dict]) -> None:
-    """Byte for byte in format: the same fields in the same order with the same values; only meta may differ."""
-    assert [r["id"] for r in got] == [r["id"] for r in reference]
-    for g, ref in zip(got, reference):
-        assert list(g) == list(ref), (list(g), list(ref))
-        assert {k: v for k, v in g.items() if k != "meta"} == {k: v for k, v in ref.items() if k != "meta"}, g["id"]
-        assert g["meta"]["engine"] == "sglang" and ref["meta"]["engine"] == "hf"
-
-
-def port_closed(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) != 0
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     folder = tmp_path_factory.mktemp("e2e")
@@ -141,7 +105,7 @@ def test_a_clean_run_gives_the_embedded_engines_records(work, compute_server, re
     out = run_stage(tmp_path, write_params(tmp_path, urls=[compute_server]), work / "prompts.jsonl", "sg")
     assert out.returncode == 0, out.stderr[-3000:]
     got = records(tmp_path, "sg")
-    assert_same_records(got, reference)
+    assert_same_records(got, reference, "sglang")
     assert {r["finish_reason"] for r in got} == {"stop", "length"}  # both kinds of ending are covered
     assert all(r["output_ids"][-1] == 2 for r in got if r["finish_reason"] == "stop")  # <|im_end|> kept
     engine = json.loads((tmp_path / "sg" / "out" / "engine.json").read_text())
@@ -158,7 +122,7 @@ def test_faulty_answers_never_reach_the_records(work, compute_server, reference,
                                  "faults": "prefix,count,abort,finish,malformed,reset,truncated,http500,http503"})
     out = run_stage(tmp_path, write_params(tmp_path, urls=[compute_server]), work / "prompts.jsonl", "sg")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert_same_records(records(tmp_path, "sg"), reference)
+    assert_same_records(records(tmp_path, "sg"), reference, "sglang")
     assert sum(stats(compute_server)["faults"].values()) >= 2
 
 
@@ -196,7 +160,7 @@ def test_kill_9_mid_run_then_resume_keeps_every_record_once(work, compute_server
     assert json.loads((tmp_path / "sg" / "timings.json").read_text())["generated"] == len(PROMPTS) - done
     cached = cache_lines(tmp_path)
     assert sorted(c["id"] for c in cached) == sorted(p.id for p in PROMPTS)  # each once
-    assert_same_records(records(tmp_path, "sg"), reference)
+    assert_same_records(records(tmp_path, "sg"), reference, "sglang")
 
 
 def test_a_server_restart_mid_run_loses_nothing(work, reference, tmp_path):
@@ -225,7 +189,7 @@ def test_a_server_restart_mid_run_loses_nothing(work, reference, tmp_path):
     text = (tmp_path / "stage.log").read_text()
     assert "out of rotation" in text and "is back" in text
     assert sorted(c["id"] for c in cache_lines(tmp_path)) == sorted(p.id for p in PROMPTS)
-    assert_same_records(records(tmp_path, "sg"), reference)
+    assert_same_records(records(tmp_path, "sg"), reference, "sglang")
 
 
 def test_failures_over_the_limit_fail_the_stage_and_keep_the_rest(fast_server, work, tmp_path):

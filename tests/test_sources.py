@@ -265,8 +265,8 @@ def test_a_gzipped_file_reads_as_its_plain_twin(tmp_path):
         assert ids == [p.id for p in read_source(plain, "alpaca", "a")] and len(ids) == 4000
 
 
-def test_a_gzipped_file_cut_short_reports_the_damage_in_decompressed_bytes(tmp_path):
-    path = gz_file(tmp_path / "cut.jsonl.gz", LINES, keep=len(gzip.compress(LINES)) // 2)
+def readable_part(path) -> bytes:
+    """What gzip decompresses of a file cut short, up to where its stream breaks off."""
     readable = b""
     with gzip.open(path, "rb") as f:
         try:
@@ -274,6 +274,12 @@ def test_a_gzipped_file_cut_short_reports_the_damage_in_decompressed_bytes(tmp_p
                 readable += chunk
         except EOFError:
             pass
+    return readable
+
+
+def test_a_gzipped_file_cut_short_reports_the_damage_in_decompressed_bytes(tmp_path):
+    path = gz_file(tmp_path / "cut.jsonl.gz", LINES, keep=len(gzip.compress(LINES)) // 2)
+    readable = readable_part(path)
     whole = readable[:readable.rindex(b"\n") + 1]
     _, report = prepare_({"on_error": "skip", "sources": [{"name": "c", "path": str(path), "format": "alpaca",
                                                            "n": 5000}]})
@@ -292,13 +298,7 @@ def test_a_gzipped_file_cut_short_reports_the_damage_in_decompressed_bytes(tmp_p
 def test_a_gzipped_json_array_cut_short_is_located_as_its_decompressed_twin(tmp_path):
     array = json.dumps([json.loads(line) for line in LINES.splitlines()], indent=1).encode()
     path = gz_file(tmp_path / "cut.json.gz", array, keep=len(gzip.compress(array)) // 3)
-    readable = b""
-    with gzip.open(path, "rb") as f:
-        try:
-            while chunk := f.read1(1 << 16):
-                readable += chunk
-        except EOFError:
-            pass
+    readable = readable_part(path)
     twin = tmp_path / "twin.json"
     twin.write_bytes(readable)  # the same bytes, not compressed
     [gz_damage], [plain_damage] = ([i.damage for i in read_source(p, "alpaca", "a") if isinstance(i, RecordError)]

@@ -4,10 +4,8 @@ and kill -9 of the server with a restart, both end with every record present exa
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import yaml
 from eaglepipe import config
 from eaglepipe.engines import vllm
 from eaglepipe.records import Prompt, content_id, write_jsonl
+from eaglepipe.testing.e2e import assert_same_records, cache_lines, port_closed, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(vllm.python()).exists() and
@@ -27,12 +26,6 @@ PROMPTS = [Prompt(content_id([{"role": "user", "content": q}], None), "t", [{"ro
            for q in QUESTIONS]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TIMEOUT = 600
-
-
-def port_closed(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) != 0
 
 
 def start(folder, port: int, log: Path) -> vllm.LaunchedServer:
@@ -66,34 +59,6 @@ def records(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "out" / "responses.jsonl").read_text().splitlines()]
 
 
-def cached_ids(folder: Path) -> list[str]:
-    out = []
-    for path in (folder / "cache").glob("*/generations.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line)["id"])
-            except ValueError:  # a line torn by kill -9
-                pass
-    return out
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def assert_same_records(got: list[dict], reference: list[dict]) -> None:
-    assert [r["id"] for r in got] == [r["id"] for r in reference]
-    for g, ref in zip(got, reference):
-        assert list(g) == list(ref)
-        assert {k: v for k, v in g.items() if k != "meta"} == {k: v for k, v in ref.items() if k != "meta"}, g["id"]
-        assert g["meta"]["engine"] == "vllm" and ref["meta"]["engine"] == "hf"
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-e2e")
@@ -123,7 +88,7 @@ def test_e2e_a_clean_run_gives_the_embedded_engines_records(work, server, refere
     out = subprocess.run(cmd(tmp_path, params(tmp_path, "vllm", urls=[server.url]), work / "prompts.jsonl"),
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert_same_records(records(tmp_path), reference)
+    assert_same_records(records(tmp_path), reference, "vllm")
     engine = json.loads((tmp_path / "out" / "engine.json").read_text())
     assert engine["identity"]["vllm_version"] == "0.32.0"
 
@@ -148,20 +113,20 @@ def test_e2e_kill_9_of_the_stage_then_resume_keeps_every_record_once(work, serve
     proc = subprocess.Popen(cmd(tmp_path, p, work / "prompts.jsonl"), cwd=ROOT, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for(lambda: len(cached_ids(tmp_path)) >= 2 or proc.poll() is not None, 300, "two cached records")
+        wait_for(lambda: len(cache_lines(tmp_path)) >= 2 or proc.poll() is not None, 300, "two cached records")
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
     finally:
         if proc.poll() is None:
             proc.kill()
-    done = len(cached_ids(tmp_path))
+    done = len(cache_lines(tmp_path))
     assert 2 <= done < len(PROMPTS), f"the run was not interrupted mid-way ({done} records cached)"
     out = subprocess.run(cmd(tmp_path, p, work / "prompts.jsonl"), cwd=ROOT, env=ENV, capture_output=True, text=True,
                          timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads((tmp_path / "timings.json").read_text())["generated"] == len(PROMPTS) - done
-    assert sorted(cached_ids(tmp_path)) == sorted(p.id for p in PROMPTS)
-    assert_same_records(records(tmp_path), reference)
+    assert sorted(c["id"] for c in cache_lines(tmp_path)) == sorted(p.id for p in PROMPTS)
+    assert_same_records(records(tmp_path), reference, "vllm")
 
 
 def test_e2e_kill_9_of_the_server_then_a_restart_loses_nothing(work, reference, target_folder, tmp_path):
@@ -171,7 +136,7 @@ def test_e2e_kill_9_of_the_server_then_a_restart_loses_nothing(work, reference, 
     proc = subprocess.Popen(cmd(tmp_path, params(tmp_path, "vllm", urls=[servers[0].url]), work / "prompts.jsonl"),
                             cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: len(cached_ids(tmp_path)) >= 2 or proc.poll() is not None, 400, "two cached records")
+        wait_for(lambda: len(cache_lines(tmp_path)) >= 2 or proc.poll() is not None, 400, "two cached records")
         assert proc.poll() is None, "the stage finished before the server was killed"
         os.killpg(servers[0].proc.pid, signal.SIGKILL)  # the server and its engine die with a request in flight
         servers[0].proc.wait(timeout=30)
@@ -185,5 +150,5 @@ def test_e2e_kill_9_of_the_server_then_a_restart_loses_nothing(work, reference, 
             s.stop()
     text = (tmp_path / "stage.log").read_text()
     assert "out of rotation" in text and "is back" in text
-    assert sorted(cached_ids(tmp_path)) == sorted(p.id for p in PROMPTS)
-    assert_same_records(records(tmp_path), reference)
+    assert sorted(c["id"] for c in cache_lines(tmp_path)) == sorted(p.id for p in PROMPTS)
+    assert_same_records(records(tmp_path), reference, "vllm")

@@ -1,0 +1,45 @@
+"""What the end-to-end tests of the infer stage against servers share (tests/test_sglang_e2e.py,
+tests/test_vllm_engine.py, tests/test_serve.py): reading the generation cache, comparing records, waiting."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+
+def cache_lines(folder: Path) -> list[dict]:
+    """Complete lines of the generation cache under ``folder/cache`` (a line torn by kill -9 is left out)."""
+    out = []
+    for path in (folder / "cache").glob("*/generations.jsonl"):
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+def assert_same_records(got: list[dict], reference: list[dict], engine: str) -> None:
+    """Byte for byte in format: the same fields in the same order with the same values; only meta may differ (it
+    names ``engine`` in ``got``, the embedded engine in ``reference``)."""
+    assert [r["id"] for r in got] == [r["id"] for r in reference]
+    for g, ref in zip(got, reference):
+        assert list(g) == list(ref), (list(g), list(ref))
+        assert {k: v for k, v in g.items() if k != "meta"} == {k: v for k, v in ref.items() if k != "meta"}, g["id"]
+        assert g["meta"]["engine"] == engine and ref["meta"]["engine"] == "hf"
+
+
+def port_closed(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
