@@ -244,6 +244,10 @@ class Train(Section):
     positions: Literal["generated", "all"] = Field(
         "all", description="generated: loss on the target's answers only (the official recipe) | all: prompts too")
     epochs: int = Field(3, ge=1, description="passes over the training split")
+    features: Literal["offline", "online"] = Field(
+        "offline", description="offline: the states hidden stored (data/hidden) | online: the frozen target runs "
+        "inside the trainer on data/sequences and computes them per batch, as hidden would (the hidden params), "
+        "nothing written; the hidden stage then extracts nothing")
     batch_tokens: int = Field(1024, ge=1, description="right-padded tokens per batch (rows x longest sample)")
     lr: float = Field(0.001, gt=0, description="AdamW peak learning rate")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")

@@ -332,14 +332,15 @@ class Eagle3Draft(nn.Module):
         B, T = input_ids.shape
         past = len(cache)
         if position_ids is None:
-            position_ids = torch.arange(past, past + T)[None].expand(B, T)
+            position_ids = torch.arange(past, past + T, device=input_ids.device)[None].expand(B, T)
         cos, sin = self.rope(position_ids)
         layer = self.midlayer
         x = layer.attn_input(self.embed(input_ids), hidden)
         q = layer.self_attn.queries(x, cos, sin)
         k, v = cache.append(*layer.self_attn.keys_values(x, cos, sin))
         scores = q @ k.transpose(-1, -2) / math.sqrt(layer.self_attn.head_dim)
-        visible = torch.arange(past + T)[None, :] <= torch.arange(past, past + T)[:, None]
+        steps = torch.arange(past + T, device=input_ids.device)
+        visible = steps[None, :] <= steps[past:, None]
         attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
         h = layer.finish(layer.self_attn.merge(attn), hidden)
         return self.logits(h), h, cache

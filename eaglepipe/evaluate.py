@@ -1,6 +1,10 @@
 """The evaluate run: plain greedy, EAGLE-3 speculative and prompt-lookup (n-gram) speculative decoding on the held-out
-prompts, interleaved prompt by prompt in one process (so the speeds are measured under the same conditions), with a
-losslessness check against plain greedy for every prompt. See speculative.py for the loops and the definitions."""
+prompts, interleaved prompt by prompt in each process (so the speeds are measured under the same conditions), with a
+losslessness check against plain greedy for every prompt. See speculative.py for the loops and the definitions.
+
+Under torchrun (runtime.py) rank r of W decodes prompts r, r + W, ..; the counts of every prompt are gathered and
+added up in prompt order, so every figure but the speeds is the same at any number of processes (the speeds are each
+process's own, added over its prompts)."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import chat, draft, speculative
+from . import chat, draft, runtime, speculative
 from .records import read_jsonl
 
 log = logging.getLogger(__name__)
@@ -51,10 +55,11 @@ def decoded_record(p: dict, output_ids: list, eagle: speculative.Stats, layers: 
                       "accepted": eagle.accepted, "layers": list(layers)}}
 
 
-def run(prompts: list[dict], model, drafter_model, stop_ids, params) -> dict:
-    """Decode every prompt three ways; return the metrics (``lossless`` False lists the mismatches). ``positions``
-    holds the acceptance rate per draft position of ``eagle`` and ``ngram`` as plot rows (``position_rows``), and
-    ``decoded`` one ``decoded_record`` per prompt, each for its own file: every other key is a metric."""
+def run(prompts: list[dict], model, drafter_model, stop_ids, params, rt: runtime.Runtime = runtime.Runtime()) -> dict:
+    """Decode every prompt three ways (this rank's share of them); return the metrics of all of them, on every rank
+    (``lossless`` False lists the mismatches). ``positions`` holds the acceptance rate per draft position of
+    ``eagle`` and ``ngram`` as plot rows (``position_rows``), and ``decoded`` one ``decoded_record`` per prompt, each
+    for its own file: every other key is a metric."""
     num_steps, max_new = params.num_steps, params.max_new_tokens
     eagle = speculative.EagleDrafter(drafter_model)
     lookup = speculative.NgramDrafter(params.ngram.max, params.ngram.min)
@@ -68,27 +73,33 @@ def run(prompts: list[dict], model, drafter_model, stop_ids, params) -> dict:
         return speculative.speculative(model, eagle if method == "eagle" else lookup, ids, limit, stop_ids,
                                        num_steps, stats)
 
-    for method in METHODS:  # warm-up (first-call allocations, lazy hooks), not counted
-        decode(method, prompts[0]["ids"], speculative.Stats(), min(8, max_new))
-    totals = {m: speculative.Stats() for m in METHODS}
-    per_cat = defaultdict(lambda: {m: speculative.Stats() for m in METHODS})
-    mismatches, decoded = [], []
-    for p in prompts:
+    mine = prompts[rt.rank::rt.world]
+    for method in METHODS if mine else ():  # warm-up (first-call allocations, lazy hooks), not counted
+        decode(method, mine[0]["ids"], speculative.Stats(), min(8, max_new))
+    done = []  # per prompt of this rank: (prompt, plain output, stats per method, mismatches)
+    for p in mine:
         outputs, stats = {}, {}
         order = METHODS[p["index"] % 3:] + METHODS[:p["index"] % 3]  # rotate: no method always runs first
         for method in order:
             stats[method] = speculative.Stats()
             outputs[method] = decode(method, p["ids"], stats[method])
+        wrong = [{"prompt": p["index"], "method": method,
+                  "first_difference": first_difference(outputs[method], outputs["plain"])}
+                 for method in ("eagle", "ngram") if outputs[method] != outputs["plain"]]
+        done.append((p, outputs["plain"], stats, wrong))
+        log.info("prompt %d/%d (%s): %d tokens; acceptance length eagle %.3f, n-gram %.3f", p["index"] + 1,
+                 len(prompts), p["category"], len(outputs["plain"]), stats["eagle"].acceptance_length,
+                 stats["ngram"].acceptance_length)
+    totals = {m: speculative.Stats() for m in METHODS}
+    per_cat = defaultdict(lambda: {m: speculative.Stats() for m in METHODS})
+    mismatches, decoded = [], []
+    for p, plain_ids, stats, wrong in sorted((d for part in rt.gather(done) for d in part),
+                                             key=lambda d: d[0]["index"]):
+        for method in METHODS:
             totals[method].merge(stats[method])
             per_cat[p["category"]][method].merge(stats[method])
-        decoded.append(decoded_record(p, outputs["plain"], stats["eagle"], eagle.layers))
-        for method in ("eagle", "ngram"):
-            if outputs[method] != outputs["plain"]:
-                mismatches.append({"prompt": p["index"], "method": method,
-                                   "first_difference": first_difference(outputs[method], outputs["plain"])})
-        log.info("prompt %d/%d (%s): %d tokens; acceptance length so far eagle %.3f, n-gram %.3f", p["index"] + 1,
-                 len(prompts), p["category"], len(outputs["plain"]), totals["eagle"].acceptance_length,
-                 totals["ngram"].acceptance_length)
+        decoded.append(decoded_record(p, plain_ids, stats["eagle"], eagle.layers))
+        mismatches += wrong
     plain, spec, base = totals["plain"], totals["eagle"], totals["ngram"]
     return {
         "prompts": len(prompts), "num_steps": num_steps, "max_new_tokens": max_new,
@@ -105,7 +116,7 @@ def run(prompts: list[dict], model, drafter_model, stop_ids, params) -> dict:
                                "acceptance_length": round(s["eagle"].acceptance_length, 4),
                                "baseline_acceptance_length": round(s["ngram"].acceptance_length, 4)}
                          for cat, s in sorted(per_cat.items())},
-        "run": {"threads": torch.get_num_threads(), "seconds": {m: round(totals[m].seconds, 2) for m in METHODS},
+        "run": {"threads": torch.get_num_threads(), "processes": rt.world, "seconds": {m: round(totals[m].seconds, 2) for m in METHODS},
                 "plain_tokens_per_s": round(plain.tokens_per_s, 2),
                 "speculative_tokens_per_s": round(spec.tokens_per_s, 2),
                 "baseline_tokens_per_s": round(base.tokens_per_s, 2),
@@ -119,5 +130,5 @@ def run(prompts: list[dict], model, drafter_model, stop_ids, params) -> dict:
 
 
 def load_drafter(folder, model):
-    """The trained drafter, given the target's input embedding (the drafter does not store one)."""
-    return draft.load(Path(folder), model.get_input_embeddings().weight)
+    """The trained drafter on the target's device, given its input embedding (the drafter does not store one)."""
+    return draft.load(Path(folder), model.get_input_embeddings().weight).to(model.device)

@@ -134,6 +134,20 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
             "top": stack(2, 0, torch.int32).to(torch.int32)}, failed
 
 
+SKIPPED = "train.features is online: train computes the states itself, hidden extracts nothing"
+
+
+def skip(out) -> dict:
+    """With online training: publish ``out`` holding only an index that says why it holds no states; return the run
+    report."""
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    write_json(out / "index.json", {"skipped": SKIPPED})
+    return {"skipped": SKIPPED, "samples": 0, "tokens": 0, "run": {"computed_tokens": 0}}
+
+
 def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.Runtime = runtime.Runtime()) -> dict:
     """Extract hidden states for every split of ``seq_folder`` into ``out``; return the run report (the same on every
     rank). ``params``: the ``hidden`` section (config.Hidden); ``rt``: this process's rank and world (runtime.py)."""

@@ -46,6 +46,14 @@ class Runtime:
         if self.world > 1:
             dist.barrier()
 
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``tensor`` (same shape on every rank), on every rank, where ``tensor`` lives."""
+        if self.world == 1:
+            return tensor.clone()
+        total = tensor.to(self.device, copy=True)
+        dist.all_reduce(total)
+        return total.to(tensor.device)
+
     def gather(self, obj) -> list:
         """Every rank's ``obj`` (picklable), in rank order, on every rank; a barrier too."""
         if self.world == 1:

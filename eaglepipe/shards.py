@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .hashing import files_hash
@@ -75,6 +76,23 @@ def samples(folder, split: str) -> Iterator[tuple[dict, int, dict[str, torch.Ten
         off = t.pop("offsets").tolist()
         for i in range(len(off) - 1):
             yield entry, i, {name: x[off[i]:off[i + 1]] for name, x in t.items()}
+
+
+def columns(folder, split: str, names) -> Iterator[tuple[dict, list[int], dict[str, torch.Tensor]]]:
+    """Yield (shard entry, offsets as a list, {name: whole tensor} for ``names`` only) per shard of ``split``: the
+    other tensors' bytes are not read."""
+    folder = Path(folder)
+    for entry in load_index(folder)[split]["shards"]:
+        with safe_open(str(folder / entry["file"]), framework="pt") as f:
+            yield entry, f.get_tensor("offsets").tolist(), {name: f.get_tensor(name) for name in names}
+
+
+def read_rows(path, names, spans: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
+    """Rows ``start:end`` of the tensors ``names`` of one shard file, per span: only those bytes are read (the file
+    is mapped while reading and unmapped after, so nothing of it stays in memory but the rows returned)."""
+    with safe_open(str(path), framework="pt") as f:
+        slices = {name: f.get_slice(name) for name in names}
+        return [{name: s[start:end] for name, s in slices.items()} for start, end in spans]
 
 
 def dataset_hash(folder) -> str:

@@ -112,11 +112,13 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids, stats: S
     stops = set(stop_ids)
     start = time.perf_counter()
     cache = _new_cache(model)
-    out = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([prompt_ids], device=model.device), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
     token = int(out.logits[0, -1].argmax())
     generated = [token]
     while len(generated) < max_new_tokens and token not in stops:
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=torch.tensor([[token]], device=model.device), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
         token = int(out.logits[0, -1].argmax())
         generated.append(token)
     if stats is not None:
@@ -135,7 +137,7 @@ def speculative(model, drafter, prompt_ids: list[int], max_new_tokens: int, stop
     want = layers if layers else False
     start = time.perf_counter()
     cache = _new_cache(model)
-    out = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True,
+    out = model(input_ids=torch.tensor([prompt_ids], device=model.device), past_key_values=cache, use_cache=True,
                 output_hidden_states=want, logits_to_keep=1)
     pending = int(out.logits[0, -1].argmax())
     generated = [pending]
@@ -145,8 +147,8 @@ def speculative(model, drafter, prompt_ids: list[int], max_new_tokens: int, stop
             remaining = max_new_tokens - len(generated)
             k = min(num_steps, remaining - 1)
             draft = [int(t) for t in drafter.propose(k)][:k] if k > 0 else []
-            out = model(input_ids=torch.tensor([[pending] + draft]), past_key_values=cache, use_cache=True,
-                        output_hidden_states=want)
+            out = model(input_ids=torch.tensor([[pending] + draft], device=model.device), past_key_values=cache,
+                        use_cache=True, output_hidden_states=want)
             target = out.logits[0].argmax(-1).tolist()
             n = 0
             while n < len(draft) and draft[n] == target[n]:
@@ -226,7 +228,7 @@ class EagleDrafter:
 
     def _extend(self, tokens: list[int], aux: torch.Tensor):
         m = self.model
-        logits, h, self.cache = m(torch.tensor([tokens]), m.project(aux[None]), self.cache)
+        logits, h, self.cache = m(torch.tensor([tokens], device=aux.device), m.project(aux[None]), self.cache)
         self.committed = len(self.cache)
         self.next = int(m.to_target(logits[0, -1].argmax()))
         self.h = h[:, -1:]
@@ -242,7 +244,7 @@ class EagleDrafter:
         m, tok, h = self.model, self.next, self.h
         out = [tok]
         for _ in range(k - 1):
-            logits, h, _ = m(torch.tensor([[tok]]), h, self.cache)
+            logits, h, _ = m(torch.tensor([[tok]], device=h.device), h, self.cache)
             tok = int(m.to_target(logits[0, -1].argmax()))
             out.append(tok)
         self.last = out

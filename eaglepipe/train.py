@@ -1,6 +1,6 @@
 """Training the EAGLE-3 drafter on stored target hidden states, with training-time test (TTT).
 
-Data (``data/hidden``, read with ``features.read``; layout and layer ids: ``features.py``): per sample ``input_ids``,
+Data (``data/hidden``; layout and layer ids: ``features.py``): per sample ``input_ids``,
 ``loss_mask`` (1 on tokens the target generated), ``aux`` [n, 3H] (the states of layers low/mid/high), ``final``
 [n, H] (the target's normed last state) and ``top`` [n] (the target's greedy next token, computed by the hidden
 stage from the unrounded state). The target's logits at position t are ``final[t] @ lm_head.T`` with the target's
@@ -29,12 +29,29 @@ target's argmax over the full vocabulary. AdamW, linear warmup then cosine decay
 weights, optimizer and the loss stay float32): about 1.8x faster on a CPU with AVX512-BF16. The target's logits over
 the draft vocabulary are then a bf16 matmul too (of the bf16-stored ``final``; softmax in float32).
 
+Features (``train.features``): ``offline`` reads them from ``data/hidden`` (``Stored``); ``online`` runs the frozen
+target inside the trainer on ``data/sequences`` (``Online``): each batch's states are computed by the hidden stage's
+own extraction (``hidden.extract_shard``: the ``hidden`` params' layers, compute dtype, storage rounding and argmax),
+so the drafter trains on what hidden would have stored, and nothing is written.
+Streaming: either way the ids and loss masks of every sample stay in memory (5 bytes a token; both folders store them
+alike, ``shards.py``) and a batch's states are read, or computed, when it is collated, so memory does not grow with the
+data. The draft vocabulary is counted from the ids alone.
+
 Batches: each epoch shuffles the samples (seeded by seed and epoch), sorts them by length within windows of 64 and
-cuts right-padded batches of at most ``batch_tokens`` (rows x longest, at least one row), in shuffled order.
+cuts right-padded batches of at most ``batch_tokens`` (rows x longest, at least one row), in shuffled order. A batch is
+global: its size does not depend on the number of processes.
+
+Processes (torchrun, ``runtime.py``): DDP wraps ``TTT``, the module whose ``forward(batch)`` is the TTT loss. Rank r
+of W takes rows r, r + W, .. of each global batch (a rank left without a row runs the batch's first row at weight 0,
+as DDP needs every rank's backward); its loss is divided by the batch's *global* number of loss positions of each step
+and multiplied by W, so DDP's mean of the ranks' gradients is exactly the gradient of the whole batch's loss. The
+validation batches are dealt round-robin and their sums added up. Every rank takes the same optimizer steps; rank 0
+writes the checkpoints and the outputs.
 
 Checkpoints (``<checkpoints>/state.pt``, written atomically every ``checkpoint_every`` steps and at each epoch's end):
-model, optimizer, schedule, torch RNG, data position (epoch, batch within it), per-epoch history and the running sums
-of the current epoch: tensors and plain data only, loaded with ``weights_only=True`` (no unpickling of arbitrary
+model, optimizer, schedule, torch RNG, data position (epoch, global batch within it), per-epoch history and the running
+sums of the current epoch over every rank: nothing that depends on the number of processes, so a run checkpointed at
+one world size resumes at another. Tensors and plain data only, loaded with ``weights_only=True`` (no unpickling of arbitrary
 objects, so a state file shared or copied from elsewhere cannot run code). Batches are a pure function of (seed,
 epoch), so a resumed run replays exactly the remaining batches and ends bit-for-bit where an uninterrupted run ends.
 """
@@ -53,9 +70,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from . import draft, features, records, shards
+from . import draft, features, hidden, records, runtime, sequences, shards
 from .errors import UserError
 from .hashing import files_hash
 from .compat import EMBED, HEAD, LAYERS, NORM, weights as stored_weights
@@ -64,15 +84,77 @@ log = logging.getLogger(__name__)
 WINDOW = 64
 
 
+STATES = ("aux", "final", "top")  # what a batch reads from the shards: [n, 3H] and [n, H] as stored, and the target's
+# argmax over the full vocabulary at t (hidden's ``top``), int32 [n]
+
+
 @dataclass
 class Sample:
+    """A sample's ids and masks; its ``STATES`` stay in the shard ``file``, rows ``start:start + n``."""
     id: str
-    ids: torch.Tensor    # int64 [n]
+    ids: torch.Tensor    # int32 [n], as stored
     mask: torch.Tensor   # bool [n], the loss mask (tokens the target generated)
     chain: torch.Tensor  # bool [n], the tokens chains may run over: the loss mask, or every token (see load_samples)
-    aux: torch.Tensor    # [n, 3H] as stored
-    final: torch.Tensor  # [n, H] as stored
-    top: torch.Tensor    # int64 [n], the target's argmax over the full vocabulary at t (hidden's ``top``)
+    file: Path
+    start: int
+
+
+class Stored:
+    """Offline features: the states hidden stored in ``folder`` (``data/hidden``)."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        index = shards.load_index(self.folder)
+        if "skipped" in index:
+            raise UserError(f"{self.folder} holds no hidden states ({index['skipped']}): rerun hidden with "
+                            "train.features: offline, or train online")
+        self.layers, self.splits = index["layers"], [s for s in shards.SPLITS if s in index]
+
+    def identity(self) -> dict:
+        """What decides these states (for the checkpoint fingerprint)."""
+        return {"data": shards.dataset_hash(self.folder)}
+
+    def states(self, samples: list[Sample]) -> list[dict]:
+        return read_states(samples)
+
+
+class Online:
+    """Online features: the frozen target ``model`` runs on each batch of the sequences in ``folder``
+    (``data/sequences``) and computes what hidden would store with ``params`` (config.Hidden); a sequence the target
+    cannot run stops the run (hidden would leave it out)."""
+
+    def __init__(self, folder, model, params):
+        self.folder, self.model, self.params = Path(folder), model.eval().requires_grad_(False), params
+        index = shards.load_index(self.folder)
+        self.layers = features.layer_ids(params.layers, hidden.text_config(model.config).num_hidden_layers)
+        self.splits = [s for s in shards.SPLITS if s in index]
+
+    def identity(self) -> dict:
+        return {"data": shards.dataset_hash(self.folder), "hidden": self.params.tracked(), "layers": self.layers,
+                "model_dtype": str(self.model.dtype), "code": files_hash([hidden.__file__, sequences.__file__])}
+
+    def states(self, samples: list[Sample]) -> list[dict]:
+        tensors, failed = hidden.extract_shard(self.model, [(s.id, s.ids, s.mask) for s in samples], self.layers,
+                                               self.params.batch_tokens, hidden.DTYPES[self.params.dtype])
+        if failed:
+            raise UserError(f"{self.folder}: the target cannot run {failed[0]['id']} ({failed[0]['reason']}); online "
+                            "training has no way to leave a sequence out (hidden leaves it out: train offline)")
+        off = tensors["offsets"].tolist()
+        return [{name: tensors[name][off[i]:off[i + 1]] for name in STATES} for i in range(len(samples))]
+
+
+def read_states(samples: list[Sample]) -> list[dict]:
+    """``STATES`` of each sample, in order, reading each shard file once."""
+    by_file = {}
+    for i, s in enumerate(samples):
+        by_file.setdefault(s.file, []).append(i)
+    out = [None] * len(samples)
+    for file, which in by_file.items():
+        rows = shards.read_rows(file, STATES, [(samples[i].start, samples[i].start + len(samples[i].ids))
+                                               for i in which])
+        for i, r in zip(which, rows):
+            out[i] = r
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------------- data
@@ -129,18 +211,20 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
     given, picks the samples to load (bench/bench_scale.py trains on parts of the data)."""
     if positions not in POSITIONS:
         raise ValueError(f"train.positions must be one of {POSITIONS}, not {positions!r}")
-    samples, prompts = [], set()
-    for s in features.read(folder, split):
-        if keep is not None and not keep(s["id"]):
-            continue
-        mask = s["loss_mask"].bool()
-        prompt = records.prompt_of(s["id"])
-        first = prompt not in prompts
-        prompts.add(prompt)
-        chain = torch.ones_like(mask) if positions == "all" and first else mask
-        if not chain_masks(chain, 1)[0].any():
-            continue
-        samples.append(Sample(s["id"], s["input_ids"].long(), mask, chain, s["aux"], s["final"], s["top"].long()))
+    folder, samples, prompts = Path(folder), [], set()
+    for entry, off, t in shards.columns(folder, split, ("input_ids", "loss_mask")):
+        for i, sid in enumerate(entry["ids"]):
+            if keep is not None and not keep(sid):
+                continue
+            mask = t["loss_mask"][off[i]:off[i + 1]].bool()
+            prompt = records.prompt_of(sid)
+            first = prompt not in prompts
+            prompts.add(prompt)
+            chain = torch.ones_like(mask) if positions == "all" and first else mask
+            if not chain_masks(chain, 1)[0].any():
+                continue
+            samples.append(Sample(sid, t["input_ids"][off[i]:off[i + 1]], mask, chain, folder / entry["file"],
+                                  off[i]))
     return samples
 
 
@@ -170,44 +254,57 @@ def plan_batches(lengths: list[int], batch_tokens: int, seed: int | None = None,
 
 
 @torch.no_grad()
-def collate(samples: list[Sample], steps: int, head_draft: torch.Tensor) -> dict:
-    """Padded tensors for one batch: ids [B, T], aux [B, T, 3H] float32, target probabilities over the draft
-    vocabulary [B, T, Vd] float32 (the logits computed in ``head_draft``'s dtype), target argmax ``top`` [B, T],
-    active positions ``act`` [B, A] (padding rows point at 0) and the per-step loss masks ``masks`` [steps, B, A]."""
+def collate(samples: list[Sample], states: list[dict], steps: int, head_draft: torch.Tensor, t2d: torch.Tensor) -> dict:
+    """One batch on ``head_draft``'s device, from the samples and their ``STATES``: ids [B, T], aux [B, T, 3H] float32,
+    target probabilities over the draft vocabulary [B, T, Vd] float32 (the logits computed in ``head_draft``'s
+    dtype), target argmax ``top`` [B, T], active positions ``act`` [B, A] (padding rows point at 0), the per-step
+    chain masks ``masks`` [steps, B, A] and ``kept`` [steps], the number of loss positions of each step (chain
+    positions whose target argmax is in the draft vocabulary: ``t2d``)."""
     B, T = len(samples), max(s.ids.shape[0] for s in samples)
     ids = torch.zeros(B, T, dtype=torch.int64)
     top = torch.zeros(B, T, dtype=torch.int64)
-    aux = torch.zeros(B, T, samples[0].aux.shape[1])
-    final = torch.zeros(B, T, samples[0].final.shape[1], dtype=head_draft.dtype)
+    aux = torch.zeros(B, T, states[0]["aux"].shape[1])
+    final = torch.zeros(B, T, states[0]["final"].shape[1], dtype=head_draft.dtype)
     chains = [chain_masks(s.chain, steps) for s in samples]
     active = [torch.nonzero(c[0]).flatten() for c in chains]
     A = max(a.numel() for a in active)
     act = torch.zeros(B, A, dtype=torch.int64)
     masks = torch.zeros(steps, B, A, dtype=torch.bool)
-    for b, (s, c, a) in enumerate(zip(samples, chains, active)):
+    for b, (s, st, c, a) in enumerate(zip(samples, states, chains, active)):
         n = s.ids.shape[0]
-        ids[b, :n], top[b, :n], aux[b, :n], final[b, :n] = s.ids, s.top, s.aux, s.final
+        ids[b, :n], top[b, :n], aux[b, :n], final[b, :n] = s.ids, st["top"], st["aux"], st["final"]
         act[b, :a.numel()] = a
         masks[:, b, :a.numel()] = c[:, a]
-    probs = torch.softmax((final @ head_draft.T).float(), dim=-1)
-    return {"ids": ids, "aux": aux, "probs": probs, "top": top, "act": act, "masks": masks,
-            "tokens": sum(s.ids.shape[0] for s in samples)}
+    dev = head_draft.device
+    batch = {name: x.to(dev) for name, x in (("ids", ids), ("aux", aux), ("top", top), ("act", act),
+                                             ("masks", masks))}
+    batch["probs"] = torch.softmax((final.to(dev) @ head_draft.T).float(), dim=-1)
+    kept = []
+    for k in range(steps):
+        b, a = torch.nonzero(batch["masks"][k], as_tuple=True)
+        kept.append(t2d[batch["top"][b, batch["act"][b, a] + 1 + k]].sum())
+    batch["kept"] = torch.stack(kept)
+    return batch
 
 
 # --------------------------------------------------------------------------------------------------- TTT forward
 def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: float = 1.0):
     """(loss, stats [steps, 4] = loss sum, loss positions, correct, positions) for one batch; step k's loss is
-    weighted ``step_weight ** k`` (the stats are not weighted)."""
+    weighted ``step_weight ** k`` (the stats are not weighted). Step k's loss is its sum over the batch divided by
+    ``batch["norm"][k]`` (default: the batch's own loss positions, ``kept``), times ``batch["weight"]`` (default 1):
+    how a rank's share of a global batch weighs in (module docstring)."""
     ids, act, masks = batch["ids"], batch["act"], batch["masks"]
+    norm, weight = batch.get("norm", batch["kept"].tolist()), batch.get("weight", 1.0)
     B, T = ids.shape
-    rows = torch.arange(B)[:, None]
+    dev = ids.device
+    rows = torch.arange(B, device=dev)[:, None]
     layer, attn = model.midlayer, model.midlayer.self_attn
     scale = 1.0 / math.sqrt(attn.head_dim)
 
     g = model.project(batch["aux"])                                            # [B, T, H]
     x0 = layer.attn_input(model.embed(torch.cat((ids[:, 1:], torch.zeros_like(ids[:, :1])), 1)), g)
-    k0, v0 = attn.keys_values(x0, *model.rope(torch.arange(T)[None].expand(B, T)))  # step-0 keys, every position
-    future = torch.arange(T)[None, None, None, :] > act[:, None, :, None]   # keys after the query's position
+    k0, v0 = attn.keys_values(x0, *model.rope(torch.arange(T, device=dev)[None].expand(B, T)))  # step-0 keys
+    future = torch.arange(T, device=dev)[None, None, None, :] > act[:, None, :, None]  # keys after the query's position
     h, x = g[rows, act], x0[rows, act]
     diag_k, diag_v, total, stats = [], [], 0.0, []
     for k in range(steps):
@@ -233,13 +330,31 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: 
         target = batch["top"][b, t]
         keep = model.t2d[target]
         ce = -(batch["probs"][b, t] * torch.log_softmax(logits, -1)).sum(-1)[keep]
-        n_loss = ce.numel()
-        loss = ce.sum() / max(n_loss, 1)
-        total = total + step_weight ** k * loss
+        loss = ce.sum() / max(norm[k], 1)
+        total = total + step_weight ** k * (loss * weight)
         correct = (model.to_target(logits.argmax(-1)) == target).sum()
-        stats.append(torch.stack([ce.detach().sum(), torch.tensor(float(n_loss)), correct.float(),
-                                  torch.tensor(float(b.numel()))]))
+        stats.append(torch.stack([ce.detach().sum(), ce.new_tensor(float(ce.numel())), correct.float(),
+                                  ce.new_tensor(float(b.numel()))]))
     return total, torch.stack(stats)
+
+
+class TTT(nn.Module):
+    """The drafter with its training objective, the module DDP wraps: ``forward(batch)`` is ``ttt_forward``'s
+    (loss, stats)."""
+
+    def __init__(self, model: draft.Eagle3Draft, steps: int, step_weight: float):
+        super().__init__()
+        self.draft, self.steps, self.step_weight = model, steps, step_weight
+
+    def forward(self, batch: dict):
+        return ttt_forward(self.draft, batch, self.steps, self.step_weight)
+
+
+def share(batch: list[int], rt: runtime.Runtime) -> tuple[list[int], float]:
+    """(this rank's rows of a global batch, the weight of its loss): rows rank, rank + W, ..; a rank left without a
+    row gets the first at weight 0."""
+    rows = batch[rt.rank::rt.world]
+    return (rows, float(rt.world)) if rows else (batch[:1], 0.0)
 
 
 def summarize(stats: torch.Tensor) -> list[dict]:
@@ -256,15 +371,19 @@ def last_epoch(history: list[dict], split: str) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, samples, steps, head_draft, batch_tokens, bf16: bool = False) -> list[dict]:
+def evaluate(model, feats, samples, steps, head_draft, batch_tokens, bf16: bool = False,
+             rt: runtime.Runtime = runtime.Runtime()) -> list[dict]:
+    """Per-step loss and accuracy over ``samples`` (their states from ``feats``), their batches dealt round-robin to
+    the ranks."""
     model.eval()
     stats = torch.zeros(steps, 4)
-    for idx in plan_batches([s.ids.shape[0] for s in samples], batch_tokens):
-        batch = collate([samples[i] for i in idx], steps, head_draft)
-        with autocast(bf16):
-            stats += ttt_forward(model, batch, steps)[1]
+    for idx in plan_batches([s.ids.shape[0] for s in samples], batch_tokens)[rt.rank::rt.world]:
+        rows = [samples[i] for i in idx]
+        batch = collate(rows, feats.states(rows), steps, head_draft, model.t2d)
+        with autocast(bf16, head_draft.device):
+            stats += ttt_forward(model, batch, steps)[1].cpu()
     model.train()
-    return summarize(stats)
+    return summarize(rt.all_sum(stats))
 
 
 # ------------------------------------------------------------------------------------------------------ the run
@@ -275,11 +394,12 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
-def fingerprint(hidden_folder, params, target_fp: str) -> str:
-    """Hash of the inputs (index and shard bytes), the train params, the code that reads and trains, and the
-    target."""
-    code = files_hash([__file__, draft.__file__, features.__file__, shards.__file__, records.__file__])
-    blob = json.dumps({"data": shards.dataset_hash(hidden_folder), "code": code, "params": params.tracked(),
+def fingerprint(feats, params, target_fp: str) -> str:
+    """Hash of the features' inputs (``feats.identity()``: the shards' bytes, and online the hidden params), the
+    train params, the code that reads and trains, and the target."""
+    code = files_hash([__file__, draft.__file__, features.__file__, shards.__file__, records.__file__,
+                       runtime.__file__])
+    blob = json.dumps({"features": feats.identity(), "code": code, "params": params.tracked(),
                        "target": target_fp, "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -296,26 +416,33 @@ def uses_bf16(p) -> bool:
     return p.autocast == "bfloat16"
 
 
-def autocast(bf16: bool):
-    """The context the drafter's forward runs in: bf16 matmuls under ``torch.autocast`` when ``bf16``."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+def autocast(bf16: bool, device: torch.device):
+    """The context the drafter's forward runs in on ``device``: bf16 matmuls under ``torch.autocast`` when
+    ``bf16``."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
-def setup(hidden_folder, target_folder, p, keep=None):
+def features_of(feats) -> Stored | Online:
+    """``feats`` itself, or ``Stored(feats)`` for a folder."""
+    return feats if isinstance(feats, (Stored, Online)) else Stored(feats)
+
+
+def setup(feats, target_folder, p, keep=None):
     """(drafter initialised with the seed, train samples, valid samples, target head rows of the draft vocabulary
-    (bf16 under ``train.autocast: bfloat16``), loss-masked token counts of the train split)."""
+    (bf16 under ``train.autocast: bfloat16``), loss-masked token counts of the train split) for ``feats`` (a
+    ``Stored`` or ``Online``, or hidden's folder)."""
     from transformers import AutoConfig
 
-    index = shards.load_index(hidden_folder)
-    tgt = target_tensors(target_folder, index["layers"][2])
-    train_set = load_samples(hidden_folder, "train", p.positions, keep)
-    valid_set = load_samples(hidden_folder, "valid") if "valid" in index else []  # as at inference
+    feats = features_of(feats)
+    tgt = target_tensors(target_folder, feats.layers[2])
+    train_set = load_samples(feats.folder, "train", p.positions, keep)
+    valid_set = load_samples(feats.folder, "valid") if "valid" in feats.splits else []  # as at inference
     if not train_set:
-        raise UserError(f"{hidden_folder}: no training sample has a position to train (two generated tokens)")
-    torch.manual_seed(p.seed)
+        raise UserError(f"{feats.folder}: no training sample has a position to train (two generated tokens)")
+    runtime.seed(p.seed)
     counts = token_counts(train_set)
     cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), p.draft_vocab_size,
-                                        index["layers"])
+                                        feats.layers)
     model = draft.Eagle3Draft(cfg, tgt["embed"])
     model.set_vocab(*draft.build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
     draft.init_from_target(model, tgt)
@@ -325,19 +452,24 @@ def setup(hidden_folder, target_folder, p, keep=None):
     return model, train_set, valid_set, head_draft, counts
 
 
-def run(hidden_folder, target_folder, params, checkpoints, keep=None):
-    """Train the drafter, resuming from the checkpoint in ``checkpoints`` when there is one. Returns (model, report,
-    history). ``keep``: see ``load_samples`` (training samples only). ``history`` holds one row ``{epoch, split,
-    step, loss, acc}`` per epoch, split (``train``: running means over the epoch's batches; ``valid``: after the
-    epoch) and TTT step: the plot rows of metrics/train_curves.json, whose plots name no step and so draw whatever
-    steps were trained."""
-    p = params
+def run(feats, target_folder, params, checkpoints, keep=None, rt: runtime.Runtime = runtime.Runtime()):
+    """Train the drafter on ``feats`` (a ``Stored`` or ``Online``, or hidden's folder) on ``rt``'s device and rank,
+    resuming from the checkpoint in ``checkpoints`` when there is one. Returns (model on the CPU, report, history). ``keep``: see ``load_samples`` (training samples only).
+    ``history`` holds one row ``{epoch, split, step, loss, acc}`` per epoch, split (``train``: running means over the
+    epoch's batches; ``valid``: after the epoch) and TTT step: the plot rows of metrics/train_curves.json, whose plots
+    name no step and so draw whatever steps were trained. Every rank returns the same model, report and history."""
+    p, dev = params, rt.device
     steps, seed, batch_tokens = p.ttt_steps, p.seed, p.batch_tokens
     bf16 = uses_bf16(p)
     if p.threads:
         torch.set_num_threads(p.threads)
     start = time.perf_counter()
-    model, train_set, valid_set, head_draft, counts = setup(hidden_folder, target_folder, p, keep)
+    feats = features_of(feats)
+    model, train_set, valid_set, head_draft, counts = setup(feats, target_folder, p, keep)
+    model, head_draft = model.to(dev), head_draft.to(dev)
+    ttt = TTT(model, steps, p.step_weight)
+    net = ttt if rt.world == 1 else DistributedDataParallel(  # the buffers (embedding, vocabulary) never change
+        ttt, device_ids=[dev.index] if dev.type == "cuda" else None, broadcast_buffers=False)
 
     lengths = [s.ids.shape[0] for s in train_set]
     plans = [plan_batches(lengths, batch_tokens, seed, e) for e in range(p.epochs)]
@@ -347,60 +479,70 @@ def run(hidden_folder, target_folder, params, checkpoints, keep=None):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, total_steps))
 
     path = Path(checkpoints) / "state.pt"
-    epoch, batch_pos, history, running = 0, 0, [], torch.zeros(steps, 4)
+    epoch, batch_pos, history, running = 0, 0, [], torch.zeros(steps, 4)  # running: this rank's sums
     if path.exists():
         try:  # tensors and plain data only: a state file from elsewhere cannot run code
-            state = torch.load(path, weights_only=True)
+            state = torch.load(path, weights_only=True, map_location="cpu")
         except pickle.UnpicklingError as e:
             raise UserError(f"{path}: not a checkpoint this code wrote ({str(e).splitlines()[0][:120]}); delete it to "
                             "start over") from None
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["schedule"])
-        torch.set_rng_state(state["rng"])
-        epoch, batch_pos, history, running = state["epoch"], state["batch"], state["history"], state["running"]
+        runtime.set_rng_state(state["rng"])
+        epoch, batch_pos, history = state["epoch"], state["batch"], state["history"]
+        if rt.is_main:  # the sums of every rank so far; the other ranks add theirs from here
+            running = state["running"]
         log.info("resuming from %s: epoch %d, batch %d", path, epoch, batch_pos)
 
     def checkpoint():
-        save_state(path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                          "schedule": sched.state_dict(), "rng": torch.get_rng_state(), "epoch": epoch,
-                          "batch": batch_pos, "history": history, "running": running})
+        total = rt.all_sum(running)
+        if rt.is_main:
+            save_state(path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                              "schedule": sched.state_dict(), "rng": runtime.rng_state(), "epoch": epoch,
+                              "batch": batch_pos, "history": history, "running": total})
 
     every = p.checkpoint_every
     trained_tokens = 0
     model.train()
     while epoch < len(plans):
         for idx in plans[epoch][batch_pos:]:
-            batch = collate([train_set[i] for i in idx], steps, head_draft)
-            with autocast(bf16):
-                loss, stats = ttt_forward(model, batch, steps, p.step_weight)
+            rows, weight = share(idx, rt)
+            mine = [train_set[i] for i in rows]
+            batch = collate(mine, feats.states(mine), steps, head_draft, model.t2d)
+            norm = batch["kept"] if weight else torch.zeros_like(batch["kept"])
+            batch["norm"], batch["weight"] = rt.all_sum(norm).tolist(), weight
+            with autocast(bf16, dev):
+                loss, stats = net(batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip)
             opt.step()
             sched.step()
-            running += stats
+            if weight:
+                running += stats.cpu()
             batch_pos += 1
-            trained_tokens += batch["tokens"]
+            trained_tokens += sum(lengths[i] for i in idx)
             if batch_pos % every == 0:
                 checkpoint()
-        rows = [{"epoch": epoch + 1, "split": "train", **r} for r in summarize(running)]
+        rows = [{"epoch": epoch + 1, "split": "train", **r} for r in summarize(rt.all_sum(running))]
         if valid_set:
             rows += [{"epoch": epoch + 1, "split": "valid", **r}
-                     for r in evaluate(model, valid_set, steps, head_draft, batch_tokens, bf16)]
+                     for r in evaluate(model, feats, valid_set, steps, head_draft, batch_tokens, bf16, rt)]
         history += rows
         log.info("epoch %d: %s", epoch + 1, {r["split"]: r for r in rows if r["step"] == 0})
         epoch, batch_pos, running = epoch + 1, 0, torch.zeros(steps, 4)
         checkpoint()
 
     seconds = time.perf_counter() - start
+    model = model.cpu().eval()
     in_vocab = sum(c for t, c in counts.items() if model.t2d[t])
-    report = {"epochs": len(plans), "steps": total_steps, "train_samples": len(train_set),
-              "train_tokens": sum(s.ids.shape[0] for s in train_set),
+    report = {"features": "online" if isinstance(feats, Online) else "offline",
+              "epochs": len(plans), "steps": total_steps, "train_samples": len(train_set),
+              "train_tokens": sum(lengths),
               "valid_samples": len(valid_set), "draft_vocab_size": model.cfg.draft_vocab_size,
               "draft_vocab_coverage": round(in_vocab / max(1, sum(counts.values())), 5),
-              "run": {"seconds": round(seconds, 1),
+              "run": {"seconds": round(seconds, 1), "processes": rt.world, "device": str(dev),
                       "tokens_per_s": round(trained_tokens / seconds, 1) if trained_tokens else None},
               "train": last_epoch(history, "train"), "valid": last_epoch(history, "valid")}
-    return model.eval(), report, history
-
+    return model, report, history

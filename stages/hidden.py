@@ -1,6 +1,7 @@
 """hidden: the target's hidden states on the merged sequences, for training the drafter (format and layer
 convention: eaglepipe/features.py). Finished shards are kept in the cache as they are written, so a rerun resumes.
-Runs as one process or under torchrun, whose ranks share the shards (eaglepipe/runtime.py)."""
+Runs as one process or under torchrun, whose ranks share the shards (eaglepipe/runtime.py). With
+train.features: online it extracts nothing (train computes the states itself) and publishes an index saying so."""
 import logging
 
 import click
@@ -10,7 +11,7 @@ from eaglepipe import cli, compat, hidden, runtime, target
 
 @click.command(help=__doc__)
 @click.option("--params", required=True, type=click.Path(dir_okay=False),
-              help="params.yaml (target.model, hidden, runtime).")
+              help="params.yaml (target.model, hidden, train.features, runtime).")
 @click.option("--sequences", "seq_folder", required=True, type=click.Path(file_okay=False), help="merge's output.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder of the shards.")
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Run report (DVC metrics).")
@@ -21,6 +22,10 @@ def main(params, seq_folder, out, report, timings, cache):
     cfg = cli.params(params)
     folder = target.resolve(cfg.target.model)
     compat.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
+    if cfg.train.features == "online":
+        cli.publish(hidden.skip(out), report, timings)
+        logging.info("hidden: %s", hidden.SKIPPED)
+        return
     with runtime.start(cfg.runtime.device) as rt:
         dtype = runtime.compute_dtype(cfg.hidden.compute_dtype, rt.device)
         model = target.load_model(folder, dtype).to(rt.device)

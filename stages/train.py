@@ -1,18 +1,22 @@
 """train: the EAGLE-3 drafter on the target's stored hidden states, with training-time test (eaglepipe/train.py);
-writes a checkpoint SGLang loads as it is (eaglepipe/draft.py). Checkpointed as it goes: a rerun resumes exactly."""
+writes a checkpoint SGLang and vLLM load as it is (eaglepipe/draft.py). Checkpointed as it goes: a rerun resumes
+exactly, at any number of processes. Runs as one process or under torchrun (DDP; eaglepipe/runtime.py)."""
 import logging
 from pathlib import Path
 
 import click
 
-from eaglepipe import cli, compat, draft, target, train
+from eaglepipe import cli, compat, draft, runtime, target, train
 from eaglepipe.config import CACHE
 from eaglepipe.records import write_json
 
 
 @click.command(help=__doc__)
-@click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target.model, train).")
-@click.option("--hidden", "hidden_folder", required=True, type=click.Path(file_okay=False), help="hidden's shards.")
+@click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target.model, train, hidden (online), runtime).")
+@click.option("--hidden", "hidden_folder", required=True, type=click.Path(file_okay=False),
+              help="hidden's shards (read with train.features: offline).")
+@click.option("--sequences", "seq_folder", required=True, type=click.Path(file_okay=False),
+              help="merge's sequences (read with train.features: online, the target computing their states).")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder of the drafter.")
 @click.option("--metrics", required=True, type=click.Path(dir_okay=False), help="Last epoch's figures (DVC metrics).")
 @click.option("--plots", required=True, type=click.Path(dir_okay=False),
@@ -21,16 +25,23 @@ from eaglepipe.records import write_json
 @click.option("--checkpoints", default=None, type=click.Path(file_okay=False),
               help=f"Checkpoint folder [default: {CACHE / 'train'}/<fingerprint>].")
 @cli.stage
-def main(params, hidden_folder, out, metrics, plots, timings, checkpoints):
+def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkpoints):
     cfg = cli.params(params)
     folder = target.resolve(cfg.target.model)
     compat.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
-    fp = train.fingerprint(hidden_folder, cfg.train, target.fingerprint(folder))
-    model, report, history = train.run(hidden_folder, folder, cfg.train, Path(checkpoints or CACHE / "train" / fp))
-    draft.save(model, out)
-    cli.publish(report, metrics, timings)
-    write_json(plots, history)
-    logging.info("drafter in %s; valid acc %s", out, report["valid"])
+    with runtime.start(cfg.runtime.device) as rt:
+        if cfg.train.features == "online":
+            dtype = runtime.compute_dtype(cfg.hidden.compute_dtype, rt.device)
+            feats = train.Online(seq_folder, target.load_model(folder, dtype).to(rt.device), cfg.hidden)
+        else:
+            feats = train.Stored(hidden_folder)
+        fp = train.fingerprint(feats, cfg.train, target.fingerprint(folder))
+        model, report, history = train.run(feats, folder, cfg.train, Path(checkpoints or CACHE / "train" / fp), rt=rt)
+    if rt.is_main:
+        draft.save(model, out)
+        cli.publish(report, metrics, timings)
+        write_json(plots, history)
+        logging.info("drafter in %s; valid acc %s", out, report["valid"])
 
 
 if __name__ == "__main__":

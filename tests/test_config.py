@@ -87,7 +87,7 @@ STAGE_ARGS = {
     "infer": ["--prompts", "o/p.jsonl", "--out", "o/r", "--report", "o/r.json", "--timings", "o/t.json"],
     "merge": ["--responses", "o/r.jsonl", "--out", "o/s", "--report", "o/r.json", "--timings", "o/t.json"],
     "hidden": ["--sequences", "o/s", "--out", "o/h", "--report", "o/r.json", "--timings", "o/t.json"],
-    "train": ["--hidden", "o/h", "--out", "o/d", "--metrics", "o/m.json", "--plots", "o/c.json",
+    "train": ["--hidden", "o/h", "--sequences", "o/s", "--out", "o/d", "--metrics", "o/m.json", "--plots", "o/c.json",
               "--timings", "o/t.json"],
     "evaluate": ["--prompts", "o/p.jsonl", "--draft", "o/d", "--report", "o/r.json", "--positions", "o/p.json",
                  "--decoded", "o/d.jsonl", "--timings", "o/t.json"],

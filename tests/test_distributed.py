@@ -17,6 +17,7 @@ import torch
 import yaml
 
 from eaglepipe import config, runtime, sequences
+from eaglepipe.testing.e2e import ranks_of
 from eaglepipe.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,20 +157,6 @@ def test_e2e_two_nodes_by_rendezvous_equal_world_1(reference):
     assert json.loads((project / "nodes-timings.json").read_text())["world"] == 2
 
 
-def ranks_of(agent: int) -> dict[int, int]:
-    """{rank: pid} of the torchrun workers that are children of the agent process ``agent``."""
-    ranks = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent:
-                environ = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
-                if "RANK" in environ:
-                    ranks[int(environ["RANK"])] = int(proc.name)
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # a process that ended meanwhile
-    return ranks
-
-
 def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
     project, files = reference
     cache = project / "killed-cache"
@@ -193,3 +180,40 @@ def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
     assert timings["reused_shards"] == len(kept) and timings["computed_shards"] == total - len(kept)
     for name, mtime in kept.items():  # reused as they were, not rewritten
         assert (project / "killed" / name).stat().st_mtime_ns == mtime
+
+
+# ---------------------------------------------------------------------------------------- evaluate, 1 and 2 processes
+def test_e2e_evaluate_at_world_2_reports_what_world_1_does(tmp_path, target_folder):
+    """Ranks share the prompts; the metrics, plot rows and decoded file (everything but the speeds) are the same
+    bytes at world 2 as at world 1, with an untrained drafter started from the target (a few drafts accepted)."""
+    from collections import Counter
+
+    from transformers import AutoConfig
+
+    from eaglepipe import draft, train
+
+    tgt = train.target_tensors(target_folder, 27)
+    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), 2048, [2, 15, 27])
+    torch.manual_seed(0)
+    drafter = draft.Eagle3Draft(cfg, tgt["embed"])
+    drafter.set_vocab(*draft.build_vocab(Counter(range(2048)), 2048, cfg.vocab_size))
+    draft.init_from_target(drafter, tgt)
+    draft.save(drafter, tmp_path / "draft")
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["evaluate"] = {"max_new_tokens": 12, "limit": 5, "threads": 1}
+    params["runtime"] = {"device": "cpu"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    outputs = {}
+    for world in (1, 2):
+        out = {name: tmp_path / f"{name}{world}" for name in ("report", "positions", "decoded", "timings")}
+        launcher = [sys.executable, "-m", "eaglepipe.runtime"] if world > 1 else [sys.executable]
+        ran = subprocess.run([*launcher, "stages/evaluate.py", "--params", str(tmp_path / "params.yaml"), "--prompts",
+                              "data/eval/heldout.jsonl", "--draft", str(tmp_path / "draft"),
+                              *[a for name, path in out.items() for a in (f"--{name}", str(path))]],
+                             cwd=ROOT, env=env(world), capture_output=True, text=True, timeout=600)
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        outputs[world] = {name: path.read_bytes() for name, path in out.items() if name != "timings"}
+        assert json.loads(out["timings"].read_text())["processes"] == world
+    assert outputs[2] == outputs[1]
+    report = json.loads(outputs[1]["report"])
+    assert report["prompts"] == 5 and report["lossless"] and report["acceptance_length"] > 1

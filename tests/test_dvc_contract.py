@@ -196,3 +196,19 @@ def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     assert "infer" in readers and set(stale) == readers, stale  # infer and the stages below it that read it
     dry = dvc(project, "repro", "--dry").stdout
     assert "Running stage 'infer'" in dry and "Running stage 'prepare'" not in dry
+
+
+@pytest.mark.slow
+def test_online_training_repro_runs_no_hidden_pass(project):
+    """train.features: online: dvc repro runs hidden as a no-op (an index saying why, no states), train computes the
+    states itself, evaluate decodes with that drafter."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"]["features"] = "online"
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert {"hidden", "train"} <= set(json.loads(dvc(project, "status", "--json").stdout))
+    dvc(project, "repro", "evaluate")
+    assert [p.name for p in (project / "data/hidden").iterdir()] == ["index.json"]
+    assert "skipped" in json.loads((project / "metrics/hidden.json").read_text())
+    trained = json.loads((project / "metrics/train.json").read_text())
+    assert trained["features"] == "online" and trained["steps"] > 0
+    assert json.loads((project / "metrics/eval.json").read_text())["lossless"]

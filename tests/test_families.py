@@ -95,6 +95,8 @@ def ran(request, tmp_path_factory, tokenizer):
     try:
         initial = train.setup(tmp / "hidden", tmp / "target", TRAIN)[0].eval()
         trained, train_report, _ = train.run(tmp / "hidden", tmp / "target", TRAIN, tmp / "checkpoints")
+        online = train.Online(tmp / "seq", model, HIDDEN)
+        online_trained, online_report, _ = train.run(online, tmp / "target", TRAIN, tmp / "online-checkpoints")
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -104,7 +106,13 @@ def ran(request, tmp_path_factory, tokenizer):
     metrics = evaluate.run(prompts, model, drafter, target.stop_ids(tmp / "target", tokenizer),
                            config.Evaluate(num_steps=3, max_new_tokens=12))
     ids = torch.tensor([items[0][2]])
+    stored = {s.id: st for s, st in zip(*(lambda ss: (ss, train.read_states(ss)))(
+        train.load_samples(tmp / "hidden", "train")))}
+    computed = {s.id: st for s, st in zip(*(lambda ss: (ss, online.states(ss)))(
+        train.load_samples(tmp / "seq", "train")))}
     return {"family": family, "hidden": hidden_report, "train": train_report, "eval": metrics,
+            "online": {"report": online_report, "stored": stored, "computed": computed,
+                       "weights": (trained.state_dict(), online_trained.state_dict())},
             "init_log": [r.getMessage() for r in records if r.getMessage().startswith("drafter init")],
             "deviation": deviation(model, initial, ids, hidden_report["layers"])}
 
@@ -117,12 +125,25 @@ def test_hidden_train_and_evaluate_run_on_each_family_and_decoding_stays_lossles
     assert ran["eval"]["prompts"] == 2 and ran["eval"]["verification_steps"] > 0
 
 
+def test_online_training_computes_the_stored_states_and_trains_the_same_drafter(ran):
+    """train.features: online runs the target inside the trainer, batch by batch: the states equal what hidden stored
+    (same layers, rounding and argmax, though batched differently), so the drafter is the offline one."""
+    o = ran["online"]
+    assert o["report"]["features"] == "online" and ran["train"]["features"] == "offline"
+    assert sorted(o["computed"]) == sorted(o["stored"])
+    for sid, st in o["stored"].items():
+        for name in train.STATES:
+            assert torch.equal(o["computed"][sid][name], st[name]), (sid, name)
+    offline, online = o["weights"]
+    assert all(torch.equal(offline[k], online[k]) for k in offline)
+
+
 def test_the_init_is_exact_for_the_llama_layer_only_and_logged_once_per_run(ran):
     """Llama: step 0 is the target's layer (relative deviation ~1e-7). The others start from the attention (and the
     dense MLP, where there is one) of that layer but drop its QK-norms, biases or experts: their deviation is real,
     and the log says not exact and names what was dropped."""
-    family, dev, (setup_line, run_line) = ran["family"], ran["deviation"], ran["init_log"]
-    assert setup_line == run_line  # one line per run (setup here, then train.run's own)
+    family, dev, (setup_line, run_line, online_line) = ran["family"], ran["deviation"], ran["init_log"]
+    assert setup_line == run_line == online_line  # one line per run (setup here, then train.run's, offline and online)
     print(f"{family}: {setup_line} (step-0 deviation from the target layer {dev:.1e})")
     if family == "llama":
         assert setup_line.startswith("drafter init: exact: the midlayer is target layer 3 (llama)") and dev < 1e-5

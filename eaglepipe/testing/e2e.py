@@ -1,5 +1,6 @@
-"""What the end-to-end tests of the infer stage against servers share (tests/test_sglang_e2e.py,
-tests/test_vllm_engine.py, tests/test_serve.py): reading the generation cache, comparing records, waiting."""
+"""What the end-to-end tests share: for the infer stage against servers (tests/test_sglang_e2e.py,
+tests/test_vllm_engine.py, tests/test_serve.py) reading the generation cache, comparing records, waiting; for stages
+under torchrun (tests/test_distributed.py, tests/test_train.py) finding the ranks' processes."""
 from __future__ import annotations
 
 import json
@@ -43,3 +44,17 @@ def wait_for(predicate, timeout: float, what: str):
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def ranks_of(agent: int) -> dict[int, int]:
+    """{rank: pid} of the torchrun workers that are children of the agent process ``agent``."""
+    ranks = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent:
+                environ = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
+                if "RANK" in environ:
+                    ranks[int(environ["RANK"])] = int(proc.name)
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a process that ended meanwhile
+    return ranks
