@@ -26,16 +26,17 @@ def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
     tokens, seconds = 0, 0.0
     for e in range(p.epochs):
         for idx in train.plan_batches(lengths, p.batch_tokens, p.seed, e):
-            batch = train.collate([train_set[i] for i in idx], steps, head_draft)  # not timed
+            rows = [train_set[i] for i in idx]
+            batch = train.collate(rows, train.read_states(rows), steps, head_draft, model.t2d)  # not timed
             start = time.perf_counter()
-            with train.autocast(train.uses_bf16(p)):  # as train.run
+            with train.autocast(train.uses_bf16(p), head_draft.device):  # as train.run
                 loss, _ = train.ttt_forward(model, batch, steps, p.step_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), p.grad_clip)
             opt.step()
             seconds += time.perf_counter() - start
-            tokens += batch["tokens"]
+            tokens += sum(lengths[i] for i in idx)
     return tokens, seconds
 
 

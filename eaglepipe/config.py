@@ -297,6 +297,10 @@ class Serve(Section):
 class Runtime(Section):
     device: str = speed("auto", "auto (CUDA when torch sees a GPU, else the CPU) | cpu | cuda | cuda:N; under torchrun "
                         "(NPROC=8 make hidden) auto and cuda give each rank cuda:LOCAL_RANK (eaglepipe/runtime.py)")
+    device_map: Union[None, Literal["auto"], dict[str, Union[int, str]]] = speed(
+        None, "a target bigger than one GPU: accelerate's device_map spreads its layers over the node's GPUs for "
+        "hidden, online train and evaluate (auto, or {module name: device}; one process); null: the whole target "
+        "on device")
 
     @field_validator("device")
     @classmethod

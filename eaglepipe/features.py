@@ -2,9 +2,11 @@
 
 Layout (a sharded dataset, format: ``shards.py``):
     index.json    {"layers": [2, 15, 27], "layer_convention": "hf_hidden_states", "hidden_size": H,
-                   "dtype": "bfloat16", "train": {"shards": [{"file", "samples", "tokens", "ids"}], "samples",
-                   "tokens"}, "valid": {...}}
-    train-00000.safetensors, ...   per shard (samples in the stored order of ``data/sequences``):
+                   "dtype": "bfloat16", "train": {"shards": [{"file", "samples", "tokens", "ids", "rows"}], "samples",
+                   "tokens"}, "valid": {...}}: the entries name, in the stored order of ``data/sequences``, the row
+                   of a shard that holds each sample (a shard may serve both splits and several data versions:
+                   hidden.py stores states by content)
+    shard-<hash>.safetensors, ...  per shard (metadata ``content``: the content key of each sample, and the failed):
         input_ids  int32 [T]      exactly the merged sequence ids
         loss_mask  uint8 [T]      exactly the merged loss mask (1 on the target's output tokens)
         offsets    int64 [n + 1]  sample i is rows offsets[i]:offsets[i+1]
@@ -15,8 +17,8 @@ Layout (a sharded dataset, format: ``shards.py``):
         top        int32 [T]      the target's greedy next token at position t: the argmax of its ``lm_head`` over
                                   the full vocabulary, from the unrounded final state (from the bf16 ``final`` the
                                   argmax differs at some positions; acc_k is scored on this)
-The folder holds data only: the same sequences, model and ``hidden`` params give the same bytes, whatever the code
-version that wrote them.
+The folder holds data only (no fingerprint, no code version): the same sequences, model and ``hidden`` params,
+extracted from an empty store, give the same bytes.
 
 Layer ids (``layer_convention: hf_hidden_states``; checked by tests/test_hidden.py against a bare forward): ids are
 Hugging Face ``output_hidden_states`` indices. ``hidden_states[0]`` is the embedding output and ``hidden_states[i]``
@@ -64,7 +66,6 @@ def layer_ids(value, num_layers: int) -> list[int]:
 def read(folder, split: str) -> Iterator[dict]:
     """Yield one dict per sample of ``split``, in stored order (the order of ``data/sequences``):
     ``id`` str, ``input_ids`` int32 [n], ``loss_mask`` uint8 [n], ``aux`` bf16 [n, 3H], ``final`` bf16 [n, H],
-    ``top`` int32 [n] (views into the loaded shard: clone what you keep beyond the shard's lifetime if memory
-    matters)."""
+    ``top`` int32 [n], each read from its shard's rows."""
     for entry, i, rows in shards.samples(folder, split):
         yield {"id": entry["ids"][i], **rows}

@@ -1,43 +1,54 @@
 """Extraction of the target's hidden states into ``data/hidden`` (layout, layer ids and reader:
 ``features.py``; train reads the folder through that module alone).
 
-Extraction: sequences are planned into shards of at most ``hidden.shard_tokens`` tokens (stored order kept), each
-shard's samples sorted by length and batched with right padding up to ``hidden.batch_tokens`` tokens (rows x longest)
-per forward pass, no attention mask needed (causal attention never looks at the padding on the right). The base
-model runs without ``lm_head`` and keeps only the selected hidden states; the head then runs on the real rows only,
-in blocks, for ``top``. Storage is 8·H bytes of hidden state per token in bf16 (3·H aux + H final), plus 9 bytes of
-ids, mask and ``top``.
+Content-addressed: a sequence's states depend on its ids alone, so they are computed once per content. Each sequence
+has a key, the hash of its ids and loss mask (``sequence_key``). The store ``.cache/hidden/<fingerprint>/`` holds
+shards of computed states; the fingerprint covers the ``hidden`` params but ``shard_tokens`` (how states are grouped
+into files), the code that computes and writes them, the target model's fingerprint and compute dtype and the torch /
+transformers versions, not the sequences. A shard's safetensors metadata (``content``: {keys, failed}) lists its
+samples' keys and the sequences that failed in it, so the store is its own index. A run computes the sequences whose key no shard holds:
+adding 2% more data computes 2% of the states, whatever the order, split or shard layout merge gives the data.
 
-Resume: shards are written atomically into the work folder ``.cache/hidden/<fingerprint>/``, so a shard there is
-finished and belongs to that fingerprint, which covers the sequences (their bytes), the ``hidden`` params, the code
-that writes the shards, the target model's fingerprint and compute dtype and the torch / transformers versions. A
-rerun after an interruption keeps the finished shards; a different fingerprint never sees them. At the end the work
-folder gets its index.json and is moved (renamed) to the output folder. A sequence that fails alone
-(``extract_shard``) is left out of its shard and listed with its reason in ``failures.jsonl`` (published with the
-shards; kept across resumes in ``left_out/<shard>.jsonl``, written before its shard). The fingerprint stays out of
-the published files (it is in the run report): a code change that leaves the states as they are changes no
-published byte.
+A run: the missing sequences (unique keys, in the order of ``data/sequences``) are planned into shards of at most
+``hidden.shard_tokens`` tokens, and the plan is saved under the sequences' hash (``plans/``), so a run interrupted and
+resumed on the same sequences computes the same shards. Each shard's samples are sorted by length and batched with
+right padding up to ``hidden.batch_tokens`` tokens (rows x longest) per forward pass, no attention mask needed (causal
+attention never looks at the padding on the right). The base model runs without ``lm_head`` and keeps only the
+selected hidden states; the head then runs on the real rows only, in blocks, for ``top``. A shard is named by the hash
+of its keys and written atomically: one that exists is finished. Storage is 8·H bytes of hidden state per token in
+bf16 (3·H aux + H final), plus 9 bytes of ids, mask and ``top``.
 
-Ranks (torchrun, ``runtime.py``): the shards still missing when the run starts are dealt round-robin to the ranks,
-each computing its own; once all are written, rank 0 writes the index and publishes. The plan, the batches and so
-the published bytes are the same whatever the number of processes; a process killed mid-run loses only the shard it
-was writing, and a rerun at any world size computes the rest.
+Publish: ``data/hidden`` gets the shards its sequences use as hard links to the store's files (a copy where the
+filesystem cannot link: DVC's cache, linked the same way, then adds no disk either; README) and an index whose
+entries name, in the order of ``data/sequences``, which row of which shard each sample is (``shards.py``). A
+sequence reused from an earlier run keeps the states it got in the batch it was computed in; a batch of other shapes
+can round a few values differently, so the published bytes depend on which sequences were computed together (a run
+from an empty store, or resumed, at any number of processes, publishes the same bytes).
+
+A sequence that fails alone (``extract_shard``) is left out of its shard, its key and reason kept in the shard's
+metadata (it is not retried) and listed in ``failures.jsonl``. The published files hold data only: no fingerprint.
+
+Ranks (torchrun, ``runtime.py``): the planned shards are dealt round-robin to the ranks, each computing its own; once
+all are written, rank 0 publishes. A process killed mid-run loses only the shard it was writing, and a rerun at any
+world size computes the rest.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from . import features, runtime, sequences, shards
 from .hashing import files_hash
 from .errors import UserError
-from .records import read_jsonl, write_json, write_jsonl
+from .records import write_json, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +59,43 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def fingerprint(seq_hash: str, params: dict, layers: list[int], model_fp: str, model_dtype: str = "") -> str:
-    """Fingerprint of everything that decides the shards: inputs, params, code (this module and the shard format's),
-    model (files and compute dtype) and library versions."""
+def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str = "") -> str:
+    """Fingerprint of everything that decides a sequence's states (the store's name): the params but
+    ``shard_tokens``, the layers, the code (this module and the shard format's), the model (files and compute dtype)
+    and library versions. Not the sequences: the store holds states by content."""
     import transformers
 
     code = files_hash([__file__, sequences.__file__, shards.__file__])
-    blob = json.dumps({"sequences": seq_hash, "params": params, "layers": layers, "code": code,
-                       "model": model_fp, "model_dtype": model_dtype, "torch": torch.__version__,
+    blob = json.dumps({"params": {k: v for k, v in params.items() if k != "shard_tokens"}, "layers": layers,
+                       "code": code, "model": model_fp, "model_dtype": model_dtype, "torch": torch.__version__,
                        "transformers": transformers.__version__}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def sequence_key(ids, mask) -> str:
+    """A sequence's content key: the sha256 of its ids (int32) and loss mask (uint8) bytes, 32 hex digits."""
+    h = hashlib.sha256(torch.as_tensor(ids).to(torch.int32).numpy().tobytes())
+    h.update(torch.as_tensor(mask).to(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def shard_name(keys: list[str]) -> str:
+    return f"shard-{hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:16]}.safetensors"
+
+
+def scan(store: Path) -> tuple[dict, dict]:
+    """({key: (shard file, row)}, {key: {key, tokens, reason, shard}}) over the finished shards in ``store``, from
+    their metadata."""
+    held, failed = {}, {}
+    for path in sorted(store.glob("shard-*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        content = json.loads(meta.get("content", '{"keys": [], "failed": []}'))
+        for row, key in enumerate(content["keys"]):
+            held.setdefault(key, (path.name, row))
+        for fail in content["failed"]:
+            failed.setdefault(fail["key"], {**fail, "shard": path.name})
+    return held, failed
 
 
 def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -78,10 +116,12 @@ def base_model(model):
 
 @torch.inference_mode()
 def forward_states(model, input_ids: torch.Tensor, layers: list[int]):
-    """One forward pass of the base model: (aux [B, S, 3H], final [B, S, H]) in the model's dtype."""
+    """One forward pass of the base model: (aux [B, S, 3H], final [B, S, H]) in the model's dtype, both on the device
+    of the last layer (a target spread over devices, ``runtime.device_map``, leaves each state on its layer's)."""
     out = base_model(model)(input_ids=input_ids, output_hidden_states=list(layers), use_cache=False)
-    aux = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
-    return aux, out.last_hidden_state
+    final = out.last_hidden_state
+    aux = torch.cat([out.hidden_states[i].to(final.device) for i in layers], dim=-1)
+    return aux, final
 
 
 @torch.inference_mode()
@@ -149,85 +189,111 @@ def skip(out) -> dict:
 
 
 def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.Runtime = runtime.Runtime()) -> dict:
-    """Extract hidden states for every split of ``seq_folder`` into ``out``; return the run report (the same on every
-    rank). ``params``: the ``hidden`` section (config.Hidden); ``rt``: this process's rank and world (runtime.py)."""
+    """Publish the hidden states of every split of ``seq_folder`` into ``out``, computing those the store lacks;
+    return the run report (the same on every rank). ``params``: the ``hidden`` section (config.Hidden); ``rt``: this
+    process's rank and world (runtime.py)."""
     seq_folder, out = Path(seq_folder), Path(out)
     cfg = text_config(model.config)
     layers = features.layer_ids(params.layers, cfg.num_hidden_layers)
     dtype_name = params.dtype
     dtype, H = DTYPES[dtype_name], cfg.hidden_size
-    fp = fingerprint(shards.dataset_hash(seq_folder), params.tracked(), layers, model_fp, str(model.dtype))
-    work = Path(cache_root) / fp
-    left_out_dir = work / "left_out"  # per shard, the samples left out of it: {shard, id, tokens, reason} lines
-    left_out_dir.mkdir(parents=True, exist_ok=True)
-    seq_index = json.loads((seq_folder / "index.json").read_text())
-    plan = []  # (split, shard file, its samples [(id, input_ids, loss_mask)]), every split's shards in order
-    for split in shards.SPLITS:
-        samples = [(rid, ids, mask) for rid, _source, ids, mask in sequences.read(seq_folder, split)] \
-            if split in seq_index else []
-        plan += [(split, f"{split}-{k:05d}.safetensors", samples[a:b])
-                 for k, (a, b) in enumerate(shards.plan([len(s[1]) for s in samples], params.shard_tokens))]
-    # a shard in this fingerprint's folder was written atomically: it is finished, and of these inputs
-    missing = [p for p in plan if not (work / p[1]).exists()]
+    fp = fingerprint(params.tracked(), layers, model_fp, str(model.dtype))
+    store = Path(cache_root) / fp
+    seq_index = shards.load_index(seq_folder)
+    seqs = {split: [(rid, ids, mask, sequence_key(ids, mask)) for rid, _source, ids, mask in
+                    sequences.read(seq_folder, split)] for split in shards.SPLITS if split in seq_index}
+    plan_path = store / "plans" / f"{shards.dataset_hash(seq_folder)[:32]}.json"
     if rt.is_main:
-        for stale in work.glob("**/*.tmp*"):  # a file being written when the last run stopped
-            stale.unlink()
-    rt.barrier()  # every rank has listed the missing shards before any is written
+        (store / "plans").mkdir(parents=True, exist_ok=True)
+        for stale in store.glob("**/*.tmp*"):  # a file being written when the last run stopped
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+        held, failed = scan(store)
+        if not plan_path.exists():  # kept, so that a resumed run computes the very shards it planned
+            todo = {}
+            for key, ids in ((key, ids) for split in seqs.values() for _rid, ids, _mask, key in split):
+                if key not in held and key not in failed:
+                    todo.setdefault(key, len(ids))
+            keys = list(todo)
+            write_json(plan_path, [keys[a:b] for a, b in shards.plan(list(todo.values()), params.shard_tokens)])
+    rt.barrier()  # the plan is written before any rank reads it
+    plan = json.loads(plan_path.read_text())
+    before = {p.name for p in store.glob("shard-*.safetensors")}
+    by_key = {key: (rid, ids, mask) for split in seqs.values() for rid, ids, mask, key in split}
+    missing = [keys for keys in plan if shard_name(keys) not in before]
     computed_tokens, elapsed = 0, 0.0
-    for _split, file, chunk in missing[rt.rank::rt.world]:
+    for keys in missing[rt.rank::rt.world]:
         start = time.perf_counter()
-        tensors, left_out = extract_shard(model, chunk, layers, params.batch_tokens, dtype)
-        record = left_out_dir / f"{file}.jsonl"
-        if left_out:  # recorded before the shard, so a finished shard's left-out samples are always known
-            write_jsonl(record, [{"shard": file, **f} for f in left_out])
-        else:
-            record.unlink(missing_ok=True)  # of an earlier attempt at this shard
-        shards.write(work / file, tensors)
+        tensors, left_out = extract_shard(model, [(k, by_key[k][1], by_key[k][2]) for k in keys], layers,
+                                          params.batch_tokens, dtype)
+        gone = {f["id"] for f in left_out}
+        meta = {"content": json.dumps({  # one key: safetensors writes several in no fixed order
+            "keys": [k for k in keys if k not in gone],
+            "failed": [{"key": f["id"], "tokens": f["tokens"], "reason": f["reason"]} for f in left_out]})}
+        shards.write(store / shard_name(keys), tensors, meta)
         elapsed += time.perf_counter() - start
         computed_tokens += int(tensors["offsets"][-1])
-        log.info("hidden %s: %d samples, %d tokens (%.0f tokens/s so far%s)", file, len(chunk),
+        log.info("hidden %s: %d samples, %d tokens (%.0f tokens/s so far%s)", shard_name(keys), len(keys),
                  int(tensors["offsets"][-1]), computed_tokens / max(elapsed, 1e-9),
                  f", rank {rt.rank} of {rt.world}" if rt.world > 1 else "")
     ranks = rt.gather((computed_tokens, elapsed))  # also waits until every rank's shards are written
 
+    held, failed = scan(store)
     index = {"layers": layers, "layer_convention": features.LAYER_CONVENTION, "hidden_size": H, "dtype": dtype_name}
-    failures = []
-    for split in shards.SPLITS:
+    failures, used, reused_sequences = [], [], 0
+    for split, items in seqs.items():
         entries = []
-        for _split, file, chunk in (p for p in plan if p[0] == split):
-            record = left_out_dir / f"{file}.jsonl"
-            left_out = {f["id"]: f for _line, f in read_jsonl(record)} if record.exists() else {}
-            failures += left_out.values()
-            kept = [c for c in chunk if c[0] not in left_out]
-            entries.append({"file": file, "samples": len(kept), "tokens": sum(len(c[1]) for c in kept),
-                            "ids": [c[0] for c in kept]})
+        for rid, ids, _mask, key in items:
+            if key in failed:
+                failures.append({"id": rid, "shard": failed[key]["shard"], "tokens": len(ids),
+                                 "reason": failed[key]["reason"]})
+                continue
+            file, row = held[key]
+            reused_sequences += file in before
+            if not entries or entries[-1]["file"] != file:
+                entries.append({"file": file, "samples": 0, "tokens": 0, "ids": [], "rows": []})
+                used.append(file)
+            e = entries[-1]
+            e["samples"], e["tokens"] = e["samples"] + 1, e["tokens"] + len(ids)
+            e["ids"].append(rid)
+            e["rows"].append(row)
         index[split] = {"shards": entries, "samples": sum(e["samples"] for e in entries),
                         "tokens": sum(e["tokens"] for e in entries)}
-    total = sum(len(p[2]) for p in plan)
+    total = sum(len(items) for items in seqs.values())
     if len(failures) > params.max_failure_rate * total:
         raise UserError(f"hidden: {len(failures)} of {total} sequences fail alone, more than hidden.max_failure_rate "
-                        f"{params.max_failure_rate} (reasons in {left_out_dir}; finished shards are kept)")
-    total_bytes = sum((work / p[1]).stat().st_size for p in plan)
-    tokens = sum(index[split]["tokens"] for split in shards.SPLITS)
-    rt.barrier()  # every rank has read the work folder before rank 0 moves it
-    if rt.is_main:
+                        f"{params.max_failure_rate} (reasons in the metadata of the shards in {store}; finished shards "
+                        "are kept, and a failed sequence is not retried)")
+    used = list(dict.fromkeys(used))
+    total_bytes = sum((store / f).stat().st_size for f in used)
+    tokens = sum(index[split]["tokens"] for split in seqs)
+    if rt.is_main:  # publish: links to the store's shards, the index, the failures, renamed into place
+        work = store / f"publish.tmp{os.getpid()}"
+        work.mkdir()
+        for f in used:
+            try:
+                os.link(store / f, work / f)
+            except OSError:  # another filesystem
+                shutil.copy2(store / f, work / f)
         if failures:
             write_jsonl(work / "failures.jsonl", failures)
         write_json(work / "index.json", index)
-        # publish: the work folder becomes the output folder (a rename on the same filesystem)
         if out.exists():
             shutil.rmtree(out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(work), str(out))
-        shutil.rmtree(out / left_out_dir.name)  # in failures.jsonl now
+        shutil.move(str(work), str(out))  # a rename on the same filesystem
     rt.barrier()  # no rank ends before the output is in place
     computed_tokens, seconds = sum(r[0] for r in ranks), max(r[1] for r in ranks)
     bytes_el = torch.tensor([], dtype=dtype).element_size()
-    return {"layers": layers, "hidden_size": H, "samples": sum(index[s]["samples"] for s in shards.SPLITS),
-            "tokens": tokens, "train_tokens": index["train"]["tokens"], "valid_tokens": index["valid"]["tokens"],
+    return {"layers": layers, "hidden_size": H, "samples": sum(index[s]["samples"] for s in seqs),
+            "tokens": tokens, "train_tokens": index.get("train", {}).get("tokens", 0),
+            "valid_tokens": index.get("valid", {}).get("tokens", 0),
             "hidden_bytes_per_token": 4 * H * bytes_el, "bytes_per_token": round(total_bytes / max(tokens, 1), 2),
             "bytes": total_bytes, "left_out": len(failures),
             "run": {"fingerprint": fp, "world": rt.world, "computed_tokens": computed_tokens,
-                    "computed_shards": len(missing), "reused_shards": len(plan) - len(missing),
+                    "computed_shards": len(missing), "reused_shards": len([f for f in used if f in before]),
+                    "reused_sequences": reused_sequences, "computed_sequences": total - len(failures) - reused_sequences,
                     "seconds": round(seconds, 2),
                     "tokens_per_s": round(computed_tokens / seconds, 1) if seconds else None}}

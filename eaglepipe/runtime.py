@@ -109,6 +109,19 @@ def start(device_name: str = "auto"):
             dist.destroy_process_group()
 
 
+def load_target(folder, dtype: str, rt: Runtime, device_map=None):
+    """The target model in ``dtype``, frozen, loaded straight onto ``rt``'s device, or spread over the node's GPUs
+    by accelerate's ``device_map`` (``runtime.device_map``: one process holds the whole target then)."""
+    from transformers import AutoModelForCausalLM
+
+    if device_map is not None and rt.world > 1:
+        raise UserError(f"runtime.device_map spreads one target over this node's devices, but this job runs "
+                        f"{rt.world} processes: run one (NPROC=1), or leave device_map null (a target per rank)")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype),
+                                                 device_map=rt.device if device_map is None else device_map)
+    return model.eval().requires_grad_(False)
+
+
 def seed(value: int) -> None:
     """Seed torch's generators: the CPU's and every GPU's."""
     torch.manual_seed(value)

@@ -1,11 +1,14 @@
 """Offset-packed safetensors shards: the storage format of ``data/sequences`` and ``data/hidden``.
 
 A sharded dataset is a folder holding ``index.json`` and shard files. ``index.json`` maps each split of ``SPLITS``
-it has to ``{"shards": [{"file", "samples", "tokens", "ids", ...}], "samples", "tokens"}``, next to whatever else
-its writer records. A shard is one safetensors file of flat per-token tensors (first dimension T, the shard's
-samples concatenated in stored order) plus ``offsets`` int64 [samples + 1]: sample i is rows
-``offsets[i]:offsets[i + 1]`` of every other tensor. A shard is written atomically (a temporary file renamed into
-place, so a shard that exists is complete), with mode 0644 and no metadata: its bytes depend on its tensors only.
+it has to ``{"shards": [{"file", "samples", "tokens", "ids", "rows"?, ...}], "samples", "tokens"}``, next to whatever
+else its writer records. A shard is one safetensors file of flat per-token tensors (first dimension T, the shard's
+samples concatenated) plus ``offsets`` int64 [samples + 1]: sample i of the file is rows ``offsets[i]:offsets[i + 1]``
+of every other tensor. An entry names the split's next ``samples`` samples, in stored order: ``ids[j]`` is sample
+``rows[j]`` of ``file`` (without ``rows``: sample j, the whole file in order). Entries may name a file more than once
+and in part (data/hidden's content-addressed shards, hidden.py). A shard is written atomically (a temporary file
+renamed into place, so a shard that exists is complete), with mode 0644; its bytes depend on its tensors and on the
+string metadata its writer gives (data/hidden's: the content keys of its samples), nothing else.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .hashing import files_hash
 
@@ -48,11 +51,11 @@ def concat(rows, dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([torch.as_tensor(r).to(dtype).reshape(-1) for r in rows]) if rows else torch.zeros(0, dtype=dtype)
 
 
-def write(path, tensors: dict[str, torch.Tensor]) -> None:
+def write(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """Write one shard atomically (see the module docstring)."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    save_file(tensors, str(tmp))
+    save_file(tensors, str(tmp), metadata=metadata)
     os.chmod(tmp, 0o644)  # safetensors creates files readable by their owner only
     os.replace(tmp, path)
 
@@ -61,30 +64,33 @@ def load_index(folder) -> dict:
     return json.loads((Path(folder) / "index.json").read_text())
 
 
-def read_shards(folder, split: str) -> Iterator[tuple[dict, dict[str, torch.Tensor]]]:
-    """Yield (shard entry of index.json, its tensors) per shard of ``split``, one shard in memory at a time."""
-    folder = Path(folder)
-    for entry in load_index(folder)[split]["shards"]:
-        yield entry, load_file(str(folder / entry["file"]))
+def rows_of(entry: dict) -> list[int]:
+    """The samples of ``entry``'s file it names, in order (module docstring)."""
+    return entry.get("rows", list(range(entry["samples"])))
 
 
 def samples(folder, split: str) -> Iterator[tuple[dict, int, dict[str, torch.Tensor]]]:
-    """Yield (shard entry, i, {name: rows of sample i} for every tensor but ``offsets``) for every sample of
-    ``split`` in stored order; the rows are views into the loaded shard (clone what outlives it if memory
-    matters)."""
-    for entry, t in read_shards(folder, split):
-        off = t.pop("offsets").tolist()
-        for i in range(len(off) - 1):
-            yield entry, i, {name: x[off[i]:off[i + 1]] for name, x in t.items()}
-
-
-def columns(folder, split: str, names) -> Iterator[tuple[dict, list[int], dict[str, torch.Tensor]]]:
-    """Yield (shard entry, offsets as a list, {name: whole tensor} for ``names`` only) per shard of ``split``: the
-    other tensors' bytes are not read."""
+    """Yield (shard entry, j, {name: rows of its j-th sample} for every tensor but ``offsets``) for every sample of
+    ``split`` in stored order, reading only those rows."""
     folder = Path(folder)
     for entry in load_index(folder)[split]["shards"]:
         with safe_open(str(folder / entry["file"]), framework="pt") as f:
-            yield entry, f.get_tensor("offsets").tolist(), {name: f.get_tensor(name) for name in names}
+            off, names = f.get_tensor("offsets").tolist(), [n for n in f.keys() if n != "offsets"]
+        spans = [(off[r], off[r + 1]) for r in rows_of(entry)]
+        for j, rows in enumerate(read_rows(folder / entry["file"], names, spans)):
+            yield entry, j, rows
+
+
+def columns(folder, split: str, names) -> Iterator[tuple[dict, list[tuple[int, int]], dict[str, torch.Tensor]]]:
+    """Yield (shard entry, the row span of each of its samples, {name: its file's whole tensor} for ``names`` only)
+    per entry of ``split``, each file's tensors read once: the other tensors' bytes are not read."""
+    folder, loaded = Path(folder), {}
+    for entry in load_index(folder)[split]["shards"]:
+        if entry["file"] not in loaded:
+            with safe_open(str(folder / entry["file"]), framework="pt") as f:
+                loaded[entry["file"]] = (f.get_tensor("offsets").tolist(), {name: f.get_tensor(name) for name in names})
+        off, tensors = loaded[entry["file"]]
+        yield entry, [(off[r], off[r + 1]) for r in rows_of(entry)], tensors
 
 
 def read_rows(path, names, spans: list[tuple[int, int]]) -> list[dict[str, torch.Tensor]]:
@@ -95,9 +101,13 @@ def read_rows(path, names, spans: list[tuple[int, int]]) -> list[dict[str, torch
         return [{name: s[start:end] for name, s in slices.items()} for start, end in spans]
 
 
-def dataset_hash(folder) -> str:
-    """Hash of a sharded dataset's bytes: ``index.json``, then every split's shard files in index order."""
-    folder = Path(folder)
+def files(folder) -> list[str]:
+    """Every shard file a dataset's index names, once each, in index order."""
     index = load_index(folder)
-    return files_hash([folder / "index.json", *(folder / s["file"] for split in SPLITS
-                                                 for s in index.get(split, {}).get("shards", []))])
+    return list(dict.fromkeys(s["file"] for split in SPLITS for s in index.get(split, {}).get("shards", [])))
+
+
+def dataset_hash(folder) -> str:
+    """Hash of a sharded dataset's bytes: ``index.json``, then its shard files in index order."""
+    folder = Path(folder)
+    return files_hash([folder / "index.json", *(folder / f for f in files(folder))])

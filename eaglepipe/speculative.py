@@ -95,8 +95,10 @@ class Stats:
                 "tokens_per_s": round(self.tokens_per_s, 2)}
 
 
-def _aux(hidden_states, layers, rows=None) -> torch.Tensor:
-    parts = [hidden_states[i][0] for i in layers]
+def _aux(hidden_states, layers, device, rows=None) -> torch.Tensor:
+    """The states of ``layers`` concatenated on ``device`` (the drafter's: the target's first, evaluate.load_drafter;
+    a target spread over devices leaves each state on its layer's)."""
+    parts = [hidden_states[i][0].to(device) for i in layers]
     if rows is not None:
         parts = [p[:rows] for p in parts]
     return torch.cat(parts, dim=-1)
@@ -142,7 +144,7 @@ def speculative(model, drafter, prompt_ids: list[int], max_new_tokens: int, stop
     pending = int(out.logits[0, -1].argmax())
     generated = [pending]
     if pending not in stops and max_new_tokens > 1:
-        drafter.reset(list(prompt_ids), _aux(out.hidden_states, layers) if layers else None, pending)
+        drafter.reset(list(prompt_ids), _aux(out.hidden_states, layers, model.device) if layers else None, pending)
         while True:
             remaining = max_new_tokens - len(generated)
             k = min(num_steps, remaining - 1)
@@ -168,7 +170,7 @@ def speculative(model, drafter, prompt_ids: list[int], max_new_tokens: int, stop
             if n < len(draft):  # drop the rejected draft tokens (a negative count works in transformers 4.x and 5.x)
                 cache.crop(-(len(draft) - n))
             pending = target[n]
-            drafter.accept(n, _aux(out.hidden_states, layers, n + 1) if layers else None, pending)
+            drafter.accept(n, _aux(out.hidden_states, layers, model.device, n + 1) if layers else None, pending)
     stats.seconds += time.perf_counter() - start
     stats.tokens += len(generated)
     return generated

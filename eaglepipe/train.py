@@ -212,19 +212,18 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
     if positions not in POSITIONS:
         raise ValueError(f"train.positions must be one of {POSITIONS}, not {positions!r}")
     folder, samples, prompts = Path(folder), [], set()
-    for entry, off, t in shards.columns(folder, split, ("input_ids", "loss_mask")):
-        for i, sid in enumerate(entry["ids"]):
+    for entry, spans, t in shards.columns(folder, split, ("input_ids", "loss_mask")):
+        for sid, (start, end) in zip(entry["ids"], spans):
             if keep is not None and not keep(sid):
                 continue
-            mask = t["loss_mask"][off[i]:off[i + 1]].bool()
+            mask = t["loss_mask"][start:end].bool()
             prompt = records.prompt_of(sid)
             first = prompt not in prompts
             prompts.add(prompt)
             chain = torch.ones_like(mask) if positions == "all" and first else mask
             if not chain_masks(chain, 1)[0].any():
                 continue
-            samples.append(Sample(sid, t["input_ids"][off[i]:off[i + 1]], mask, chain, folder / entry["file"],
-                                  off[i]))
+            samples.append(Sample(sid, t["input_ids"][start:end], mask, chain, folder / entry["file"], start))
     return samples
 
 

@@ -34,7 +34,7 @@ def main(params, prompts, draft_folder, report, positions, decoded, timings):
     tokenizer = target.load_tokenizer(folder)
     prompt_list = evaluate.load_prompts(prompts, tokenizer, cfg.target.chat_template_kwargs)[:p.limit]
     with runtime.start(cfg.runtime.device) as rt:
-        model = target.load_model(folder).to(rt.device)
+        model = runtime.load_target(folder, "float32", rt, cfg.runtime.device_map)
         drafter = evaluate.load_drafter(draft_folder, model)
         metrics = evaluate.run(prompt_list, model, drafter, target.stop_ids(folder, tokenizer), p, rt)
     if rt.is_main:

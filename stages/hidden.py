@@ -28,7 +28,7 @@ def main(params, seq_folder, out, report, timings, cache):
         return
     with runtime.start(cfg.runtime.device) as rt:
         dtype = runtime.compute_dtype(cfg.hidden.compute_dtype, rt.device)
-        model = target.load_model(folder, dtype).to(rt.device)
+        model = runtime.load_target(folder, dtype, rt, cfg.runtime.device_map)
         rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
     if rt.is_main:
         cli.publish(rep, report, timings)

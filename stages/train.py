@@ -32,7 +32,7 @@ def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkp
     with runtime.start(cfg.runtime.device) as rt:
         if cfg.train.features == "online":
             dtype = runtime.compute_dtype(cfg.hidden.compute_dtype, rt.device)
-            feats = train.Online(seq_folder, target.load_model(folder, dtype).to(rt.device), cfg.hidden)
+            feats = train.Online(seq_folder, runtime.load_target(folder, dtype, rt, cfg.runtime.device_map), cfg.hidden)
         else:
             feats = train.Stored(hidden_folder)
         fp = train.fingerprint(feats, cfg.train, target.fingerprint(folder))

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from eaglepipe import config, runtime, sequences
+from eaglepipe import config, hidden, runtime, sequences, shards
 from eaglepipe.testing.e2e import ranks_of
 from eaglepipe.errors import UserError
 
@@ -66,6 +66,26 @@ def test_the_launcher_refuses_a_bad_process_count(monkeypatch):
         runtime.launch(["stages/hidden.py"])
 
 
+def test_the_target_loads_onto_its_device_or_spread_by_a_device_map(target_folder, model):
+    """runtime.load_target puts the target straight on the device, frozen; accelerate's device_map (auto, or module
+    by module) loads the same model, whose states are the plain load's. Only one CPU here: the map cannot spread the
+    layers over devices, so this proves the loading path and the states, not a split across GPUs."""
+    from eaglepipe import hidden
+
+    ids, layers = torch.tensor([[1, 504, 3821, 30, 12, 7]]), [2, 15, 27]
+    want = hidden.forward_states(model, ids, layers)
+    by_module = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                 "lm_head": "cpu"}
+    for device_map in (None, "auto", by_module):
+        loaded = runtime.load_target(target_folder, "float32", runtime.Runtime(), device_map)
+        assert loaded.device == torch.device("cpu") and not any(p.requires_grad for p in loaded.parameters())
+        for got, expected in zip(hidden.forward_states(loaded, ids, layers), want):
+            assert torch.equal(got, expected), device_map
+        del loaded
+    with pytest.raises(UserError, match="this job runs 2 processes"):
+        runtime.load_target(target_folder, "float32", runtime.Runtime(world=2), "auto")
+
+
 # ------------------------------------------------------------------------------- the hidden stage, 1 and 2 processes
 SHARD_TOKENS = 150  # about 25 shards of 150 tokens: several per rank, each long enough to be killed in the middle
 
@@ -82,7 +102,7 @@ def make_project(folder: Path) -> Path:
                       [0] * prompt + [1] * (length - prompt)))
     train = items[:-4]
     for at in (1, 5):
-        train.insert(at, (f"poison{at}", "s", [1, 2, 10**6, 4, 5], [0, 0, 1, 1, 1]))
+        train.insert(at, (f"poison{at}", "s", [1, 2, 10**6 + at, 4, 5], [0, 0, 1, 1, 1]))  # two contents
     sequences.write(folder / "seq", {"train": train, "valid": items[-4:]}, shard_tokens=10_000, policy={})
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["hidden"] = {"layers": "auto", "dtype": "bfloat16", "batch_tokens": 256, "shard_tokens": SHARD_TOKENS,
@@ -123,8 +143,8 @@ def reference(tmp_path_factory):
     files = published(project / "world1")
     assert len([f for f in files if f.endswith(".safetensors")]) >= 10
     failed = [json.loads(line) for line in files["failures.jsonl"].splitlines()]
-    assert [(f["id"], f["shard"]) for f in failed] == [("poison1", "train-00000.safetensors"),
-                                                       ("poison5", "train-00003.safetensors")]
+    order = shards.files(project / "world1")  # the shards in the plan's order, which the ranks share round-robin
+    assert [(f["id"], order.index(f["shard"])) for f in failed] == [("poison1", 0), ("poison5", 3)]
     return project, files
 
 
@@ -163,7 +183,9 @@ def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
     agent = subprocess.Popen(hidden_cmd(project, "killed", 2), cwd=ROOT, env=env(2), stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not list(cache.glob("*/train-00001.safetensors")):  # rank 1's first shard (shards go round-robin)
+    plan = json.loads(next((project / "world1-cache").glob("*/plans/*.json")).read_text())  # the same plan
+    first_of_rank_1 = hidden.shard_name(plan[1])  # shards go round-robin
+    while not list(cache.glob(f"*/{first_of_rank_1}")):
         assert agent.poll() is None and time.monotonic() < deadline, agent.stderr.read()[-3000:]
         time.sleep(0.02)
     os.kill(ranks_of(agent.pid)[1], signal.SIGKILL)

@@ -1,12 +1,13 @@
 """hidden: layer convention against a bare forward, final = the normed state lm_head reads, bf16 storage, the
-published files' size, published data free of the run's fingerprint, resume after an interruption, and no reuse
-across different inputs or params."""
+published files' size, published data free of the run's fingerprint, resume after an interruption, reuse by content
+(more data computes only the new sequences, whatever merge's order), and no reuse across different params."""
 import json
 
 import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from eaglepipe import config, features, hidden, sequences, shards
 from eaglepipe.errors import UserError
@@ -53,26 +54,37 @@ def test_index_format_and_dtypes(extracted, model):
     for split in ("train", "valid"):
         assert set(index[split]) == {"shards", "samples", "tokens"}
         for shard in index[split]["shards"]:
-            assert set(shard) == {"file", "samples", "tokens", "ids"}
-    shard, t = next(shards.read_shards(tmp / "out", "train"))
+            assert set(shard) == {"file", "samples", "tokens", "ids", "rows"}
+    shard = index["train"]["shards"][0]
+    t = load_file(str(tmp / "out" / shard["file"]))
     assert t["input_ids"].dtype == torch.int32 and t["loss_mask"].dtype == torch.uint8
     assert t["offsets"].dtype == torch.int64 and t["aux"].dtype == torch.bfloat16 and t["final"].dtype == torch.bfloat16
     assert t["aux"].shape == (shard["tokens"], 3 * H) and t["final"].shape == (shard["tokens"], H)
     assert t["top"].dtype == torch.int32 and t["top"].shape == (shard["tokens"],)
-    assert not list((tmp / "cache").glob(f"{rep['run']['fingerprint']}*")), "the work folder is moved, not copied"
+    # published as hard links to the store's shards: no copy
+    store = tmp / "cache" / rep["run"]["fingerprint"]
+    for f in shards.files(tmp / "out"):
+        assert (tmp / "out" / f).stat().st_ino == (store / f).stat().st_ino
 
 
 def test_published_files_hold_no_fingerprint(extracted):
     """The run's fingerprint (a hash of the code, among others) is in the run report only: no published byte
-    depends on it."""
+    depends on it. A shard's metadata holds its samples' content keys and its failures, nothing else."""
     tmp, _, rep = extracted
     fp = rep["run"]["fingerprint"]
     files = sorted((tmp / "out").iterdir())
     assert len(files) > 2 and all(fp.encode() not in f.read_bytes() for f in files)
+    keys = {hidden.sequence_key(s["input_ids"], s["loss_mask"]) for split in ("train", "valid")
+            for s in features.read(tmp / "out", split)}
+    stored = set()
     for f in files:
         if f.suffix == ".safetensors":
             with safe_open(str(f), framework="pt") as st:
-                assert st.metadata() is None
+                meta = st.metadata()
+            content = json.loads(meta["content"])
+            assert set(meta) == {"content"} and set(content) == {"keys", "failed"} and content["failed"] == []
+            stored |= set(content["keys"])
+    assert stored == keys
 
 
 def test_ids_and_mask_are_the_sequences(extracted):
@@ -136,7 +148,7 @@ def test_published_size_is_8H_bytes_per_token_plus_ids_mask_top_offsets_and_head
     assert rep["tokens"] == rep["run"]["computed_tokens"] and rep["run"]["tokens_per_s"] > 0
 
 
-def test_resume_keeps_finished_shards_and_a_changed_input_reuses_nothing(tmp_path, model, monkeypatch):
+def test_resume_keeps_finished_shards_and_a_changed_param_reuses_nothing(tmp_path, model, monkeypatch):
     make_sequences(tmp_path / "seq")
     real = hidden.extract_shard
     calls = []
@@ -150,34 +162,49 @@ def test_resume_keeps_finished_shards_and_a_changed_input_reuses_nothing(tmp_pat
     monkeypatch.setattr(hidden, "extract_shard", interrupted)
     with pytest.raises(KeyboardInterrupt):
         hidden.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "model-fp", tmp_path / "cache")
-    (work,) = list((tmp_path / "cache").iterdir())
-    kept = {p.name: p.stat().st_mtime_ns for p in work.glob("*.safetensors")}
+    (store,) = list((tmp_path / "cache").iterdir())
+    kept = {p.name: p.stat().st_mtime_ns for p in store.glob("shard-*.safetensors")}
     assert len(kept) == 2 and not (tmp_path / "out").exists()
     monkeypatch.setattr(hidden, "extract_shard", real)
     rep = hidden.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "model-fp", tmp_path / "cache")
     assert rep["run"]["reused_shards"] == 2 and rep["run"]["computed_shards"] >= 1
-    assert rep["run"]["fingerprint"] == work.name
+    assert rep["run"]["fingerprint"] == store.name
     for name, mtime in kept.items():
-        assert (tmp_path / "out" / name).stat().st_mtime_ns == mtime  # moved, not rewritten
+        assert (tmp_path / "out" / name).stat().st_mtime_ns == mtime  # linked, not rewritten
     published = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    # an uninterrupted run from an empty store publishes the same bytes as the resumed one
+    fresh = hidden.run(tmp_path / "seq", tmp_path / "out2", model, PARAMS, "model-fp", tmp_path / "cache2")
+    assert fresh["run"]["fingerprint"] == rep["run"]["fingerprint"] and fresh["run"]["reused_shards"] == 0
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out2").iterdir()} == published
+    # a param that changes the states gets a store of its own; shard_tokens (the grouping alone) does not
+    other = hidden.run(tmp_path / "seq", tmp_path / "out3", model,
+                       config.Hidden(**{**PARAMS.model_dump(), "batch_tokens": 32}), "model-fp", tmp_path / "cache")
+    assert other["run"]["reused_sequences"] == 0 and other["run"]["fingerprint"] != rep["run"]["fingerprint"]
+    regrouped = hidden.run(tmp_path / "seq", tmp_path / "out4", model,
+                           config.Hidden(**{**PARAMS.model_dump(), "shard_tokens": 1000}), "model-fp", tmp_path / "cache")
+    assert regrouped["run"]["computed_tokens"] == 0 and regrouped["run"]["fingerprint"] == rep["run"]["fingerprint"]
 
-    # an interrupted run on other inputs (or params) leaves shards that a different fingerprint never touches
-    monkeypatch.setattr(hidden, "extract_shard", interrupted)
-    calls.clear()
-    with pytest.raises(KeyboardInterrupt):
-        hidden.run(tmp_path / "seq", tmp_path / "out2", model, PARAMS, "model-fp", tmp_path / "cache")
-    monkeypatch.setattr(hidden, "extract_shard", real)
-    make_sequences(tmp_path / "seq", seed=1)  # changed input
-    rep2 = hidden.run(tmp_path / "seq", tmp_path / "out2", model, PARAMS, "model-fp", tmp_path / "cache")
-    assert rep2["run"]["reused_shards"] == 0 and rep2["run"]["fingerprint"] != rep["run"]["fingerprint"]
-    rep3 = hidden.run(tmp_path / "seq", tmp_path / "out3", model,
-                      config.Hidden(**{**PARAMS.model_dump(), "batch_tokens": 32}), "model-fp", tmp_path / "cache")
-    assert rep3["run"]["reused_shards"] == 0 and rep3["run"]["fingerprint"] != rep2["run"]["fingerprint"]
-    # and an uninterrupted run publishes the same bytes as the resumed one
-    make_sequences(tmp_path / "seq", seed=0)
-    fresh = hidden.run(tmp_path / "seq", tmp_path / "out4", model, PARAMS, "model-fp", tmp_path / "cache2")
-    assert fresh["run"]["fingerprint"] == rep["run"]["fingerprint"]
-    assert {p.name: p.read_bytes() for p in (tmp_path / "out4").iterdir()} == published
+
+def test_more_data_computes_only_the_new_sequences_whatever_merges_order(tmp_path, model):
+    """The issue's case: a source's n raised by 10% (20 sequences, then 22), merge reshuffling every shard and moving
+    samples between shards: hidden computes the 2 new sequences' tokens alone and publishes every other sequence's
+    states exactly as the first run stored them."""
+    items = make_sequences(tmp_path / "unused", n=22)
+    base, grown = items[:20], list(reversed(items))  # another order, other shard boundaries
+    sequences.write(tmp_path / "seq1", {"train": base[:-2], "valid": base[-2:]}, shard_tokens=90, policy={})
+    sequences.write(tmp_path / "seq2", {"train": grown[:-3], "valid": grown[-3:]}, shard_tokens=70, policy={})
+    first = hidden.run(tmp_path / "seq1", tmp_path / "out1", model, PARAMS, "fp", tmp_path / "cache")
+    second = hidden.run(tmp_path / "seq2", tmp_path / "out2", model, PARAMS, "fp", tmp_path / "cache")
+    new = items[20:]
+    assert first["run"]["computed_sequences"] == 20 and first["tokens"] == sum(len(i[2]) for i in base)
+    assert second["run"]["computed_sequences"] == 2 and second["run"]["reused_sequences"] == 20
+    assert second["run"]["computed_tokens"] == sum(len(i[2]) for i in new)
+    before = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp_path / "out1", split)}
+    after = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp_path / "out2", split)}
+    assert sorted(after) == sorted(i[0] for i in items)
+    assert [s["id"] for s in features.read(tmp_path / "out2", "train")] == [i[0] for i in grown[:-3]]  # merge's order
+    for rid, s in before.items():
+        assert all(torch.equal(after[rid][name], s[name]) for name in s if name != "id"), rid
 
 
 def test_a_poison_sequence_is_left_out_and_its_batch_mates_are_kept(tmp_path, model):
