@@ -37,9 +37,10 @@ def replicate(hidden: Path, out: Path, times: int) -> int:
         entries = []
         for c in range(times):
             for entry in index[split]["shards"]:
-                name = f"c{c}-{entry['file']}"
-                os.symlink(hidden.resolve() / entry["file"], out / name)
-                size += (hidden / entry["file"]).stat().st_size
+                name = f"c{c}-{entry['file']}"  # an entry may name a file another entry names too (shards.py)
+                if not (out / name).exists():
+                    os.symlink(hidden.resolve() / entry["file"], out / name)
+                    size += (hidden / entry["file"]).stat().st_size
                 ids = [rid if c == 0 else rid.replace(".", f"x{c}.", 1) if "." in rid else f"{rid}x{c}"
                        for rid in entry["ids"]]
                 entries.append({**entry, "file": name, "ids": ids})

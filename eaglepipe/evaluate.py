@@ -3,8 +3,8 @@ prompts, interleaved prompt by prompt in each process (so the speeds are measure
 losslessness check against plain greedy for every prompt. See speculative.py for the loops and the definitions.
 
 Under torchrun (runtime.py) rank r of W decodes prompts r, r + W, ..; the counts of every prompt are gathered and
-added up in prompt order, so every figure but the speeds is the same at any number of processes (the speeds are each
-process's own, added over its prompts)."""
+added up in prompt order, so every figure but the speeds is the same at any number of processes of the same thread
+count (``evaluate.threads``; the speeds are tokens over the seconds every process spent)."""
 from __future__ import annotations
 
 import logging

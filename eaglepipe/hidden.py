@@ -9,9 +9,10 @@ transformers versions, not the sequences. A shard's safetensors metadata (``cont
 samples' keys and the sequences that failed in it, so the store is its own index. A run computes the sequences whose key no shard holds:
 adding 2% more data computes 2% of the states, whatever the order, split or shard layout merge gives the data.
 
-A run: the missing sequences (unique keys, in the order of ``data/sequences``) are planned into shards of at most
-``hidden.shard_tokens`` tokens, and the plan is saved under the sequences' hash (``plans/``), so a run interrupted and
-resumed on the same sequences computes the same shards. Each shard's samples are sorted by length and batched with
+A run (rank 0 holding the store's lock file: one run per store at a time): the missing sequences (unique keys, in the
+order of ``data/sequences``) are planned into shards of at most ``hidden.shard_tokens`` tokens, and the plan is saved
+under the sequences' hash and ``shard_tokens`` (``plans/``), so a run interrupted and resumed on the same sequences
+computes the same shards (a plan whose unfinished shards no longer hold exactly the missing keys is made anew). Each shard's samples are sorted by length and batched with
 right padding up to ``hidden.batch_tokens`` tokens (rows x longest) per forward pass, no attention mask needed (causal
 attention never looks at the padding on the right). The base model runs without ``lm_head`` and keeps only the
 selected hidden states; the head then runs on the real rows only, in blocks, for ``top``. A shard is named by the hash
@@ -19,7 +20,7 @@ of its keys and written atomically: one that exists is finished. Storage is 8·H
 bf16 (3·H aux + H final), plus 9 bytes of ids, mask and ``top``.
 
 Publish: ``data/hidden`` gets the shards its sequences use as hard links to the store's files (a copy where the
-filesystem cannot link: DVC's cache, linked the same way, then adds no disk either; README) and an index whose
+filesystem cannot link; DVC does not cache the folder, so the states take their disk once: README) and an index whose
 entries name, in the order of ``data/sequences``, which row of which shard each sample is (``shards.py``). A
 sequence reused from an earlier run keeps the states it got in the batch it was computed in; a batch of other shapes
 can round a few values differently, so the published bytes depend on which sequences were computed together (a run
@@ -34,6 +35,8 @@ world size computes the rest.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -149,8 +152,9 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
         try:
             a, f = forward_states(model, ids, layers)
         except (RuntimeError, ValueError, IndexError, MemoryError) as e:  # torch's OutOfMemoryError included
-            if len(batch) == 1:
-                reason = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            if len(batch) == 1:  # the reason is stored: no device name or free memory in it (a shard's bytes)
+                reason = type(e).__name__ if isinstance(e, (torch.OutOfMemoryError, MemoryError)) else \
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
                 log.warning("hidden: sequence %s (%d tokens) fails alone, left out: %s", samples[batch[0]][0],
                             lengths[batch[0]], reason)
                 failed.append({"id": samples[batch[0]][0], "tokens": lengths[batch[0]], "reason": reason})
@@ -188,41 +192,75 @@ def skip(out) -> dict:
     return {"skipped": SKIPPED, "samples": 0, "tokens": 0, "run": {"computed_tokens": 0}}
 
 
+@contextlib.contextmanager
+def locked(store: Path, rt: runtime.Runtime):
+    """Rank 0 holds ``store``'s lock file for the run: a second run on the same store (another ``dvc exp run``,
+    worktree or job) waits instead of deleting the first one's files in flight."""
+    if not rt.is_main:
+        yield
+        return
+    store.mkdir(parents=True, exist_ok=True)
+    with open(store / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("hidden: another run holds %s; waiting for it", store / ".lock")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def make_plan(store: Path, plan_path: Path, seqs: dict, shard_tokens: int) -> list[list[str]]:
+    """The shards to compute: the saved plan of these sequences when its unfinished shards hold exactly the keys the
+    store lacks (a resumed run), else a new one of those keys, in the sequences' order, saved."""
+    held, failed = scan(store)
+    todo = {}
+    for key, ids in ((key, ids) for split in seqs.values() for _rid, ids, _mask, key in split):
+        if key not in held and key not in failed:
+            todo.setdefault(key, len(ids))
+    if plan_path.exists():
+        plan = json.loads(plan_path.read_text())
+        if {k for keys in plan if not (store / shard_name(keys)).exists() for k in keys} == set(todo):
+            return plan
+    keys = list(todo)
+    plan = [keys[a:b] for a, b in shards.plan(list(todo.values()), shard_tokens)]
+    write_json(plan_path, plan)
+    return plan
+
+
 def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.Runtime = runtime.Runtime()) -> dict:
     """Publish the hidden states of every split of ``seq_folder`` into ``out``, computing those the store lacks;
     return the run report (the same on every rank). ``params``: the ``hidden`` section (config.Hidden); ``rt``: this
     process's rank and world (runtime.py)."""
+    store = Path(cache_root) / fingerprint(params.tracked(), features.layer_ids(
+        params.layers, text_config(model.config).num_hidden_layers), model_fp, str(model.dtype))
+    with locked(store, rt):
+        return _run(seq_folder, out, model, params, store, rt)
+
+
+def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> dict:
     seq_folder, out = Path(seq_folder), Path(out)
     cfg = text_config(model.config)
     layers = features.layer_ids(params.layers, cfg.num_hidden_layers)
     dtype_name = params.dtype
     dtype, H = DTYPES[dtype_name], cfg.hidden_size
-    fp = fingerprint(params.tracked(), layers, model_fp, str(model.dtype))
-    store = Path(cache_root) / fp
+    fp = store.name
     seq_index = shards.load_index(seq_folder)
     seqs = {split: [(rid, ids, mask, sequence_key(ids, mask)) for rid, _source, ids, mask in
                     sequences.read(seq_folder, split)] for split in shards.SPLITS if split in seq_index}
-    plan_path = store / "plans" / f"{shards.dataset_hash(seq_folder)[:32]}.json"
+    plan_path = store / "plans" / f"{shards.dataset_hash(seq_folder)[:32]}-{params.shard_tokens}.json"
     if rt.is_main:
-        (store / "plans").mkdir(parents=True, exist_ok=True)
-        for stale in store.glob("**/*.tmp*"):  # a file being written when the last run stopped
+        for stale in store.glob("**/*.tmp*"):  # a file being written when the last run stopped (the lock: no other)
             if stale.is_dir():
                 shutil.rmtree(stale)
             else:
                 stale.unlink()
-        held, failed = scan(store)
-        if not plan_path.exists():  # kept, so that a resumed run computes the very shards it planned
-            todo = {}
-            for key, ids in ((key, ids) for split in seqs.values() for _rid, ids, _mask, key in split):
-                if key not in held and key not in failed:
-                    todo.setdefault(key, len(ids))
-            keys = list(todo)
-            write_json(plan_path, [keys[a:b] for a, b in shards.plan(list(todo.values()), params.shard_tokens)])
+        make_plan(store, plan_path, seqs, params.shard_tokens)
     rt.barrier()  # the plan is written before any rank reads it
     plan = json.loads(plan_path.read_text())
     before = {p.name for p in store.glob("shard-*.safetensors")}
     by_key = {key: (rid, ids, mask) for split in seqs.values() for rid, ids, mask, key in split}
     missing = [keys for keys in plan if shard_name(keys) not in before]
+    rt.barrier()  # every rank has listed the finished shards before any is written
     computed_tokens, elapsed = 0, 0.0
     for keys in missing[rt.rank::rt.world]:
         start = time.perf_counter()
@@ -275,7 +313,7 @@ def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.R
         for f in used:
             try:
                 os.link(store / f, work / f)
-            except OSError:  # another filesystem
+            except OSError:  # a filesystem without hard links, or a file linked too often
                 shutil.copy2(store / f, work / f)
         if failures:
             write_jsonl(work / "failures.jsonl", failures)

@@ -133,9 +133,11 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore ``rng_state``'s states: the CPU's, and those of the GPUs this process sees (a run resumed on fewer GPUs
+    restores the first ones; on none, only the CPU's)."""
     torch.set_rng_state(state["cpu"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    for i, cuda in enumerate(state["cuda"][:torch.cuda.device_count() if torch.cuda.is_available() else 0]):
+        torch.cuda.set_rng_state(cuda, i)
 
 
 def launch(argv: list[str]) -> None:

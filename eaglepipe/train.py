@@ -32,7 +32,7 @@ the draft vocabulary are then a bf16 matmul too (of the bf16-stored ``final``; s
 Features (``train.features``): ``offline`` reads them from ``data/hidden`` (``Stored``); ``online`` runs the frozen
 target inside the trainer on ``data/sequences`` (``Online``): each batch's states are computed by the hidden stage's
 own extraction (``hidden.extract_shard``: the ``hidden`` params' layers, compute dtype, storage rounding and argmax),
-so the drafter trains on what hidden would have stored, and nothing is written.
+and nothing is written: the computation hidden would store, in other batches (a value may round differently).
 Streaming: either way the ids and loss masks of every sample stay in memory (5 bytes a token; both folders store them
 alike, ``shards.py``) and a batch's states are read, or computed, when it is collated, so memory does not grow with the
 data. The draft vocabulary is counted from the ids alone.
@@ -51,7 +51,7 @@ writes the checkpoints and the outputs.
 Checkpoints (``<checkpoints>/state.pt``, written atomically every ``checkpoint_every`` steps and at each epoch's end):
 model, optimizer, schedule, torch RNG, data position (epoch, global batch within it), per-epoch history and the running
 sums of the current epoch over every rank: nothing that depends on the number of processes, so a run checkpointed at
-one world size resumes at another. Tensors and plain data only, loaded with ``weights_only=True`` (no unpickling of arbitrary
+one world size resumes at another (bit for bit at the same world size). Tensors and plain data only, loaded with ``weights_only=True`` (no unpickling of arbitrary
 objects, so a state file shared or copied from elsewhere cannot run code). Batches are a pure function of (seed,
 epoch), so a resumed run replays exactly the remaining batches and ends bit-for-bit where an uninterrupted run ends.
 """
@@ -70,7 +70,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -478,6 +477,9 @@ def run(feats, target_folder, params, checkpoints, keep=None, rt: runtime.Runtim
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, total_steps))
 
     path = Path(checkpoints) / "state.pt"
+    if rt.is_main:
+        for stale in path.parent.glob(f"{path.name}.tmp*"):  # a checkpoint being written when a run was killed
+            stale.unlink()
     epoch, batch_pos, history, running = 0, 0, [], torch.zeros(steps, 4)  # running: this rank's sums
     if path.exists():
         try:  # tensors and plain data only: a state file from elsewhere cannot run code

@@ -22,11 +22,12 @@ def main(params, seq_folder, out, report, timings, cache):
     cfg = cli.params(params)
     folder = target.resolve(cfg.target.model)
     compat.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
-    if cfg.train.features == "online":
-        cli.publish(hidden.skip(out), report, timings)
-        logging.info("hidden: %s", hidden.SKIPPED)
-        return
     with runtime.start(cfg.runtime.device) as rt:
+        if cfg.train.features == "online":
+            if rt.is_main:
+                cli.publish(hidden.skip(out), report, timings)
+                logging.info("hidden: %s", hidden.SKIPPED)
+            return
         dtype = runtime.compute_dtype(cfg.hidden.compute_dtype, rt.device)
         model = runtime.load_target(folder, dtype, rt, cfg.runtime.device_map)
         rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)

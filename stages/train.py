@@ -1,7 +1,9 @@
 """train: the EAGLE-3 drafter on the target's stored hidden states, with training-time test (eaglepipe/train.py);
-writes a checkpoint SGLang and vLLM load as it is (eaglepipe/draft.py). Checkpointed as it goes: a rerun resumes
-exactly, at any number of processes. Runs as one process or under torchrun (DDP; eaglepipe/runtime.py)."""
+writes a checkpoint SGLang and vLLM load as it is (eaglepipe/draft.py). Checkpointed as it goes: a rerun resumes,
+at any number of processes (exactly at the same number). Runs as one process or under torchrun (DDP; eaglepipe/runtime.py)."""
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import click
@@ -35,10 +37,14 @@ def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkp
             feats = train.Online(seq_folder, runtime.load_target(folder, dtype, rt, cfg.runtime.device_map), cfg.hidden)
         else:
             feats = train.Stored(hidden_folder)
-        fp = train.fingerprint(feats, cfg.train, target.fingerprint(folder))
+        fp = rt.gather(train.fingerprint(feats, cfg.train, target.fingerprint(folder)) if rt.is_main else None)[0]
         model, report, history = train.run(feats, folder, cfg.train, Path(checkpoints or CACHE / "train" / fp), rt=rt)
-    if rt.is_main:
-        draft.save(model, out)
+    if rt.is_main:  # into a new folder renamed into place: DVC's cache files (hard links) are never written into
+        tmp = Path(f"{out}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        draft.save(model, tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
         cli.publish(report, metrics, timings)
         write_json(plots, history)
         logging.info("drafter in %s; valid acc %s", out, report["valid"])

@@ -56,6 +56,9 @@ def test_rng_state_restores_cpu_draws():
     first = torch.rand(4)
     runtime.set_rng_state(state)
     assert torch.equal(torch.rand(4), first)
+    if not torch.cuda.is_available():  # a checkpoint from 8 GPUs resumed where fewer (here none) are seen
+        runtime.set_rng_state({**state, "cuda": [torch.zeros(16, dtype=torch.uint8)] * 8})
+        assert torch.equal(torch.rand(4), first)
     runtime.seed(4)
     assert not torch.equal(torch.rand(4), first)
 
@@ -198,6 +201,17 @@ def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
 
     run_hidden(project, "killed", 2)
     assert published(project / "killed") == files
+
+    # online training: at world 2, rank 0 alone publishes the index that says hidden extracted nothing
+    online = yaml.safe_load((project / "params.yaml").read_text())
+    online["train"] = {**online["train"], "features": "online"}
+    (project / "online.yaml").write_text(yaml.safe_dump(online))
+    args = hidden_cmd(project, "online", 2)
+    args[args.index("--params") + 1] = str(project / "online.yaml")
+    out = subprocess.run(args, cwd=ROOT, env=env(2), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [p.name for p in (project / "online").iterdir()] == ["index.json"]
+    assert "skipped" in json.loads((project / "online.json").read_text())
     timings = json.loads((project / "killed-timings.json").read_text())
     assert timings["reused_shards"] == len(kept) and timings["computed_shards"] == total - len(kept)
     for name, mtime in kept.items():  # reused as they were, not rewritten

@@ -205,6 +205,25 @@ def test_more_data_computes_only_the_new_sequences_whatever_merges_order(tmp_pat
     assert [s["id"] for s in features.read(tmp_path / "out2", "train")] == [i[0] for i in grown[:-3]]  # merge's order
     for rid, s in before.items():
         assert all(torch.equal(after[rid][name], s[name]) for name in s if name != "id"), rid
+    # a shard deleted from the store (to reclaim disk, or to retry a failed sequence): its sequences are computed anew
+    (store,) = (tmp_path / "cache").iterdir()
+    gone = shards.files(tmp_path / "out1")[0]
+    (store / gone).unlink()
+    again = hidden.run(tmp_path / "seq2", tmp_path / "out3", model, PARAMS, "fp", tmp_path / "cache")
+    lost = next(e for e in shards.load_index(tmp_path / "out1")["train"]["shards"] if e["file"] == gone)
+    assert again["run"]["computed_sequences"] >= lost["samples"] and again["samples"] == 22
+
+
+def test_one_run_at_a_time_holds_a_store(tmp_path):
+    import fcntl
+
+    from eaglepipe import runtime
+
+    with hidden.locked(tmp_path / "store", runtime.Runtime()):
+        with open(tmp_path / "store" / ".lock", "w") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / "store" / ".lock", "w") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released at the end of the run
 
 
 def test_a_poison_sequence_is_left_out_and_its_batch_mates_are_kept(tmp_path, model):

@@ -290,7 +290,11 @@ def test_e2e_train_at_world_2_matches_world_1(data, tmp_path):
     plans = [train.plan_batches(lengths, params.batch_tokens, params.seed, e) for e in range(params.epochs)]
     assert {1, 2} <= {min(len(b), 2) for plan in plans for b in plan}  # both kinds of batch are trained
     one, report, history = train.run(data / "hidden", data / "target", params, tmp_path / "one")
+    (tmp_path / "draft").mkdir()  # an earlier output whose file is a hard link into DVC's cache
+    (tmp_path / "cached").write_bytes(b"a cached object")
+    os.link(tmp_path / "cached", tmp_path / "draft" / "model.safetensors")
     two, two_history = finished(data, params, tmp_path, world=2)
+    assert (tmp_path / "cached").read_bytes() == b"a cached object"  # the stage wrote new files, not into it
     assert_close_runs(two, one, two_history, history)
     assert two_history[-1]["loss"] < two_history[0]["loss"]
     # Adam's moments hold the gradients' scale, which its steps hide: the ranks' mean is the whole batch's gradient
