@@ -186,7 +186,9 @@ def stage(data, params, folder, world: int = 1, name: str = "draft") -> subproce
             "--hidden", str(data / "hidden"), "--sequences", str(data / "unused"), "--out", str(folder / name), "--metrics", str(folder / f"{name}.json"),
             "--plots", str(folder / f"{name}-plots.json"), "--timings", str(folder / f"{name}-timings.json"),
             "--checkpoints", str(folder / "checkpoints")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", EAGLEPIPE_NPROC=str(world))
+    env = dict(os.environ, EAGLEPIPE_NPROC=str(world))
+    if world > 1:  # one thread per process; one process keeps this one's thread count (a resume must match it)
+        env["OMP_NUM_THREADS"] = "1"
     with open(folder / f"{name}.log", "wb") as log:
         return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=log)
 
