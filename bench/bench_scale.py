@@ -13,14 +13,14 @@ import time
 import click
 import torch
 
-from eaglepipe import config, evaluate, speculative, target, train
+from eaglepipe import benchmarks, chat, config, speculative, target, train
 from eaglepipe.records import prompt_of, sample_of
 
 
 def acceptance(model, drafter, prompts, stops, p) -> float:
     stats = speculative.Stats()
-    for prompt in prompts:
-        speculative.speculative(model, drafter, prompt["ids"], p.max_new_tokens, stops, p.num_steps, stats)
+    for ids in prompts:
+        speculative.speculative(model, drafter, ids, p.max_new_tokens, stops, p.num_steps, stats)
     return stats.acceptance_length
 
 
@@ -35,7 +35,8 @@ def main(params, hidden_folder, prompts_path, answers, half_prompts):
     folder = target.resolve(cfg.target.model)
     tokenizer, model = target.load_tokenizer(folder), target.load_model(folder)
     p = cfg.evaluate
-    prompts = evaluate.load_prompts(prompts_path, tokenizer, cfg.target.chat_template_kwargs)
+    prompts = [chat.prompt_ids(tokenizer, c.messages, c.tools, cfg.target.chat_template_kwargs)
+               for c in benchmarks.heldout(prompts_path)]
     stops = target.stop_ids(folder, tokenizer)
     sizes = [("1 answer, half the prompts", lambda rid: sample_of(rid) == 0 and
               int(prompt_of(rid), 16) % 2 == 0)] if half_prompts else []

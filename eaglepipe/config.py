@@ -122,6 +122,9 @@ class Prepare(Section):
     on_error: Literal["fail", "skip"] = Field("fail", description="a broken record stops the stage (fail) or is "
                                               "counted by reason in metrics/prepare.json and skipped (skip)")
     sources: list[Source] = Field(min_length=1, description="the prompt sources, mixed by quota")
+    exclude_benchmarks: bool = Field(True, description="keep out of training every record with a user turn that is "
+                                     "a benchmark prompt, whitespace aside (MT-bench, HumanEval, the held-out file); "
+                                     "counted as benchmark")
 
     @field_validator("sources")
     @classmethod
@@ -179,6 +182,10 @@ class Infer(Section):
     samples: int = Field(3, ge=1, description="answers per prompt (record ids <prompt id>, <prompt id>.1, ...); more "
                          "than one needs temperature > 0")
     max_new_tokens: int = Field(128, ge=1, description="longest answer, in tokens")
+    turns: Literal["last", "all"] = Field("last", description="last: answer each prompt's last turn, the dataset's "
+                                          "earlier answers as context | all: answer every assistant turn in order, "
+                                          "each in the context of the target's own earlier answers (record ids "
+                                          "<id>@1, <id>@2, ...; eaglepipe/turns.py)")
     temperature: float = Field(0.8, ge=0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     top_k: int = Field(-1, ge=-1, description="-1 = off")
@@ -270,12 +277,26 @@ class Ngram(Section):
     min: int = Field(1, ge=1, description="shortest")
 
 
+BENCHMARKS = ("heldout", "mtbench", "humaneval")  # evaluate's sets (eaglepipe/benchmarks.py), in decoding order
+
+
+class Benchmark(Section):
+    n: Union[int, None] = Field(None, ge=1, description="decode a seeded sample of N of the set's prompts, spread "
+                                "evenly over its categories (null = all)")
+    seed: int = Field(0, description="the sample's seed")
+
+
 class Evaluate(Section):
+    benchmarks: dict[Literal[BENCHMARKS], Benchmark] = Field(
+        {"heldout": Benchmark()}, min_length=1, description="the sets to decode, each {n, seed}: heldout (evaluate's "
+        "--prompts file), mtbench (80 two-turn questions; turn 2 follows the target's greedy answer to turn 1), "
+        "humaneval (164 problems)")
     num_steps: int = Field(3, ge=1, description="draft tokens per verification step (chain, top-k 1)")
-    max_new_tokens: int = Field(64, ge=1, description="tokens decoded per prompt")
+    max_new_tokens: int = Field(64, ge=1, description="tokens decoded per turn")
     ngram: Ngram = Field(Ngram(), description="prompt-lookup baseline")
     threads: int = speed(1, "torch threads for all three decoders (0 = torch's default)", ge=0)
-    limit: Union[int, None] = speed(None, "evaluate only the first N prompts (null = all; for quick runs)", ge=1)
+    limit: Union[int, None] = speed(None, "evaluate only the first N conversations of each benchmark's selection "
+                                    "(null = all; for quick runs)", ge=1)
 
 
 # ------------------------------------------------------------------------------------------------------------- serve

@@ -33,6 +33,18 @@ def split_ids(tokenizer, prompt_ids: list, output_ids: list, spec: Spec) -> tupl
     return text, split(text, spec, tail)
 
 
+def answer_message(tokenizer, prompt_ids: list, output_ids: list, spec: Spec, stops) -> dict:
+    """The assistant message a serving engine returns for an output, as the next turn's history holds it: the ids
+    without the trailing stop ids, decoded and split into ``content`` and ``reasoning_content`` (only when there is
+    reasoning)."""
+    end = len(output_ids)
+    while end and output_ids[end - 1] in stops:
+        end -= 1
+    _, part = split_ids(tokenizer, prompt_ids, output_ids[:end], spec)
+    return {"role": "assistant", "content": part.content} | (
+        {"reasoning_content": part.reasoning} if part.reasoning else {})
+
+
 def readable(tokenizer, prompt_ids: list, output_ids: list, spec: Spec) -> dict:
     """Every readable field of a record, derived from its ids: text, reasoning, content, reasoning_closed, and
     tool_calls (parsed from content for ``spec.tools``; a call that does not parse is an ``{"error", "raw"}`` entry,
@@ -48,7 +60,7 @@ def to_response(gen: Generation, tokenizer, spec: Spec, sampling: Sampling | Non
     f = readable(tokenizer, gen.prompt_ids, gen.output_ids, spec)
     return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, f["text"], f["reasoning"],
                     f["content"], f["reasoning_closed"], f["tool_calls"], sampling.to_json() if sampling else {},
-                    gen.meta, gen.sample)
+                    gen.meta, gen.sample, gen.turn)
 
 
 def mismatch(response, tokenizer, spec: Spec) -> str | None:

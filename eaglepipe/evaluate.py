@@ -1,42 +1,60 @@
-"""The evaluate run: plain greedy, EAGLE-3 speculative and prompt-lookup (n-gram) speculative decoding on the held-out
-prompts, interleaved prompt by prompt in each process (so the speeds are measured under the same conditions), with a
-losslessness check against plain greedy for every prompt. See speculative.py for the loops and the definitions.
+"""The evaluate run: plain greedy, EAGLE-3 speculative and prompt-lookup (n-gram) speculative decoding on every
+conversation of the chosen benchmarks (benchmarks.py), interleaved turn by turn in each process (so the speeds are
+measured under the same conditions), with a losslessness check against plain greedy for every turn. See
+speculative.py for the loops and the definitions.
 
-Under torchrun (runtime.py) rank r of W decodes prompts r, r + W, ..; the counts of every prompt are gathered and
-added up in prompt order, so every figure but the speeds is the same at any number of processes of the same thread
+A conversation's turns are decoded in order: turn k + 1's prompt is the chat so far with turn k's answer as a serving
+engine returns it for the plain greedy output (``Chat.answer``: the ids decoded without the stop token, reasoning
+split off as the target's reasoning format says), rendered by the target's chat template.
+
+Metrics (``run``), per benchmark, per category and, for a benchmark of several turns, per turn: acceptance length of
+the drafter and of the n-gram baseline, acceptance rate per draft position, verification steps, tokens, lossless.
+
+Under torchrun (runtime.py) rank r of W decodes conversations r, r + W, ..; the counts of every turn are gathered
+and added up in order, so every figure but the speeds is the same at any number of processes of the same thread
 count (``evaluate.threads``; the speeds are tokens over the seconds every process spent)."""
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import chat, draft, runtime, speculative
-from .records import read_jsonl
+from . import chat, derive, draft, runtime, speculative
+from .benchmarks import Conversation
 
 log = logging.getLogger(__name__)
 
 METHODS = ("plain", "eagle", "ngram")
 
 
-def load_prompts(path, tokenizer, template_kwargs: dict | None = None) -> list[dict]:
-    """[{"index", "category", "ids"}] from a JSONL file of OpenAI ``messages`` (optional ``tools``, ``category``)."""
-    prompts = []
-    for n, obj in read_jsonl(path):
-        messages = obj.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{path}:{n}: field 'messages' should be a non-empty list")
-        ids = chat.prompt_ids(tokenizer, messages, obj.get("tools"), template_kwargs)
-        prompts.append({"index": len(prompts), "category": str(obj.get("category", "all")), "ids": ids})
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts
+class Chat:
+    """The target's chat as a serving engine holds it: ``ids`` renders messages to prompt ids with the target's
+    template; ``answer`` is the assistant message an engine returns for an output (``derive.answer_message``)."""
+
+    def __init__(self, tokenizer, template_kwargs: dict, spec, stop_ids):
+        self.tokenizer, self.template_kwargs, self.spec, self.stops = tokenizer, template_kwargs, spec, set(stop_ids)
+
+    def ids(self, messages: list, tools: list | None = None) -> list[int]:
+        return chat.prompt_ids(self.tokenizer, messages, tools, self.template_kwargs)
+
+    def answer(self, prompt_ids: list, output_ids: list) -> dict:
+        return derive.answer_message(self.tokenizer, prompt_ids, output_ids, self.spec, self.stops)
 
 
-def first_difference(a: list, b: list) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+@dataclass
+class Turn:
+    """One decoded turn: its conversation, number (from 1), prompt ids, plain greedy output, the counts of each
+    method and the methods whose output differed from plain greedy (``speculative.first_difference``)."""
+    conversation: Conversation
+    index: int
+    turn: int
+    ids: list
+    output_ids: list
+    stats: dict
+    wrong: list
 
 
 def position_rows(rates: dict[str, list[float]]) -> list[dict]:
@@ -46,20 +64,77 @@ def position_rows(rates: dict[str, list[float]]) -> list[dict]:
             for method, per_position in rates.items() for i, r in enumerate(per_position)]
 
 
-def decoded_record(p: dict, output_ids: list, eagle: speculative.Stats, layers: list) -> dict:
-    """One line of the decoded file (``data/decoded``, read by the serve check, serve.py): the prompt's ids, the
-    plain greedy output ids and the EAGLE run's counts (verification steps, tokens they emitted, per draft position
-    the steps that proposed and that accepted a token) with the target layers the drafter read (HF indices)."""
-    return {"index": p["index"], "category": p["category"], "prompt_ids": p["ids"], "output_ids": output_ids,
+def decoded_record(t: Turn, layers: list) -> dict:
+    """One line of the decoded files (``data/decoded/<benchmark>.jsonl``, the held-out one read by the serve check,
+    serve.py): the turn's prompt ids, the plain greedy output ids and the EAGLE run's counts (verification steps,
+    tokens they emitted, per draft position the steps that proposed and that accepted a token) with the target
+    layers the drafter read (HF indices). ``index`` counts the benchmark's turns from 0."""
+    c, eagle = t.conversation, t.stats["eagle"]
+    return {"index": t.index, "id": c.id, "turn": t.turn, "category": c.category, "prompt_ids": t.ids,
+            "output_ids": t.output_ids,
             "eagle": {"steps": eagle.steps, "emitted": eagle.emitted, "proposed": eagle.proposed,
                       "accepted": eagle.accepted, "layers": list(layers)}}
 
 
-def run(prompts: list[dict], model, drafter_model, stop_ids, params, rt: runtime.Runtime = runtime.Runtime()) -> dict:
-    """Decode every prompt three ways (this rank's share of them); return the metrics of all of them, on every rank
-    (``lossless`` False lists the mismatches). ``positions`` holds the acceptance rate per draft position of
-    ``eagle`` and ``ngram`` as plot rows (``position_rows``), and ``decoded`` one ``decoded_record`` per prompt, each
-    for its own file: every other key is a metric."""
+def summary(turns: list[Turn]) -> dict:
+    """The figures of a group of turns: conversations and turns, acceptance length and rate per draft position of
+    the drafter and the baseline, verification steps, tokens, and lossless."""
+    totals = {m: speculative.Stats() for m in METHODS}
+    for t in turns:
+        for m in METHODS:
+            totals[m].merge(t.stats[m])
+    spec, base = totals["eagle"], totals["ngram"]
+    return {"prompts": len({(t.conversation.benchmark, t.conversation.id) for t in turns}), "turns": len(turns),
+            "tokens": totals["plain"].tokens, "lossless": not any(t.wrong for t in turns),
+            "acceptance_length": round(spec.acceptance_length, 4),
+            "baseline_acceptance_length": round(base.acceptance_length, 4),
+            "beats_baseline": spec.acceptance_length > base.acceptance_length,
+            "acceptance_rate_per_position": [round(r, 4) for r in spec.acceptance_rate],
+            "conditional_acceptance_rate_per_position": [round(r, 4) for r in spec.conditional_rate],
+            "baseline_acceptance_rate_per_position": [round(r, 4) for r in base.acceptance_rate],
+            "verification_steps": spec.steps}
+
+
+def speeds(turns: list[Turn]) -> dict:
+    """Seconds per method and tokens per second, for the timings file."""
+    totals = {m: speculative.Stats() for m in METHODS}
+    for t in turns:
+        for m in METHODS:
+            totals[m].merge(t.stats[m])
+    plain = totals["plain"].tokens_per_s
+    return {"seconds": {m: round(totals[m].seconds, 2) for m in METHODS},
+            "tokens_per_s": {m: round(totals[m].tokens_per_s, 2) for m in METHODS},
+            "speedup": round(totals["eagle"].tokens_per_s / plain, 4) if plain else None,
+            "baseline_speedup": round(totals["ngram"].tokens_per_s / plain, 4) if plain else None}
+
+
+def _groups(turns: list[Turn], key) -> dict:
+    groups = defaultdict(list)
+    for t in turns:
+        groups[key(t)].append(t)
+    return dict(sorted(groups.items()))
+
+
+def report(turns: list[Turn]) -> dict:
+    """One benchmark's figures: ``summary`` of all its turns, then ``per_category`` (when it has several) and
+    ``per_turn`` (when a conversation has several turns)."""
+    out = summary(turns)
+    by_category = _groups(turns, lambda t: t.conversation.category)
+    if len(by_category) > 1:
+        out["per_category"] = {cat: summary(ts) for cat, ts in by_category.items()}
+    by_turn = _groups(turns, lambda t: t.turn)
+    if len(by_turn) > 1:
+        out["per_turn"] = {str(k): summary(ts) for k, ts in by_turn.items()}
+    return out
+
+
+def run(conversations: list[Conversation], chat_: Chat, model, drafter_model, params,
+        rt: runtime.Runtime = runtime.Runtime()) -> dict:
+    """Decode every turn of this rank's share of the conversations three ways; return, on every rank, the metrics of
+    all of them: ``benchmarks`` (``report`` per benchmark, in the conversations' order), ``lossless`` (False lists
+    the ``mismatches``) and ``run`` (speeds, for the timings file). ``positions`` holds the acceptance rate per draft
+    position of ``eagle`` and ``ngram`` of each benchmark as plot rows (``position_rows``), and ``decoded`` the
+    ``decoded_record``s of each benchmark, each for its own file."""
     num_steps, max_new = params.num_steps, params.max_new_tokens
     eagle = speculative.EagleDrafter(drafter_model)
     lookup = speculative.NgramDrafter(params.ngram.max, params.ngram.min)
@@ -69,63 +144,50 @@ def run(prompts: list[dict], model, drafter_model, stop_ids, params, rt: runtime
 
     def decode(method, ids, stats, limit=max_new):
         if method == "plain":
-            return speculative.greedy(model, ids, limit, stop_ids, stats)
-        return speculative.speculative(model, eagle if method == "eagle" else lookup, ids, limit, stop_ids,
+            return speculative.greedy(model, ids, limit, chat_.stops, stats)
+        return speculative.speculative(model, eagle if method == "eagle" else lookup, ids, limit, chat_.stops,
                                        num_steps, stats)
 
-    mine = prompts[rt.rank::rt.world]
-    for method in METHODS if mine else ():  # warm-up (first-call allocations, lazy hooks), not counted
-        decode(method, mine[0]["ids"], speculative.Stats(), min(8, max_new))
-    done = []  # per prompt of this rank: (prompt, plain output, stats per method, mismatches)
-    for p in mine:
-        outputs, stats = {}, {}
-        order = METHODS[p["index"] % 3:] + METHODS[:p["index"] % 3]  # rotate: no method always runs first
-        for method in order:
-            stats[method] = speculative.Stats()
-            outputs[method] = decode(method, p["ids"], stats[method])
-        wrong = [{"prompt": p["index"], "method": method,
-                  "first_difference": first_difference(outputs[method], outputs["plain"])}
-                 for method in ("eagle", "ngram") if outputs[method] != outputs["plain"]]
-        done.append((p, outputs["plain"], stats, wrong))
-        log.info("prompt %d/%d (%s): %d tokens; acceptance length eagle %.3f, n-gram %.3f", p["index"] + 1,
-                 len(prompts), p["category"], len(outputs["plain"]), stats["eagle"].acceptance_length,
-                 stats["ngram"].acceptance_length)
-    totals = {m: speculative.Stats() for m in METHODS}
-    per_cat = defaultdict(lambda: {m: speculative.Stats() for m in METHODS})
-    mismatches, decoded = [], []
-    for p, plain_ids, stats, wrong in sorted((d for part in rt.gather(done) for d in part),
-                                             key=lambda d: d[0]["index"]):
+    mine = list(enumerate(conversations))[rt.rank::rt.world]
+    if mine:  # warm-up (first-call allocations, lazy hooks), not counted
+        ids = chat_.ids(mine[0][1].messages_for([]), mine[0][1].tools)
         for method in METHODS:
-            totals[method].merge(stats[method])
-            per_cat[p["category"]][method].merge(stats[method])
-        decoded.append(decoded_record(p, plain_ids, stats["eagle"], eagle.layers))
-        mismatches += wrong
-    plain, spec, base = totals["plain"], totals["eagle"], totals["ngram"]
+            decode(method, ids, speculative.Stats(), min(8, max_new))
+    done = []  # per turn of this rank: (conversation's position, turn, Turn)
+    for position, c in mine:
+        answers = []
+        for turn in range(1, c.turns + 1):
+            ids = chat_.ids(c.messages_for(answers), c.tools)
+            outputs, stats = {}, {}
+            start = (position + turn) % 3
+            for method in METHODS[start:] + METHODS[:start]:  # rotate: no method always runs first
+                stats[method] = speculative.Stats()
+                outputs[method] = decode(method, ids, stats[method])
+            wrong = [{"benchmark": c.benchmark, "id": c.id, "turn": turn, "method": method,
+                      "first_difference": speculative.first_difference(outputs[method], outputs["plain"])}
+                     for method in ("eagle", "ngram") if outputs[method] != outputs["plain"]]
+            done.append((position, turn, Turn(c, 0, turn, ids, outputs["plain"], stats, wrong)))
+            log.info("%s %s turn %d (%d/%d, %s): %d tokens; acceptance length eagle %.3f, n-gram %.3f", c.benchmark,
+                     c.id, turn, position + 1, len(conversations), c.category, len(outputs["plain"]),
+                     stats["eagle"].acceptance_length, stats["ngram"].acceptance_length)
+            answers.append(chat_.answer(ids, outputs["plain"]))
+    turns = [t for _, _, t in sorted((d for part in rt.gather(done) for d in part), key=lambda d: d[:2])]
+    by_benchmark = {}
+    for t in turns:
+        group = by_benchmark.setdefault(t.conversation.benchmark, [])
+        t.index = len(group)
+        group.append(t)
+    mismatches = [w for t in turns for w in t.wrong]
+    reports = {name: report(ts) for name, ts in by_benchmark.items()}
     return {
-        "prompts": len(prompts), "num_steps": num_steps, "max_new_tokens": max_new,
-        "lossless": not mismatches, "mismatches": mismatches,
-        "acceptance_length": round(spec.acceptance_length, 4),
-        "acceptance_rate_per_position": [round(r, 4) for r in spec.acceptance_rate],
-        "conditional_acceptance_rate_per_position": [round(r, 4) for r in spec.conditional_rate],
-        "verification_steps": spec.steps,
-        "tokens": plain.tokens,
-        "baseline_acceptance_length": round(base.acceptance_length, 4),
-        "baseline_acceptance_rate_per_position": [round(r, 4) for r in base.acceptance_rate],
-        "beats_baseline": spec.acceptance_length > base.acceptance_length,
-        "per_category": {cat: {"prompts": sum(1 for p in prompts if p["category"] == cat),
-                               "acceptance_length": round(s["eagle"].acceptance_length, 4),
-                               "baseline_acceptance_length": round(s["ngram"].acceptance_length, 4)}
-                         for cat, s in sorted(per_cat.items())},
-        "run": {"threads": torch.get_num_threads(), "processes": rt.world, "seconds": {m: round(totals[m].seconds, 2) for m in METHODS},
-                "plain_tokens_per_s": round(plain.tokens_per_s, 2),
-                "speculative_tokens_per_s": round(spec.tokens_per_s, 2),
-                "baseline_tokens_per_s": round(base.tokens_per_s, 2),
-                "speedup": round(spec.tokens_per_s / plain.tokens_per_s, 4) if plain.tokens_per_s else None,
-                "baseline_speedup": round(base.tokens_per_s / plain.tokens_per_s, 4) if plain.tokens_per_s else None,
-                "per_category_speedup": {cat: round(s["eagle"].tokens_per_s / s["plain"].tokens_per_s, 4)
-                                         if s["plain"].tokens_per_s else None for cat, s in sorted(per_cat.items())}},
-        "positions": position_rows({m: [round(r, 4) for r in totals[m].acceptance_rate] for m in ("eagle", "ngram")}),
-        "decoded": decoded,
+        "num_steps": num_steps, "max_new_tokens": max_new, "lossless": not mismatches, "mismatches": mismatches,
+        "benchmarks": reports,
+        "run": {"threads": torch.get_num_threads(), "processes": rt.world,
+                "benchmarks": {name: speeds(ts) for name, ts in by_benchmark.items()}},
+        "positions": [row | {"benchmark": name, "method": f"{name} {row['method']}"} for name, r in reports.items()
+                      for row in position_rows({"eagle": r["acceptance_rate_per_position"],
+                                                "ngram": r["baseline_acceptance_rate_per_position"]})],
+        "decoded": {name: [decoded_record(t, eagle.layers) for t in ts] for name, ts in by_benchmark.items()},
     }
 
 

@@ -1,5 +1,10 @@
 """The infer run: prompts -> the target's own tokens -> records, resumable and incremental.
 
+``infer.turns: last`` answers each prompt's last turn; ``all`` answers a conversation's turns in waves, turn k of
+every conversation once turn k - 1 of each is known, each in the context of the target's own earlier answers
+(turns.py). A turn that fails or breaks a limit ends its conversation there (the turns it leaves unanswered are
+counted); a resumed run reuses every finished turn and goes on at the first missing one.
+
 Every finished generation is appended (and fsync'd) to a cache file keyed by a fingerprint of everything that
 decides the ids: the model, the engine, the sampling parameters, the chat-template arguments and the code that
 renders and generates. A rerun with the same fingerprint reuses what is there (resume after Ctrl-C or kill -9;
@@ -20,25 +25,31 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import chat, sequences, toolcalls
-from .derive import Spec, to_response
+from . import chat, sequences, toolcalls, turns
+from .derive import Spec, answer_message, to_response
 from .engines import Failure, Sampling
 from .errors import UserError
 from .gates import Gates
-from .records import Generation, RecordError, Response, generation_from_json, json_object, record_id, scan_jsonl, writer
+from .records import (Generation, Prompt, RecordError, Response, generation_from_json, json_object, prompt_of,
+                      record_id, scan_jsonl, writer)
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parent
-# The code that decides which ids a prompt gets; a change here starts a new cache.
+# The code that decides which ids a prompt gets; a change here starts a new cache. Under infer.turns: all, the code
+# that turns an answer into the next turn's history decides them too.
 GENERATION_CODE = ["chat.py", "target.py", "engines/__init__.py"]
+HISTORY_CODE = ["turns.py", "derive.py", "reasoning.py", "harmony.py"]
 
 
-def fingerprint(model_fp: str, engine_name: str, engine_identity: dict, sampling: Sampling, template_kwargs: dict) -> str:
+def fingerprint(model_fp: str, engine_name: str, engine_identity: dict, sampling: Sampling, template_kwargs: dict,
+                history: Spec | None = None) -> str:
+    """The cache's key. ``history``: the reasoning spec that splits an answer into the next turn's history, for
+    ``infer.turns: all`` (None for last)."""
     h = hashlib.sha256()
-    for name in GENERATION_CODE + [f"engines/{engine_name}.py"]:
+    for name in GENERATION_CODE + [f"engines/{engine_name}.py"] + (HISTORY_CODE if history else []):
         h.update((PACKAGE / name).read_bytes())
     blob = {"model": model_fp, "engine": engine_name, "identity": engine_identity, "sampling": sampling.to_json(),
-            "template": template_kwargs}
+            "template": template_kwargs} | ({"turns": "all", "history": repr(history)} if history else {})
     h.update(json.dumps(blob, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
@@ -124,12 +135,28 @@ class Limits:
     where: str = "prompts"              # the prompts file, for messages
 
 
-def admit(prompts, ids: dict, sampling: Sampling, limits: Limits) -> tuple[list, dict]:
-    """The prompts within the limits, and {reason: [prompt ids]} of those left out (``exceeds_context``,
+@dataclass(frozen=True)
+class Ask:
+    """One prompt to answer: its record and line in the prompts file, the turn (0 under ``infer.turns: last``), the
+    samples that share these ids (all of them up to turn 1; one each after, as their histories differ) and the ids."""
+    line: int
+    prompt: Prompt
+    turn: int
+    samples: tuple
+    ids: list
+
+    @property
+    def name(self) -> str:
+        """What a report lists it as: the prompt id, or the record id of a later turn."""
+        return self.prompt.id if self.turn <= 1 else record_id(self.prompt.id, self.samples[0], self.turn)
+
+
+def admit(asks: list[Ask], sampling: Sampling, limits: Limits) -> tuple[list[Ask], dict]:
+    """The asks within the limits, and {reason: [names]} of those left out (``exceeds_context``,
     ``no_room_in_max_length``). Under ``on_error: fail`` the first one left out is a UserError naming it."""
     kept, left_out = [], {}
-    for line, p in enumerate(prompts, start=1):
-        n, reason = len(ids[p.id]), None
+    for a in asks:
+        n, reason = len(a.ids), None
         if limits.context_length and n + sampling.max_new_tokens > limits.context_length:
             reason, why = "exceeds_context", (f"{n} prompt tokens + infer.max_new_tokens {sampling.max_new_tokens} "
                                               f"exceed the target's context of {limits.context_length}")
@@ -137,12 +164,13 @@ def admit(prompts, ids: dict, sampling: Sampling, limits: Limits) -> tuple[list,
             reason, why = "no_room_in_max_length", (f"{n} prompt tokens leave no room for an answer within "
                                                     f"merge.max_length {limits.max_length}")
         if reason is None:
-            kept.append(p)
+            kept.append(a)
             continue
         if limits.on_error == "fail":
-            raise UserError(f"{limits.where}:{line}: prompt {p.id} of source {p.source}: {why} (set infer.on_error: "
-                            "skip to leave such prompts out, counted)")
-        left_out.setdefault(reason, []).append(p.id)
+            turn = f" at turn {a.turn} ({a.name})" if a.turn > 1 else ""
+            raise UserError(f"{limits.where}:{a.line}: prompt {a.prompt.id} of source {a.prompt.source}{turn}: {why} "
+                            "(set infer.on_error: skip to leave such prompts out, counted)")
+        left_out.setdefault(reason, []).append(a.name)
     if left_out:
         log.warning("left out before generating: %s", {k: len(v) for k, v in left_out.items()})
     return kept, left_out
@@ -150,53 +178,86 @@ def admit(prompts, ids: dict, sampling: Sampling, limits: Limits) -> tuple[list,
 
 def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates, cache: Cache,
         template_kwargs: dict, max_failure_rate: float = 0.0, samples: int = 1,
-        limits: Limits = Limits()) -> tuple[list[Response], dict]:
-    """Generate the ``samples`` answers per prompt that the cache lacks, check the gates as records arrive, and
-    return (responses, report). Prompts outside ``limits`` get no generation (``admit``). Raises GateBreach (or
-    UserError for too many failures) after keeping everything generated in the cache."""
-    ids = {p.id: chat.prompt_ids(tokenizer, p.messages, p.tools, template_kwargs) for p in prompts}
-    read = len(prompts)
-    prompts, left_out = admit(prompts, ids, sampling, limits)
-    if not prompts:
-        raise UserError(f"{limits.where}: no prompt is left to generate for ({read} read, left out: "
-                        f"{ {k: len(v) for k, v in left_out.items()} })")
-    wanted = [(p, k, record_id(p.id, k)) for p in prompts for k in range(samples)]
+        limits: Limits = Limits(), turns_: str = "last") -> tuple[list[Response], dict]:
+    """Generate the ``samples`` answers per prompt (per turn under ``turns_: all``) that the cache lacks, check the
+    gates as records arrive, and return (responses, report). Prompts outside ``limits`` get no generation
+    (``admit``). Raises GateBreach (or UserError for too many failures) after keeping everything generated in the
+    cache."""
+    def ids_of(messages, p):
+        return chat.prompt_ids(tokenizer, messages, p.tools, template_kwargs)
+
     done, cache_counts = cache.load()
-    responses = {}
-    for p, _, rid in wanted:
-        if rid in done:
-            if done[rid].prompt_ids != ids[p.id]:
-                raise UserError(f"{cache.path}: record {rid} was generated from other prompt ids; "
-                                   "delete the cache folder")
-            responses[rid] = to_response(done[rid], tokenizer, spec, sampling)
-            gates.add(responses[rid])
-    todo = [w for w in wanted if w[2] not in done]
-    log.info("%d prompts x %d samples: %d already generated (cache %s), %d to generate", len(prompts), samples,
-             len(wanted) - len(todo), cache.folder, len(todo))
-    failures, new_tokens, start = [], 0, time.perf_counter()
-    with tqdm(total=len(todo), desc="infer", unit="answer", dynamic_ncols=True) as bar:
-        for i, out in engine.stream([ids[p.id] for p, _, _ in todo], sampling, [rid for _, _, rid in todo]):
-            p, k, rid = todo[i]
-            if isinstance(out, Failure):
-                cache.fail(rid, out.reason)
-                failures.append({"id": rid, "reason": out.reason})
-            else:
-                gen = Generation(rid, p.source, ids[p.id], out.output_ids, out.finish_reason, out.meta, k)
-                cache.add(gen)
-                responses[rid] = to_response(gen, tokenizer, spec, sampling)
+    lines = {p.id: line for line, p in enumerate(prompts, start=1)}
+    asks_of = {p.id: turns.asks(p.messages) for p in prompts} if turns_ == "all" else {}
+    history = {}  # (prompt id, sample) -> the target's answers so far, as assistant messages
+    responses, failures, left_out, wanted_all = {}, [], {}, []
+    generated, new_tokens, elapsed = 0, 0, 0.0
+    for turn in range(1, max(map(len, asks_of.values())) + 1) if asks_of else [0]:
+        if turn <= 1:
+            asks = [Ask(lines[p.id], p, turn, tuple(range(samples)),
+                        ids_of(turns.interleave(asks_of[p.id], []) if turn else p.messages, p)) for p in prompts]
+        else:
+            asks = [Ask(lines[pid], p, turn, (k,), ids_of(turns.interleave(asks_of[pid], answers), p))
+                    for (pid, k), answers in history.items() if len(answers) == turn - 1 < len(asks_of[pid])
+                    for p in [prompts[lines[pid] - 1]]]
+        asks, out = admit(asks, sampling, limits)
+        for reason, names in out.items():
+            left_out.setdefault(reason, []).extend(names)
+        if turn <= 1 and not asks:
+            raise UserError(f"{limits.where}: no prompt is left to generate for ({len(prompts)} read, left out: "
+                            f"{ {k: len(v) for k, v in left_out.items()} })")
+        wanted = [(a, k, record_id(a.prompt.id, k, a.turn)) for a in asks for k in a.samples]
+        wanted_all += [rid for _, _, rid in wanted]
+        for a, _, rid in wanted:
+            if rid in done:
+                if done[rid].prompt_ids != a.ids:
+                    raise UserError(f"{cache.path}: record {rid} was generated from other prompt ids; "
+                                    "delete the cache folder")
+                responses[rid] = to_response(done[rid], tokenizer, spec, sampling)
                 gates.add(responses[rid])
-                new_tokens += len(out.output_ids)
-                if gates.due():
-                    gates.check()
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
+        todo = [w for w in wanted if w[2] not in done]
+        what = f"turn {turn}: " if turn else ""
+        log.info("%s%d prompts x %d samples: %d already generated (cache %s), %d to generate", what, len(asks),
+                 samples, len(wanted) - len(todo), cache.folder, len(todo))
+        start = time.perf_counter()
+        with tqdm(total=len(todo), desc=f"infer turn {turn}" if turn else "infer", unit="answer",
+                  dynamic_ncols=True) as bar:
+            for i, out in engine.stream([a.ids for a, _, _ in todo], sampling, [rid for _, _, rid in todo]):
+                a, k, rid = todo[i]
+                if isinstance(out, Failure):
+                    cache.fail(rid, out.reason)
+                    failures.append({"id": rid, "reason": out.reason})
+                else:
+                    gen = Generation(rid, a.prompt.source, a.ids, out.output_ids, out.finish_reason, out.meta, k,
+                                     a.turn)
+                    cache.add(gen)
+                    responses[rid] = to_response(gen, tokenizer, spec, sampling)
+                    gates.add(responses[rid])
+                    new_tokens += len(out.output_ids)
+                    if gates.due():
+                        gates.check()
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{new_tokens / (elapsed + time.perf_counter() - start):.1f}")
+        elapsed += time.perf_counter() - start
+        generated += len(todo)
+        for a, k, rid in wanted:  # the next turn's history
+            if 0 < turn < len(asks_of[a.prompt.id]) and rid in responses:
+                r = responses[rid]
+                history[(a.prompt.id, k)] = history.get((a.prompt.id, k), []) + [
+                    answer_message(tokenizer, r.prompt_ids, r.output_ids, spec, sampling.stop_token_ids)]
     gates.check()
-    elapsed = time.perf_counter() - start
-    if len(failures) > max_failure_rate * len(wanted):
-        raise UserError(f"{len(failures)} of {len(wanted)} answers failed (more than infer.max_failure_rate="
-                           f"{max_failure_rate}); see {cache.failures_path}")
-    ordered = [responses[rid] for _, _, rid in wanted if rid in responses]
-    rep = report(ordered, failures, cache_counts, len(todo), new_tokens, elapsed, gates, len(prompts))
+    if len(failures) > max_failure_rate * len(wanted_all):
+        raise UserError(f"{len(failures)} of {len(wanted_all)} answers failed (more than infer.max_failure_rate="
+                        f"{max_failure_rate}); see {cache.failures_path}")
+    ordered = sorted((responses[rid] for rid in wanted_all if rid in responses),
+                     key=lambda r: (lines[prompt_of(r.id)], r.sample, r.turn))
+    admitted = len({prompt_of(rid) for rid in wanted_all})
+    rep = report(ordered, failures, cache_counts, generated, new_tokens, elapsed, gates, admitted)
+    if asks_of:
+        per_turn = Counter(r.turn for r in ordered)
+        rep["turns"] = {"mode": "all", "answered": dict(sorted(per_turn.items())),
+                        "unanswered": sum(len(asks_of[p]) for p in {prompt_of(r) for r in wanted_all}) * samples
+                        - len(ordered)}
     return ordered, {**rep, "left_out": {k: len(v) for k, v in left_out.items()}, "left_out_ids": left_out}
 
 

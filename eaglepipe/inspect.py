@@ -5,6 +5,9 @@ The prompt is the record's own ``prompt_ids`` decoded with special tokens kept (
 included); a long one shows its start (the system turn) and mostly its end (the last user turn), like every long
 field abbreviated to ``max_chars``.
 
+A record that answers one turn of a conversation (``infer.turns: all``, ids ``<id>@<turn>``) is shown with every
+turn of its conversation, in order: each turn's prompt holds the target's own earlier answers.
+
 It reads published responses, or the generations in an infer cache (``.cache/infer/<fingerprint>/generations.jsonl``,
 what a run stopped by a gate leaves), deriving their readable fields from the ids. The file is read twice without
 holding it, once to count its lines and once to parse only the sampled ones, so it works on a run of any size.
@@ -13,10 +16,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections import defaultdict
 from pathlib import Path
 
 from . import derive, toolcalls
-from .records import generation_from_json, response_from_json
+from .records import generation_from_json, prompt_of, response_from_json
 
 RULE = 100
 PROMPT_TAIL_SHARE = 3 / 4  # a long prompt shows mostly its end: the last turns, the ones the answer follows
@@ -66,6 +70,29 @@ def sample(path: Path, n: int, seed: int, source: str | None = None, tokenizer=N
     return len(matching), [record(matching[i][1], path, matching[i][0], tokenizer, spec) for i in picked]
 
 
+def conversations(path: Path, picked: list, tokenizer=None, spec=None) -> list[list]:
+    """Each picked record alone, or with every turn of its conversation in turn order when it answers one (a
+    conversation picked twice is shown once). The file is read once more, for those turns only."""
+    key = lambda r: (prompt_of(r.id), r.sample)  # noqa: E731
+    wanted = {key(r) for r in picked if r.turn}
+    turns = defaultdict(list)
+    if wanted:
+        with open(path, "rb") as f:
+            for line_no, line in enumerate(f, start=1):
+                obj = json.loads(line) if line.strip() else None
+                if obj and (prompt_of(obj["id"]), obj.get("sample", 0)) in wanted:
+                    turns[(prompt_of(obj["id"]), obj.get("sample", 0))].append(
+                        record(obj, path, line_no, tokenizer, spec))
+    out, shown = [], set()
+    for r in picked:
+        if not r.turn:
+            out.append([r])
+        elif key(r) not in shown:
+            shown.add(key(r))
+            out.append(sorted(turns[key(r)], key=lambda t: t.turn))
+    return out
+
+
 def clip(text: str, max_chars: int, tail_share: float = 1 / 3) -> str:
     """``text``, or when it is longer than ``max_chars`` (0: no limit) its start and its end (``tail_share`` of
     ``max_chars``) around a note of how many characters are left out."""
@@ -110,7 +137,8 @@ def show(r, tokenizer=None, spec=None, max_chars: int = 1200, index: str = "") -
     if tokenizer is not None and spec is not None:
         bad = derive.mismatch(r, tokenizer, spec)
         check = " | re-derived from ids: " + ("ok" if bad is None else f"MISMATCH in '{bad}'")
-    head = f"== {index}id {r.id} | source {r.source} | finish {r.finish_reason} "
+    turn = f" | turn {r.turn}" if r.turn else ""
+    head = f"== {index}id {r.id}{turn} | source {r.source} | finish {r.finish_reason} "
     lines = [head + "=" * max(3, RULE - len(head)),
              f"tokens: prompt {len(r.prompt_ids)} | output {len(r.output_ids)} (reasoning "
              f"{tokens(tokenizer, r.reasoning)}, content {tokens(tokenizer, r.content)}) | tool calls "
@@ -146,6 +174,12 @@ def render(path: Path, n: int = 3, seed: int = 0, tokenizer=None, spec=None, max
     where = f"{path}" + (f" (source {source})" if source else "")
     out = [report_line(report)] if report else []
     out.append(f"{where}: {total} records; showing {len(picked)} picked at random (--seed {seed})")
-    for i, r in enumerate(picked, start=1):
-        out += ["", show(r, tokenizer, spec, max_chars, f"{i}/{len(picked)} ")]
+    groups = conversations(Path(path), picked, tokenizer, spec)
+    for i, group in enumerate(groups, start=1):
+        if group[0].turn:
+            out += ["", f"#### {i}/{len(groups)} conversation {prompt_of(group[0].id)}, sample {group[0].sample}: "
+                        f"{len(group)} turn(s)"]
+            out += [part for r in group for part in ("", show(r, tokenizer, spec, max_chars))]
+        else:
+            out += ["", show(group[0], tokenizer, spec, max_chars, f"{i}/{len(groups)} ")]
     return "\n".join(out)

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from . import derive, sequences
 from .errors import UserError
-from .records import RecordError, read_jsonl, response_from_json
+from .records import RecordError, prompt_of, read_jsonl, response_from_json
 
 log = logging.getLogger(__name__)
 
@@ -17,18 +17,21 @@ log = logging.getLogger(__name__)
 def run(responses_path: Path, out: Path, tokenizer, spec: derive.Spec, end_of_turn: int, params) -> dict:
     """Write the sequences under ``out``; return the dataset statistics. ``params``: the ``merge`` section
     (config.Merge). An inconsistent record is an error."""
-    counts, records = Counter(), []
+    counts, records, conversation, key, read = Counter(), [], [], None, 0
     for n, obj in tqdm(read_jsonl(responses_path), desc="merge", unit="record"):
-        r = response_from_json(obj, responses_path, n)
+        r, read = response_from_json(obj, responses_path, n), read + 1
         bad = derive.mismatch(r, tokenizer, spec)
         if bad:
             raise RecordError(responses_path, n, bad, f"of record {r.id} does not match what its output_ids give "
                               f"under target.reasoning; the record is inconsistent (re-run infer)")
+        if (prompt_of(r.id), r.sample) != key:  # infer writes a conversation's turns together, in order
+            records += sequences.join_turns(conversation, counts)
+            conversation, key = [], (prompt_of(r.id), r.sample)
         built = sequences.build(r, end_of_turn, params.max_length, counts)
         if built:
-            records.append((r.id, r.source, *built))
+            conversation.append((r.id, r.source, *built))
+    records += sequences.join_turns(conversation, counts)
     dropped = {k: v for k, v in counts.items() if k.startswith("left_out")}
-    read = len(records) + sum(dropped.values())
     if not records or sum(dropped.values()) > params.max_left_out * read:  # fail here, not two stages later
         raise UserError(f"{responses_path}: {sum(dropped.values())} of {read} records would be left out {dropped}, "
                         f"more than merge.max_left_out {params.max_left_out}: nothing is written")
@@ -37,7 +40,7 @@ def run(responses_path: Path, out: Path, tokenizer, spec: derive.Spec, end_of_tu
               "valid_fraction": params.valid_fraction}
     sequences.write(out, splits, params.shard_tokens, policy)
     stats = sequences.stats(splits, counts)
-    log.info("merged %d records: %d train, %d valid samples; %s", len(records), stats["train"]["samples"],
+    log.info("merged %d records: %d train, %d valid samples; %s", read, stats["train"]["samples"],
              stats["valid"]["samples"], dict(counts))
     return stats
 

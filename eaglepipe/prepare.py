@@ -8,37 +8,42 @@ Stability rules (downstream caches key on prompt ids, so a selection must not mo
     sources listed before it (and earlier records of its own file), so the first source in list order wins and the
     result does not depend on what the earlier sources happened to pick.
 
+No benchmark prompt enters training: with ``prepare.exclude_benchmarks`` a record any of whose user turns is, after
+whitespace normalisation, a prompt of a set evaluate decodes (``benchmarks.excluded_texts``: MT-bench, HumanEval,
+the held-out file) is kept out and counted as ``benchmark``.
+
 A ``pkg:`` source lies outside the repository, where DVC does not look: its package is pinned in requirements.txt
 (a prepare dependency in dvc.yaml), and the report records the package's version and the file's sha256, so a
 changed file shows in ``make diff``.
 """
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import random
 from collections import Counter
 
+from eaglepipe.benchmarks import normalise, user_texts
 from eaglepipe.config import PACKAGE_PATH
 from eaglepipe.errors import UserError
-from eaglepipe.hashing import file_hash
 from eaglepipe.records import Prompt, RecordError
-from eaglepipe.sources import read_source, resolve
+from eaglepipe.sources import package_file, read_source, resolve
 
 log = logging.getLogger(__name__)
 
-COUNTS = ("n", "read", "valid", "skipped", "left_out", "duplicates", "selected", "shortfall")
+COUNTS = ("n", "read", "valid", "skipped", "left_out", "benchmark", "duplicates", "selected", "shortfall")
 BY_KEY = ("skipped_by_reason", "left_out_by_rule", "rules")
 
 
-def read_candidates(src, on_error: str, seen: set) -> tuple[list[Prompt], dict]:
-    """The valid prompts of one source whose ids are not in ``seen``, in file order (their ids are added to it), and
-    the source's counts: read, valid, skipped and skipped_by_reason (broken records), left_out and left_out_by_rule
-    (records with no prompt in them), rules (the valid records each conversation rule concerns), duplicates, and
+def read_candidates(src, on_error: str, seen: set, excluded: set = frozenset()) -> tuple[list[Prompt], dict]:
+    """The valid prompts of one source whose ids are not in ``seen`` and that hold no text of ``excluded`` as a user
+    turn (normalised), in file order (their ids are added to ``seen``), and the source's counts: read, valid,
+    skipped and skipped_by_reason (broken records), left_out and left_out_by_rule (records with no prompt in them),
+    rules (the valid records each conversation rule concerns), benchmark (valid records kept out), duplicates, and
     ``damage`` (``{offset, bytes, records_before}``) when the file ends in an unreadable tail (counted as one record
     skipped as ``damaged``). Records are streamed and only the candidates kept, so memory grows with the distinct
     prompts, not the file."""
-    candidates, skipped, left_out, rules, damage, read, duplicates = [], Counter(), Counter(), Counter(), None, 0, 0
+    candidates, skipped, left_out, rules, damage, read, duplicates, benchmark = [], Counter(), Counter(), Counter(), \
+        None, 0, 0, 0
     for item in read_source(src.path, src.format, src.name, src.columns, rules):
         read += 1
         if isinstance(item, RecordError) and item.left_out:
@@ -50,6 +55,8 @@ def read_candidates(src, on_error: str, seen: set) -> tuple[list[Prompt], dict]:
             log.warning("skipped (%s): %s", item.reason, item)
             skipped[item.reason] += 1
             damage = item.damage or damage
+        elif excluded and any(normalise(t) in excluded for t in user_texts(item.messages)):
+            benchmark += 1
         elif item.id in seen:
             duplicates += 1
         else:
@@ -58,17 +65,8 @@ def read_candidates(src, on_error: str, seen: set) -> tuple[list[Prompt], dict]:
     counts = {"read": read, "valid": read - sum(skipped.values()) - sum(left_out.values()),
               "skipped": sum(skipped.values()), "skipped_by_reason": dict(sorted(skipped.items())),
               "left_out": sum(left_out.values()), "left_out_by_rule": dict(sorted(left_out.items())),
-              "rules": dict(sorted(rules.items())), "duplicates": duplicates}
+              "rules": dict(sorted(rules.items())), "benchmark": benchmark, "duplicates": duplicates}
     return candidates, counts | ({"damage": damage} if damage else {})
-
-
-def package_file(path: str) -> dict:
-    """What identifies the file a ``pkg:`` path names, for the report: its package's distribution and version (as
-    pinned in requirements.txt) and the file's sha256."""
-    package = PACKAGE_PATH.fullmatch(path)["package"]
-    dists = importlib.metadata.packages_distributions().get(package, [])
-    return {"distribution": ", ".join(dists), "version": ", ".join(importlib.metadata.version(d) for d in dists),
-            "sha256": file_hash(resolve(path))}
 
 
 def sample(candidates: list, n: int, seed: int, name: str) -> list:
@@ -78,9 +76,9 @@ def sample(candidates: list, n: int, seed: int, name: str) -> list:
     return [candidates[i] for i in sorted(order[:n])]
 
 
-def prepare(cfg) -> tuple[list[Prompt], dict]:
+def prepare(cfg, excluded: set = frozenset()) -> tuple[list[Prompt], dict]:
     """All selected prompts (sources in config order, each in file order) and the report for metrics/prepare.json.
-    ``cfg``: the ``prepare`` section (config.Prepare)."""
+    ``cfg``: the ``prepare`` section (config.Prepare); ``excluded``: the benchmark texts to keep out (normalised)."""
     for i, src in enumerate(cfg.sources):  # before reading any: a typo in the last path costs no time
         try:
             if not resolve(src.path).exists():
@@ -89,7 +87,7 @@ def prepare(cfg) -> tuple[list[Prompt], dict]:
             raise UserError(f"prepare.sources[{i}] ({src.name}): {e}") from None
     seen, selected, report = set(), [], {"sources": {}}
     for src in cfg.sources:
-        candidates, counts = read_candidates(src, src.on_error or cfg.on_error, seen)
+        candidates, counts = read_candidates(src, src.on_error or cfg.on_error, seen, excluded)
         picked = sample(candidates, src.n, cfg.seed, src.name)
         if len(picked) < src.n:
             log.warning("source %s: only %d usable records for n=%d", src.name, len(picked), src.n)
@@ -114,11 +112,11 @@ def totals(per_source: list[dict]) -> dict:
 
 def summary(report: dict) -> str:
     """A few human lines: one per source, the totals, the reasons and rules if any, and the damaged files."""
-    lines = [f"{'source':<12} {'read':>6} {'valid':>6} {'skipped':>8} {'left out':>9} {'dups':>5} {'selected':>9} "
-             f"{'short':>6}"]
+    lines = [f"{'source':<12} {'read':>6} {'valid':>6} {'skipped':>8} {'left out':>9} {'bench':>6} {'dups':>5} "
+             f"{'selected':>9} {'short':>6}"]
     for name, s in [*report["sources"].items(), ("TOTAL", report["totals"])]:
         lines.append(f"{name:<12} {s['read']:>6} {s['valid']:>6} {s['skipped']:>8} {s['left_out']:>9} "
-                     f"{s['duplicates']:>5} {s['selected']:>9} {s['shortfall']:>6}")
+                     f"{s['benchmark']:>6} {s['duplicates']:>5} {s['selected']:>9} {s['shortfall']:>6}")
     for key, title in zip(BY_KEY, ("skipped", "left out", "rules")):
         if report["totals"][key]:
             lines.append(f"{title}: " + ", ".join(f"{k} {count}" for k, count in report["totals"][key].items()))

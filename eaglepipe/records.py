@@ -12,11 +12,14 @@ Prompt (``data/prompts/prompts.jsonl`` written by prepare; the held-out ``data/e
 
 Generation (one line of the infer cache; what an engine returned, nothing derived)
     id, source, prompt_ids, output_ids, finish_reason ("stop" | "length" | "abort"), meta (engine metadata),
-    sample (which of the prompt's ``infer.samples`` answers: 0, 1, ...). ``id`` is the prompt's id for sample 0 and
-    ``<prompt id>.<sample>`` after it (``record_id``), so one answer per prompt keeps the prompt's id.
+    sample (which of the prompt's ``infer.samples`` answers: 0, 1, ...), turn (0: the answer to the prompt's last
+    turn, the dataset's earlier answers as context; t >= 1 under ``infer.turns: all``: the answer to turn t, the
+    target's own earlier answers as context, turns.py). ``id`` is the prompt's id for sample 0 and
+    ``<prompt id>.<sample>`` after it, with ``@<turn>`` for a turn t >= 1 (``record_id``), so one answer per prompt
+    keeps the prompt's id.
 
 Response (``data/responses/responses.jsonl``, written by infer)
-    id, source, prompt_ids, output_ids, finish_reason, sample     exactly as the engine produced them
+    id, source, prompt_ids, output_ids, finish_reason, sample, turn     exactly as the engine produced them
     text          output_ids decoded with special tokens kept
     reasoning     the reasoning part of the output, derived from the ids (empty for models without reasoning)
     content       the answer part (tool-call tokens included), derived from the ids
@@ -76,19 +79,25 @@ class Prompt:
         return d
 
 
-def record_id(prompt_id: str, sample: int) -> str:
-    """The id of answer ``sample`` to prompt ``prompt_id``."""
-    return prompt_id if sample == 0 else f"{prompt_id}.{sample}"
+def record_id(prompt_id: str, sample: int, turn: int = 0) -> str:
+    """The id of answer ``sample`` to prompt ``prompt_id`` (at ``turn`` under ``infer.turns: all``)."""
+    rid = prompt_id if sample == 0 else f"{prompt_id}.{sample}"
+    return rid if turn == 0 else f"{rid}@{turn}"
 
 
 def prompt_of(rid: str) -> str:
-    """The prompt id of record ``rid`` (prompt ids are hex digests: they hold no '.')."""
-    return rid.partition(".")[0]
+    """The prompt id of record ``rid`` (prompt ids are hex digests: they hold no '.' or '@')."""
+    return rid.partition("@")[0].partition(".")[0]
 
 
 def sample_of(rid: str) -> int:
     """Which answer to its prompt record ``rid`` is (the inverse of ``record_id``, with ``prompt_of``)."""
-    return int(rid.partition(".")[2] or 0)
+    return int(rid.partition("@")[0].partition(".")[2] or 0)
+
+
+def turn_of(rid: str) -> int:
+    """Which turn of its conversation record ``rid`` answers (0: the last, in the dataset's context)."""
+    return int(rid.partition("@")[2] or 0)
 
 
 @dataclass
@@ -100,6 +109,7 @@ class Generation:
     finish_reason: str
     meta: dict = field(default_factory=dict)
     sample: int = 0
+    turn: int = 0
 
 
 @dataclass
@@ -117,6 +127,7 @@ class Response:
     sampling: dict
     meta: dict
     sample: int = 0
+    turn: int = 0
 
 
 def _check(path, line, rec: dict, name: str, kind, nonempty: bool = False):
@@ -158,11 +169,14 @@ def generation_from_json(rec: dict, path="<generation>", line=None) -> Generatio
     if rec.get("finish_reason") not in FINISH_REASONS:
         raise RecordError(path, line, "finish_reason", f"should be one of {FINISH_REASONS}, got {rec.get('finish_reason')!r}")
     sample = _check(path, line, rec, "sample", int)
-    if record_id(prompt_of(rec["id"]), sample) != rec["id"]:
-        raise RecordError(path, line, "sample", f"{sample} does not match id {rec['id']!r} (answer k > 0 of a prompt "
-                          "has the id '<prompt id>.k')")
+    turn = rec.get("turn", 0)
+    if not isinstance(turn, int) or isinstance(turn, bool) or turn < 0:
+        raise RecordError(path, line, "turn", f"should be a non-negative integer, got {turn!r}")
+    if record_id(prompt_of(rec["id"]), sample, turn) != rec["id"]:
+        raise RecordError(path, line, "sample", f"{sample} (turn {turn}) does not match id {rec['id']!r} (answer "
+                          "k > 0 of a prompt has the id '<prompt id>.k', turn t of it '<id>@t')")
     return Generation(rec["id"], rec["source"], rec["prompt_ids"], rec["output_ids"], rec["finish_reason"],
-                      rec.get("meta") or {}, sample)
+                      rec.get("meta") or {}, sample, turn)
 
 
 def response_from_json(rec: dict, path="<response>", line=None) -> Response:
@@ -174,7 +188,7 @@ def response_from_json(rec: dict, path="<response>", line=None) -> Response:
     _check(path, line, rec, "sampling", dict)
     return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, rec["text"],
                     rec["reasoning"], rec["content"], rec["reasoning_closed"], rec["tool_calls"], rec["sampling"],
-                    gen.meta, gen.sample)
+                    gen.meta, gen.sample, gen.turn)
 
 
 class LineError(ValueError):

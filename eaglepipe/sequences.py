@@ -14,6 +14,11 @@ within ``max_length`` has nothing to train on and is left out (counted; infer le
 generating, with the same rule, ``has_room``). The split is decided per prompt by a seeded hash of its id (adding data never moves
 a record between train and valid; the answers to one prompt never straddle them); the order within a split is a
 seeded shuffle.
+
+Turns (``infer.turns: all``, records ``<id>@1``, ``<id>@2``, ...): where a turn's prompt ids extend the previous
+turn's prompt and output ids token for token, the turns share one sequence with a masked segment per turn
+(``join_turns``); where they do not, each turn is its own sequence. Either way every trained id sits in exactly the
+context the target generated it in.
 """
 from __future__ import annotations
 
@@ -58,6 +63,25 @@ def build(r: Response, end_of_turn: int, max_length: int, counts: Counter):
         counts["truncated"] += 1
         ids, mask = ids[:max_length], mask[:max_length]
     return ids, mask
+
+
+def join_turns(turns: list, counts: Counter) -> list:
+    """The built turns of one conversation, (id, source, ids, mask) in turn order, as training sequences: a turn whose
+    ids extend the sequence before it token for token (its prompt is that sequence: the template rendered the
+    earlier answers back to the very ids the target generated) joins it as one more masked segment, and the joined
+    sequence takes its id; any other turn (a template that drops or rewrites history, a turn before it cut at
+    max_length) starts a sequence of its own. Counted as ``turns_joined`` and ``turns_apart`` (later turns only)."""
+    out = []
+    for rid, source, ids, mask in turns:
+        if out:
+            prev = out[-1][2]
+            joins = len(ids) > len(prev) and ids[:len(prev)] == prev
+            counts["turns_joined" if joins else "turns_apart"] += 1
+            if joins:
+                out[-1] = (rid, source, ids, out[-1][3] + mask[len(prev):])
+                continue
+        out.append((rid, source, ids, mask))
+    return out
 
 
 def split_and_shuffle(records: list, seed: int, valid_fraction: float) -> dict:
@@ -108,6 +132,8 @@ def read(folder: Path, split: str):
 def stats(splits: dict, counts: Counter) -> dict:
     out = {"left_out": {k: v for k, v in counts.items() if k.startswith("left_out")},
            "truncated": counts["truncated"], "end_of_turn_appended": counts["end_of_turn_appended"]}
+    if counts["turns_joined"] or counts["turns_apart"]:
+        out["turns"] = {"joined": counts["turns_joined"], "apart": counts["turns_apart"]}
     for name, items in splits.items():
         per_source = defaultdict(lambda: {"samples": 0, "tokens": 0, "trained_tokens": 0})
         for rid, source, ids, mask in items:

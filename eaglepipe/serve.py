@@ -35,8 +35,8 @@ from .config import CACHE
 from .engines import Failure, Sampling
 from .engines.vllm import VLLMEngine
 from .errors import UserError
-from .evaluate import first_difference
 from .records import read_jsonl
+from .speculative import first_difference
 
 log = logging.getLogger(__name__)
 

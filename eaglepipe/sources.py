@@ -33,6 +33,7 @@ which a source's ``columns`` may map onto differently named ones):
 from __future__ import annotations
 
 import gzip
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -47,6 +48,7 @@ import ijson
 
 from eaglepipe.config import CACHE, PACKAGE_PATH
 from eaglepipe.errors import UserError
+from eaglepipe.hashing import file_hash
 from eaglepipe.records import LineError, Prompt, RecordError, content_id, scan_jsonl
 
 
@@ -91,6 +93,21 @@ def resolve(path: str) -> Path:
 
 CHUNK = 1 << 16
 """Bytes read at a time from a JSON array file; a record may span any number of chunks."""
+
+
+def identity(path: str) -> dict:
+    """What identifies a source file in a report: its path and sha256, and for a ``pkg:`` path its package
+    (``package_file``)."""
+    return {"path": path, **(package_file(path) if PACKAGE_PATH.fullmatch(path) else {"sha256": file_hash(path)})}
+
+
+def package_file(path: str) -> dict:
+    """What identifies the file a ``pkg:`` path names, for a report: its package's distribution and version (as
+    pinned in requirements.txt) and the file's sha256."""
+    package = PACKAGE_PATH.fullmatch(path)["package"]
+    dists = importlib.metadata.packages_distributions().get(package, [])
+    return {"distribution": ", ".join(dists), "version": ", ".join(importlib.metadata.version(d) for d in dists),
+            "sha256": file_hash(resolve(path))}
 
 
 class Damage(BadRecord):

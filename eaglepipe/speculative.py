@@ -95,6 +95,11 @@ class Stats:
                 "tokens_per_s": round(self.tokens_per_s, 2)}
 
 
+def first_difference(a: list, b: list) -> int:
+    """The first position where two outputs differ (the shorter one's length when one extends the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _aux(hidden_states, layers, device, rows=None) -> torch.Tensor:
     """The states of ``layers`` concatenated on ``device`` (the drafter's: the target's first, evaluate.load_drafter;
     a target spread over devices leaves each state on its layer's)."""

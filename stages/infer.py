@@ -1,5 +1,6 @@
-"""infer: the target regenerates `infer.samples` answers to every prompt, token-exact, resumable and incremental
-(eaglepipe/infer.py); records as in eaglepipe/records.py (Response)."""
+"""infer: the target regenerates `infer.samples` answers to every prompt (to its last turn, or to every turn in order
+under infer.turns: all), token-exact, resumable and incremental (eaglepipe/infer.py); records as in
+eaglepipe/records.py (Response)."""
 import logging
 from pathlib import Path
 
@@ -31,14 +32,15 @@ def main(params, prompts, out, report, timings, cache):
     sampling = Sampling.from_params(p, target.stop_ids(folder, tokenizer))
     with infer.create_engine(p, folder, tokenizer) as engine:  # leaving it closes it (and a server it launched)
         template_kwargs = cfg.target.chat_template_kwargs
-        fp = infer.fingerprint(target.fingerprint(folder), engine.name, engine.identity(), sampling, template_kwargs)
+        fp = infer.fingerprint(target.fingerprint(folder), engine.name, engine.identity(), sampling, template_kwargs,
+                               spec if p.turns == "all" else None)
         work = Path(cache) / fp
         try:
             responses, rep = infer.run(prompt_list, engine, tokenizer, sampling, spec,
                                        Gates(p.gates, spec.expects_reasoning, derive.markup(tokenizer)),
                                        infer.Cache(work), template_kwargs, p.max_failure_rate, p.samples,
                                        infer.Limits(target.context_length(folder), cfg.merge.max_length, p.on_error,
-                                                    prompts))
+                                                    prompts), p.turns)
         except UserError as e:
             raise UserError(f"{e}. Nothing was published; the records are in {work}") from None
         write_jsonl(Path(out) / "responses.jsonl", responses)

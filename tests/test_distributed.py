@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from eaglepipe import config, hidden, runtime, sequences, shards
-from eaglepipe.testing.e2e import ranks_of
+from eaglepipe.testing.e2e import ranks_of, untrained_drafter
 from eaglepipe.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,23 +220,15 @@ def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
 
 # ---------------------------------------------------------------------------------------- evaluate, 1 and 2 processes
 def test_e2e_evaluate_at_world_2_reports_what_world_1_does(tmp_path, target_folder):
-    """Ranks share the prompts; the metrics, plot rows and decoded file (everything but the speeds) are the same
-    bytes at world 2 as at world 1, with an untrained drafter started from the target (a few drafts accepted)."""
-    from collections import Counter
+    """Ranks share the conversations (MT-bench's two turns decoded on one rank); the metrics, plot rows and decoded
+    files (everything but the speeds) are the same bytes at world 2 as at world 1, with an untrained drafter started
+    from the target (a few drafts accepted)."""
+    from eaglepipe import draft
 
-    from transformers import AutoConfig
-
-    from eaglepipe import draft, train
-
-    tgt = train.target_tensors(target_folder, 27)
-    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), 2048, [2, 15, 27])
-    torch.manual_seed(0)
-    drafter = draft.Eagle3Draft(cfg, tgt["embed"])
-    drafter.set_vocab(*draft.build_vocab(Counter(range(2048)), 2048, cfg.vocab_size))
-    draft.init_from_target(drafter, tgt)
-    draft.save(drafter, tmp_path / "draft")
+    draft.save(untrained_drafter(target_folder, [2, 15, 27]), tmp_path / "draft")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["evaluate"] = {"max_new_tokens": 12, "limit": 5, "threads": 1}
+    params["evaluate"] = {"max_new_tokens": 12, "threads": 1, "benchmarks": {
+        "heldout": {"n": 3}, "mtbench": {"n": 2}, "humaneval": {"n": 1}}}
     params["runtime"] = {"device": "cpu"}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     outputs = {}
@@ -248,8 +240,12 @@ def test_e2e_evaluate_at_world_2_reports_what_world_1_does(tmp_path, target_fold
                               *[a for name, path in out.items() for a in (f"--{name}", str(path))]],
                              cwd=ROOT, env=env(world), capture_output=True, text=True, timeout=600)
         assert ran.returncode == 0, ran.stderr[-3000:]
-        outputs[world] = {name: path.read_bytes() for name, path in out.items() if name != "timings"}
+        outputs[world] = {"report": out["report"].read_bytes(), "positions": out["positions"].read_bytes(),
+                          **{path.name: path.read_bytes() for path in out["decoded"].iterdir()}}
         assert json.loads(out["timings"].read_text())["processes"] == world
     assert outputs[2] == outputs[1]
     report = json.loads(outputs[1]["report"])
-    assert report["prompts"] == 5 and report["lossless"] and report["acceptance_length"] > 1
+    assert {name: (b["prompts"], b["turns"]) for name, b in report["benchmarks"].items()} == \
+           {"heldout": (3, 3), "mtbench": (2, 4), "humaneval": (1, 1)}
+    assert report["lossless"] and report["benchmarks"]["heldout"]["acceptance_length"] > 1
+    assert sorted(outputs[1]) == ["heldout.jsonl", "humaneval.jsonl", "mtbench.jsonl", "positions", "report"]

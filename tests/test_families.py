@@ -16,7 +16,8 @@ from test_config import ROOT, STAGE_ARGS, with_
 from transformers import (AutoModelForCausalLM, GemmaConfig, GlmConfig, LlamaConfig, Qwen2Config, Qwen2VLConfig,
                           Qwen3Config, Qwen3MoeConfig, T5Config)
 
-from eaglepipe import chat, compat, config, draft, evaluate, features, hidden, sequences, speculative, target, train
+from eaglepipe import (benchmarks, compat, config, draft, evaluate, features, hidden, reasoning, sequences, speculative,
+                       target, train)
 
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 256}
@@ -102,9 +103,9 @@ def ran(request, tmp_path_factory, tokenizer):
         logger.setLevel(level)
     draft.save(trained, tmp / "draft")
     drafter = evaluate.load_drafter(tmp / "draft", model)
-    prompts = [{"index": i, "category": "all", "ids": chat.prompt_ids(tokenizer, m)} for i, m in enumerate(PROMPTS)]
-    metrics = evaluate.run(prompts, model, drafter, target.stop_ids(tmp / "target", tokenizer),
-                           config.Evaluate(num_steps=3, max_new_tokens=12))
+    conversations = [benchmarks.Conversation("heldout", str(i), "all", m) for i, m in enumerate(PROMPTS)]
+    chat_ = evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), target.stop_ids(tmp / "target", tokenizer))
+    metrics = evaluate.run(conversations, chat_, model, drafter, config.Evaluate(num_steps=3, max_new_tokens=12))
     ids = torch.tensor([items[0][2]])
     stored = {s.id: st for s, st in zip(*(lambda ss: (ss, train.read_states(ss)))(
         train.load_samples(tmp / "hidden", "train")))}
@@ -122,7 +123,8 @@ def test_hidden_train_and_evaluate_run_on_each_family_and_decoding_stays_lossles
     assert layers == [1, 2, 3] and ran["hidden"]["samples"] == 5  # auto on 4 or 5 layers (features.layer_ids)
     assert ran["train"]["steps"] >= 1 and ran["train"]["train"]["loss_0"] > 0
     assert ran["eval"]["lossless"], ran["eval"]["mismatches"]
-    assert ran["eval"]["prompts"] == 2 and ran["eval"]["verification_steps"] > 0
+    figures = ran["eval"]["benchmarks"]["heldout"]
+    assert figures["prompts"] == 2 and figures["verification_steps"] > 0
 
 
 def test_online_training_computes_the_stored_states_and_trains_the_same_drafter(ran):

@@ -53,3 +53,22 @@ def test_a_published_record_read_back_shows_its_prompt_and_without_a_tokenizer_s
     write_jsonl(path, [rec])
     assert QUESTION in part(inspect.render(path, 1, 0, tok, THINK), "prompt")
     assert "not decoded" in part(inspect.render(path, 1, 0), "prompt")
+
+
+def test_a_turn_is_shown_with_every_turn_of_its_conversation(tok, tmp_path):
+    """Records of infer.turns: all: picking turn 2 shows turns 1 and 2 of its conversation, in order, each with the
+    prompt it was answered in; a record of another conversation stays apart."""
+    first = [{"role": "user", "content": "Name a river."}]
+    one = derive.to_response(Generation("p1@1", "s", chat.prompt_ids(tok, first), ids(tok, "The Danube.<|im_end|>"),
+                                        "stop", {}, 0, 1), tok, THINK, Sampling())
+    second = first + [{"role": "assistant", "content": "The Danube."}, {"role": "user", "content": QUESTION}]
+    two = derive.to_response(Generation("p1@2", "s", chat.prompt_ids(tok, second), ids(tok, "Vienna's.<|im_end|>"),
+                                        "stop", {}, 0, 2), tok, THINK, Sampling())
+    other = derive.to_response(Generation("p2", "s", chat.prompt_ids(tok, first), ids(tok, "The Rhine.<|im_end|>"),
+                                          "stop", {}), tok, THINK, Sampling())
+    write_jsonl(tmp_path / "r.jsonl", [one, two, other])
+    out = inspect.render(tmp_path / "r.jsonl", 3, 0, tok, THINK)
+    assert out.count("conversation p1, sample 0: 2 turn(s)") == 1  # picked twice, shown once
+    assert out.index("id p1@1 | turn 1") < out.index("id p1@2 | turn 2") and "id p2 | source" in out
+    turn_two = out.split("id p1@2 | turn 2", 1)[1].split("\n==", 1)[0]
+    assert "The Danube." in part(turn_two, "prompt") and QUESTION in part(turn_two, "prompt")

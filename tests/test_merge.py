@@ -115,3 +115,25 @@ def test_an_inconsistent_record_is_refused_with_file_line_and_field(tmp_path, to
     path.write_text(json.dumps(broken) + "\n")
     with pytest.raises(RecordError, match=r"r\.jsonl:1: field 'output_ids' is missing"):
         merge.run(path, tmp_path / "out", tokenizer, NONE, eot, PARAMS)
+
+
+def turn(tokenizer, pid, t, prompt_ids, output, sample=0):
+    gen = Generation(record_id(pid, sample, t), "s", prompt_ids, output, "stop", {}, sample, t)
+    return derive.to_response(gen, tokenizer, NONE, Sampling())
+
+
+def test_turns_that_extend_each_other_share_a_sequence_and_others_stand_apart(tmp_path, tokenizer, eot):
+    """Turn 2's prompt is turn 1's prompt and output, then a user turn: one sequence, both outputs masked. Turn 3's
+    prompt rewrote the history (as a template that drops it does): a sequence of its own."""
+    one = turn(tokenizer, "c", 1, [10, 11], [100, 101, eot])
+    two = turn(tokenizer, "c", 2, [10, 11, 100, 101, eot, 12, 13], [102, eot])
+    three = turn(tokenizer, "c", 3, [10, 11, 99, eot, 12, 13, 102, eot, 14], [103, eot])
+    other = turn(tokenizer, "d", 1, [10, 11], [100, 101, eot])  # another conversation: never joined to c
+    stats, data = run_merge(tmp_path, tokenizer, eot, [one, two, three, other])
+    got = {rid: (list(ids), mask.tolist()) for rid, _, ids, mask in data["train"] + data["valid"]}
+    assert got == {
+        "c@2": (two.prompt_ids + two.output_ids, [0, 0, 1, 1, 1, 0, 0, 1, 1]),
+        "c@3": (three.prompt_ids + three.output_ids, [0] * 9 + [1, 1]),
+        "d@1": (other.prompt_ids + other.output_ids, [0, 0, 1, 1, 1])}
+    assert stats["turns"] == {"joined": 1, "apart": 1}
+    assert {prompt_of(rid) for rid in got} == {"c", "d"}

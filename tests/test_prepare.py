@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglepipe import config
+from eaglepipe import benchmarks, config
 from eaglepipe import prepare as lib
 from eaglepipe.errors import UserError
-from eaglepipe.records import RecordError, content_id, prompt_from_json, read_prompts
+from eaglepipe.records import RecordError, content_id, prompt_from_json, read_jsonl, read_prompts
 from eaglepipe.sources import CHUNK, raw_records, read_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -479,3 +479,52 @@ def test_shipped_sources_and_heldout_eval_are_clean_and_disjoint():
     assert not {p.id for p in held} & {p.id for p in train}
     train_texts = {m["content"].strip().lower() for p in train for m in p.messages if m["role"] == "user"}
     assert not {p.messages[0]["content"].strip().lower() for p in held} & train_texts
+
+
+# ------------------------------------------------------------------------------------------------ benchmarks kept out
+
+def test_a_benchmark_prompt_is_kept_out_of_training_whitespace_aside_and_counted(tmp_path):
+    question, problem = benchmarks.mtbench_questions()[3], benchmarks.humaneval_problems()[9]
+    held = next(read_prompts_of(ROOT / "data/eval/heldout.jsonl"))
+    chats = write_jsonl(tmp_path / "chats.jsonl", [
+        {"conversations": [{"from": "human", "value": "  " + question.turns[1].replace(" ", "\n  ", 3)},
+                           {"from": "gpt", "value": "ok"}]},
+        {"conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi"},
+                           {"from": "human", "value": problem.prompt + "\n"}]},
+        {"conversations": [{"from": "human", "value": held}]},
+        {"conversations": [{"from": "human", "value": question.turns[1] + " Answer briefly."}]},  # not the prompt
+    ])
+    section = {"sources": [source("chats", chats, 10, "sharegpt")]}
+    excluded = benchmarks.excluded_texts(ROOT / "data/eval/heldout.jsonl")
+    prompts, report = lib.prepare(config.parse({"prepare": section}, "params.yaml").prepare, excluded)
+    assert [p.messages[-1]["content"] for p in prompts] == [question.turns[1] + " Answer briefly."]
+    assert report["sources"]["chats"]["benchmark"] == 3 == report["totals"]["benchmark"]
+    assert " 3 " in lib.summary(report).splitlines()[1]
+    kept, report = lib.prepare(config.parse({"prepare": section}, "params.yaml").prepare)  # nothing excluded
+    assert len(kept) == 4 and report["totals"]["benchmark"] == 0
+
+
+def read_prompts_of(path):
+    return (m["content"] for _, rec in read_jsonl(path) for m in rec["messages"] if m["role"] == "user")
+
+
+def test_e2e_the_stage_keeps_every_benchmark_prompt_out_of_the_projects_training_prompts(tmp_path):
+    """The prepare stage as dvc.yaml runs it, on the project's sources with MT-bench and HumanEval added as sources
+    (formats mtbench and opencodeinstruct): none of their prompts, nor any held-out one, is selected."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["prepare"]["sources"] = [{**s, "path": str(ROOT / s["path"])} for s in params["prepare"]["sources"]] + [
+        {"name": "mtbench", "path": benchmarks.MTBENCH, "format": "mtbench", "n": 80},
+        {"name": "humaneval", "path": benchmarks.HUMANEVAL, "format": "opencodeinstruct", "n": 164,
+         "columns": {"input": "prompt"}}]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    out, report = tmp_path / "prompts.jsonl", tmp_path / "prepare.json"
+    ran = subprocess.run([sys.executable, "stages/prepare.py", "--params", str(tmp_path / "params.yaml"), "--out",
+                          str(out), "--report", str(report), "--heldout", "data/eval/heldout.jsonl", "--timings",
+                          str(tmp_path / "t.json")], cwd=ROOT, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    texts = {benchmarks.normalise(t) for p in read_prompts(out) for t in benchmarks.user_texts(p.messages)}
+    assert texts and not texts & benchmarks.excluded_texts(ROOT / "data/eval/heldout.jsonl")
+    counts = json.loads(report.read_text())["sources"]
+    assert (counts["mtbench"]["benchmark"], counts["mtbench"]["selected"]) == (80, 0)
+    assert (counts["humaneval"]["benchmark"], counts["humaneval"]["selected"]) == (164, 0)
+    assert sum(c["selected"] for c in counts.values()) == sum(s["n"] for s in params["prepare"]["sources"][:4])

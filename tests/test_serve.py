@@ -8,19 +8,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from transformers import AutoConfig
 
-from eaglepipe import config, draft, evaluate, serve, target, train
+from eaglepipe import benchmarks, config, draft, evaluate, reasoning, serve, target
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.server import BadAnswer
 from eaglepipe.engines.vllm import check_answer
-from eaglepipe.testing.e2e import port_closed
+from eaglepipe.testing.e2e import port_closed, untrained_drafter
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = ROOT / ".venv-vllm" / "bin" / "python"
@@ -137,17 +134,13 @@ def served(tmp_path_factory, target_folder, tokenizer, model):
     """A drafter started from the target on LAYERS, saved; what evaluate decoded with it on three held-out prompts;
     and vLLM's plain run of them."""
     folder = tmp_path_factory.mktemp("serve")
-    tgt = train.target_tensors(target_folder, LAYERS[2])
-    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), 2048, LAYERS)
-    torch.manual_seed(0)
-    drafter = draft.Eagle3Draft(cfg, tgt["embed"])
-    drafter.set_vocab(*draft.build_vocab(Counter(range(2048)), 2048, cfg.vocab_size))
-    draft.init_from_target(drafter, tgt)
-    draft.save(drafter, folder / "draft")
-    prompts = evaluate.load_prompts(ROOT / "data/eval/heldout.jsonl", tokenizer)[:3]
+    draft.save(untrained_drafter(target_folder, LAYERS), folder / "draft")
+    conversations = benchmarks.heldout(ROOT / "data/eval/heldout.jsonl")[:3]
     e = config.Evaluate(max_new_tokens=16)
     stops = target.stop_ids(target_folder, tokenizer)
-    rows = evaluate.run(prompts, model, evaluate.load_drafter(folder / "draft", model), stops, e)["decoded"]
+    chat = evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), stops)
+    rows = evaluate.run(conversations, chat, model, evaluate.load_drafter(folder / "draft", model), e)["decoded"]
+    rows = rows["heldout"]
     p = config.Serve(python=str(VLLM), port=8013)
     sampling = Sampling(max_new_tokens=e.max_new_tokens, stop_token_ids=tuple(sorted(stops)))
     plain = serve.decode(target_folder.resolve(), tokenizer, p, rows, sampling)

@@ -1,6 +1,7 @@
 """What the end-to-end tests share: for the infer stage against servers (tests/test_sglang_e2e.py,
 tests/test_vllm_engine.py, tests/test_serve.py) reading the generation cache, comparing records, waiting; for stages
-under torchrun (tests/test_distributed.py, tests/test_train.py) finding the ranks' processes."""
+under torchrun (tests/test_distributed.py, tests/test_train.py) finding the ranks' processes; for decoding tests
+(tests/test_evaluate.py, tests/test_serve.py, tests/test_distributed.py) an untrained drafter."""
 from __future__ import annotations
 
 import json
@@ -58,3 +59,22 @@ def ranks_of(agent: int) -> dict[int, int]:
         except (FileNotFoundError, ProcessLookupError):
             continue  # a process that ended meanwhile
     return ranks
+
+
+def untrained_drafter(target_folder, layers: list[int], draft_vocab: int = 2048):
+    """A drafter started from the target (its midlayer the target's last layer read, ``draft.init_from_target``),
+    its draft vocabulary the first ``draft_vocab`` ids: untrained, yet some of its drafts are accepted."""
+    from collections import Counter
+
+    import torch
+    from transformers import AutoConfig
+
+    from eaglepipe import draft, train
+
+    tgt = train.target_tensors(target_folder, layers[-1])
+    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), draft_vocab, layers)
+    torch.manual_seed(0)
+    drafter = draft.Eagle3Draft(cfg, tgt["embed"])
+    drafter.set_vocab(*draft.build_vocab(Counter(range(draft_vocab)), draft_vocab, cfg.vocab_size))
+    draft.init_from_target(drafter, tgt)
+    return drafter
