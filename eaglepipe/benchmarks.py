@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, fields
 
 from eaglepipe.config import BENCHMARKS
+from eaglepipe.errors import UserError
 from eaglepipe.records import RecordError, read_jsonl
 from eaglepipe.sources import BadRecord, identity, raw_records, resolve
 from eaglepipe.turns import interleave
@@ -186,7 +187,7 @@ def load(name: str, n: int | None, seed: int, heldout_path=None) -> tuple[list[C
     path, sha256, a package's version), how many it holds and which were taken."""
     if name == "heldout":
         if heldout_path is None:
-            raise ValueError("evaluate.benchmarks has heldout, but no held-out prompts file was given (--prompts)")
+            raise UserError("evaluate.benchmarks has heldout, but no held-out prompts file was given (--prompts)")
         path, every = str(heldout_path), heldout(heldout_path)
     else:
         path = MTBENCH if name == "mtbench" else HUMANEVAL
@@ -205,8 +206,11 @@ def select(benchmarks: dict, heldout_path=None, limit: int | None = None) -> tup
     for name in BENCHMARKS:
         if name in benchmarks:
             picked, info[name] = load(name, benchmarks[name].n, benchmarks[name].seed, heldout_path)
-            if limit is not None and limit < len(picked):
+            if limit is not None and limit < len(picked):  # what was decoded, not what was sampled
                 picked, info[name]["limit"] = picked[:limit], limit
+                info[name].update(prompts=len(picked), turns=sum(c.turns for c in picked))
+                if "sample" in info[name]:
+                    info[name]["sample"]["ids"] = [c.id for c in picked]
             conversations += picked
     return conversations, info
 

@@ -2,8 +2,9 @@
 
 ``infer.turns: last`` answers each prompt's last turn; ``all`` answers a conversation's turns in waves, turn k of
 every conversation once turn k - 1 of each is known, each in the context of the target's own earlier answers
-(turns.py). A turn that fails or breaks a limit ends its conversation there (the turns it leaves unanswered are
-counted); a resumed run reuses every finished turn and goes on at the first missing one.
+(turns.py). A turn that fails, is aborted, breaks a limit or calls a tool (no dataset turn answers the target's own
+call) ends its conversation there (the turns left unanswered are counted); a resumed run reuses every finished turn
+and goes on at the first missing one.
 
 Every finished generation is appended (and fsync'd) to a cache file keyed by a fingerprint of everything that
 decides the ids: the model, the engine, the sampling parameters, the chat-template arguments and the code that
@@ -191,7 +192,7 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates
     asks_of = {p.id: turns.asks(p.messages) for p in prompts} if turns_ == "all" else {}
     history = {}  # (prompt id, sample) -> the target's answers so far, as assistant messages
     responses, failures, left_out, wanted_all = {}, [], {}, []
-    generated, new_tokens, elapsed = 0, 0, 0.0
+    generated, new_tokens, elapsed, tool_ended = 0, 0, 0.0, 0
     for turn in range(1, max(map(len, asks_of.values())) + 1) if asks_of else [0]:
         if turn <= 1:
             asks = [Ask(lines[p.id], p, turn, tuple(range(samples)),
@@ -241,10 +242,14 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates
         elapsed += time.perf_counter() - start
         generated += len(todo)
         for a, k, rid in wanted:  # the next turn's history
-            if 0 < turn < len(asks_of[a.prompt.id]) and rid in responses:
-                r = responses[rid]
-                history[(a.prompt.id, k)] = history.get((a.prompt.id, k), []) + [
-                    answer_message(tokenizer, r.prompt_ids, r.output_ids, spec, sampling.stop_token_ids)]
+            r = responses.get(rid)
+            if not (0 < turn < len(asks_of[a.prompt.id]) and r and r.finish_reason != "abort"):
+                continue
+            if r.tool_calls:
+                tool_ended += 1
+                continue
+            history[(a.prompt.id, k)] = history.get((a.prompt.id, k), []) + [
+                answer_message(tokenizer, r.prompt_ids, r.output_ids, spec, sampling.stop_token_ids)]
     gates.check()
     if len(failures) > max_failure_rate * len(wanted_all):
         raise UserError(f"{len(failures)} of {len(wanted_all)} answers failed (more than infer.max_failure_rate="
@@ -256,8 +261,8 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates
     if asks_of:
         per_turn = Counter(r.turn for r in ordered)
         rep["turns"] = {"mode": "all", "answered": dict(sorted(per_turn.items())),
-                        "unanswered": sum(len(asks_of[p]) for p in {prompt_of(r) for r in wanted_all}) * samples
-                        - len(ordered)}
+                        "unanswered": sum(map(len, asks_of.values())) * samples - len(ordered),
+                        "ended_at_tool_call": tool_ended}
     return ordered, {**rep, "left_out": {k: len(v) for k, v in left_out.items()}, "left_out_ids": left_out}
 
 

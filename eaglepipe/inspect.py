@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from . import derive, toolcalls
-from .records import generation_from_json, prompt_of, response_from_json
+from .records import generation_from_json, prompt_of, response_from_json, scan_jsonl
 
 RULE = 100
 PROMPT_TAIL_SHARE = 3 / 4  # a long prompt shows mostly its end: the last turns, the ones the answer follows
@@ -72,15 +72,19 @@ def sample(path: Path, n: int, seed: int, source: str | None = None, tokenizer=N
 
 def conversations(path: Path, picked: list, tokenizer=None, spec=None) -> list[list]:
     """Each picked record alone, or with every turn of its conversation in turn order when it answers one (a
-    conversation picked twice is shown once). The file is read once more, for those turns only."""
+    conversation picked twice is shown once). The file is read once more, for those turns only; a line that does not
+    parse (the torn last line a killed run leaves in its cache) and a repeated id (which the cache's reader drops
+    too) are passed over."""
     key = lambda r: (prompt_of(r.id), r.sample)  # noqa: E731
     wanted = {key(r) for r in picked if r.turn}
-    turns = defaultdict(list)
+    turns, seen = defaultdict(list), set()
     if wanted:
         with open(path, "rb") as f:
-            for line_no, line in enumerate(f, start=1):
-                obj = json.loads(line) if line.strip() else None
-                if obj and (prompt_of(obj["id"]), obj.get("sample", 0)) in wanted:
+            for line_no, _, obj in scan_jsonl(f):
+                if not isinstance(obj, dict) or obj.get("id") in seen or not isinstance(obj.get("id"), str):
+                    continue
+                if (prompt_of(obj["id"]), obj.get("sample", 0)) in wanted:
+                    seen.add(obj["id"])
                     turns[(prompt_of(obj["id"]), obj.get("sample", 0))].append(
                         record(obj, path, line_no, tokenizer, spec))
     out, shown = [], set()

@@ -10,7 +10,8 @@ Stability rules (downstream caches key on prompt ids, so a selection must not mo
 
 No benchmark prompt enters training: with ``prepare.exclude_benchmarks`` a record any of whose user turns is, after
 whitespace normalisation, a prompt of a set evaluate decodes (``benchmarks.excluded_texts``: MT-bench, HumanEval,
-the held-out file) is kept out and counted as ``benchmark``.
+the held-out file) is kept out and counted as ``benchmark``; so is one where a blank-line-separated part of a user
+turn is one (consecutive user turns are merged with a blank line, sources.py).
 
 A ``pkg:`` source lies outside the repository, where DVC does not look: its package is pinned in requirements.txt
 (a prepare dependency in dvc.yaml), and the report records the package's version and the file's sha256, so a
@@ -55,7 +56,8 @@ def read_candidates(src, on_error: str, seen: set, excluded: set = frozenset()) 
             log.warning("skipped (%s): %s", item.reason, item)
             skipped[item.reason] += 1
             damage = item.damage or damage
-        elif excluded and any(normalise(t) in excluded for t in user_texts(item.messages)):
+        elif excluded and any(normalise(part) in excluded for t in user_texts(item.messages)
+                              for part in (t, *t.split("\n\n"))):
             benchmark += 1
         elif item.id in seen:
             duplicates += 1

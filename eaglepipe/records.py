@@ -161,6 +161,14 @@ def prompt_from_json(rec: dict, path="<prompt>", line=None) -> Prompt:
     return Prompt(rec["id"], rec["source"], messages, tools or None)
 
 
+def _part_of(rid: str, part) -> int | None:
+    """``part(rid)`` (sample_of, turn_of), or None for an id where it is no number."""
+    try:
+        return part(rid)
+    except ValueError:
+        return None
+
+
 def generation_from_json(rec: dict, path="<generation>", line=None) -> Generation:
     _check(path, line, rec, "id", str, True)
     _check(path, line, rec, "source", str)
@@ -173,8 +181,11 @@ def generation_from_json(rec: dict, path="<generation>", line=None) -> Generatio
     if not isinstance(turn, int) or isinstance(turn, bool) or turn < 0:
         raise RecordError(path, line, "turn", f"should be a non-negative integer, got {turn!r}")
     if record_id(prompt_of(rec["id"]), sample, turn) != rec["id"]:
-        raise RecordError(path, line, "sample", f"{sample} (turn {turn}) does not match id {rec['id']!r} (answer "
-                          "k > 0 of a prompt has the id '<prompt id>.k', turn t of it '<id>@t')")
+        rid = rec["id"]
+        parts = _part_of(rid, sample_of), _part_of(rid, turn_of)
+        name = "id" if None in parts else "sample" if parts[0] != sample else "turn" if parts[1] != turn else "id"
+        raise RecordError(path, line, name, f"sample {sample}, turn {turn} and id {rid!r} disagree (answer k > 0 of "
+                          "a prompt has the id '<prompt id>.k', turn t of it '<id>@t')")
     return Generation(rec["id"], rec["source"], rec["prompt_ids"], rec["output_ids"], rec["finish_reason"],
                       rec.get("meta") or {}, sample, turn)
 

@@ -2,6 +2,7 @@
 engine's acceptance length must match evaluate's within serve.tolerance and every engine output must equal the plain
 greedy output (eaglepipe/serve.py). Every server it starts is stopped, on success, failure and Ctrl-C."""
 import logging
+from pathlib import Path
 
 import click
 
@@ -12,13 +13,17 @@ from eaglepipe.errors import UserError
 @click.command(help=__doc__)
 @click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target, evaluate, "
               "serve).")
-@click.option("--decoded", required=True, type=click.Path(dir_okay=False), help="What evaluate decoded (JSON Lines).")
+@click.option("--decoded", required=True, type=click.Path(dir_okay=False),
+              help="What evaluate decoded (JSON Lines: data/decoded/heldout.jsonl).")
 @click.option("--draft", "draft_folder", required=True, type=click.Path(file_okay=False), help="Trained drafter.")
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Metrics (DVC metrics).")
 @cli.timings
 @cli.stage
 def main(params, decoded, draft_folder, report, timings):
     cfg = cli.params(params)
+    if not Path(decoded).is_file():
+        raise UserError(f"{decoded} does not exist: the serve check replays what evaluate decoded, so "
+                        "evaluate.benchmarks must include the benchmark it names (dvc.yaml: heldout)")
     folder = target.resolve(cfg.target.model)
     tokenizer = target.load_tokenizer(folder)
     rows = serve.load_decoded(decoded)

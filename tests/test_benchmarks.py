@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from eaglepipe import benchmarks, config
+from eaglepipe.errors import UserError
 from eaglepipe.hashing import file_hash
 from eaglepipe.records import RecordError
 from eaglepipe.sources import resolve
@@ -80,8 +81,11 @@ def test_select_reports_the_file_its_size_and_the_sample(tmp_path):
     assert info["humaneval"]["file"]["sha256"] == file_hash(resolve(benchmarks.HUMANEVAL))
     assert info["humaneval"]["sample"] == {"n": 3, "seed": 0, "ids": [c.id for c in conversations[-3:]]}
     assert info["heldout"]["file"] == {"path": str(HELDOUT), "sha256": file_hash(HELDOUT)}
-    assert info["mtbench"]["turns"] == 160
-    with pytest.raises(ValueError, match="no held-out prompts file"):
+    assert (info["mtbench"]["prompts"], info["mtbench"]["turns"]) == (50, 100)  # the first 50, both turns
+    cut, info = benchmarks.select({"humaneval": config.Benchmark(n=3)}, limit=2)  # reports what was decoded
+    assert (info["humaneval"]["prompts"], info["humaneval"]["turns"], info["humaneval"]["limit"]) == (2, 2, 2)
+    assert info["humaneval"]["sample"]["ids"] == [c.id for c in cut] == [c.id for c in conversations[-3:-1]]
+    with pytest.raises(UserError, match="no held-out prompts file"):
         benchmarks.select({"heldout": config.Benchmark()})
 
 

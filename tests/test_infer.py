@@ -196,7 +196,7 @@ def test_every_turn_is_answered_after_the_targets_own_earlier_answers(model, tok
     assert "DATASET" not in text and by_id[f"{ps[0].id}@1"].content.removesuffix("<|im_end|>") in text
     tool_turn = tokenizer.decode(by_id[f"{ps[1].id}@1"].prompt_ids)  # the call and its result stay, as context
     assert "sunny" in tool_turn and "DATASET SUN" not in tool_turn
-    assert report["turns"] == {"mode": "all", "answered": {1: 3, 2: 2, 3: 1}, "unanswered": 0}
+    assert report["turns"] == {"mode": "all", "answered": {1: 3, 2: 2, 3: 1}, "unanswered": 0, "ended_at_tool_call": 0}
     _, again = run(ps, model, tokenizer, target_folder, tmp_path, turns="last")  # another cache: nothing shared
     assert again["run"]["generated"] == 3 and "turns" not in again
 

@@ -101,6 +101,11 @@ def test_a_sample_that_does_not_match_its_id_is_refused(tmp_path):
     with pytest.raises(RecordError, match=r"x.jsonl:7: field 'sample'"):
         generation_from_json(rec, "x.jsonl", 7)
     assert prompt_of(generation_from_json({**rec, "sample": 2}, "x.jsonl", 7).id) == "abc"
+    with pytest.raises(RecordError, match=r"x.jsonl:7: field 'turn'"):
+        generation_from_json({**rec, "id": "abc.1@2", "turn": 3}, "x.jsonl", 7)
+    with pytest.raises(RecordError, match=r"x.jsonl:7: field 'id'"):
+        generation_from_json({**rec, "id": "abc.x"}, "x.jsonl", 7)
+    assert generation_from_json({**rec, "id": "abc.1@2", "turn": 2}, "x.jsonl", 7).turn == 2
 
 
 def test_an_inconsistent_record_is_refused_with_file_line_and_field(tmp_path, tokenizer, eot):

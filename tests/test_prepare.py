@@ -492,16 +492,18 @@ def test_a_benchmark_prompt_is_kept_out_of_training_whitespace_aside_and_counted
         {"conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi"},
                            {"from": "human", "value": problem.prompt + "\n"}]},
         {"conversations": [{"from": "human", "value": held}]},
+        {"conversations": [{"from": "human", "value": "Hi."}, {"from": "human", "value": question.turns[0]}]},  # merged
         {"conversations": [{"from": "human", "value": question.turns[1] + " Answer briefly."}]},  # not the prompt
     ])
     section = {"sources": [source("chats", chats, 10, "sharegpt")]}
     excluded = benchmarks.excluded_texts(ROOT / "data/eval/heldout.jsonl")
     prompts, report = lib.prepare(config.parse({"prepare": section}, "params.yaml").prepare, excluded)
     assert [p.messages[-1]["content"] for p in prompts] == [question.turns[1] + " Answer briefly."]
-    assert report["sources"]["chats"]["benchmark"] == 3 == report["totals"]["benchmark"]
-    assert " 3 " in lib.summary(report).splitlines()[1]
+    assert report["sources"]["chats"]["benchmark"] == 4 == report["totals"]["benchmark"]
+    assert report["sources"]["chats"]["rules"]["consecutive_turns_merged"] == 1
+    assert " 4 " in lib.summary(report).splitlines()[1]
     kept, report = lib.prepare(config.parse({"prepare": section}, "params.yaml").prepare)  # nothing excluded
-    assert len(kept) == 4 and report["totals"]["benchmark"] == 0
+    assert len(kept) == 5 and report["totals"]["benchmark"] == 0
 
 
 def read_prompts_of(path):

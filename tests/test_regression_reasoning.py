@@ -28,8 +28,8 @@ from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
 from eaglepipe.gates import GateBreach, Gates
 from eaglepipe.records import Prompt, RecordError, content_id, response_from_json, write_json, write_jsonl
-from reasoning_fixtures import (ScriptedEngine, harmony_model, ids, model_folder, reasoning_dropped, reasoning_model,
-                                reasoning_tokenizer, served_model_folder, think_answer)
+from reasoning_fixtures import (ScriptedEngine, harmony_model, ids, model_folder, question_of, reasoning_dropped,
+                                reasoning_model, reasoning_tokenizer, served_model_folder, think_answer)
 from eaglepipe.testing.sglang_server import THOUGHT, configure, free_port, start_server, stats, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -346,3 +346,47 @@ def test_2_e2e_reasoning_dropped_over_http_fails_its_gate_within_the_warmup(tok,
     assert not st["inflight"]
     assert E2E_WARMUP <= st["answers"] <= st["generate_requests"] <= E2E_WARMUP + E2E_CONCURRENCY, st
     assert st["generate_requests"] < len(E2E_PROMPTS)
+
+
+# -------------------------------------------------------------------------------- every turn of a reasoning model
+def test_every_turn_of_a_reasoning_model_under_a_template_that_drops_history_reasoning(tok, folder, tmp_path):
+    """infer.turns: all with a thinking model whose template (Qwen3's way) renders an earlier answer's content only:
+    each later turn's prompt holds the earlier answers without their reasoning, so merge keeps every turn a sequence
+    of its own, each trained in the context it was generated in. A turn that calls a tool, or is aborted, ends its
+    conversation there (nothing in the dataset answers the target's own call), counted."""
+    def script(text):
+        question = question_of(text)
+        if question.startswith("abort"):
+            return "cut off", "abort"
+        return reasoning_model(text)
+
+    def chat_of(*users):
+        messages = []
+        for i, user in enumerate(users):
+            messages += ([{"role": "assistant", "content": f"dataset answer {i}"}] if i else []) + \
+                        [{"role": "user", "content": user}]
+        return messages
+
+    ps = [Prompt(content_id(m, t), "chat", m, t) for m, t in [
+        (chat_of("What is 2 + 2?", "And 3 + 3?", "And 4 + 4?"), None),
+        (chat_of("Look up the capital of Peru.", "And of Chile?"), TOOLS),
+        (chat_of("abort this one", "never asked"), None)]]
+    spec = derive.spec_from_params("think", "hermes")
+    sampling = Sampling(max_new_tokens=256, stop_token_ids=tuple(target.stop_ids(folder, tok)))
+    gates = Gates(config.Gates(warmup=100, every=100, max_truncated=1.0, max_empty=1.0), True, derive.markup(tok))
+    responses, report = infer.run(ps, ScriptedEngine(tok, script), tok, sampling, spec, gates,
+                                  infer.Cache(tmp_path / "cache"), {}, turns_="all")
+    assert [r.id for r in responses] == [f"{ps[0].id}@1", f"{ps[0].id}@2", f"{ps[0].id}@3", f"{ps[1].id}@1",
+                                         f"{ps[2].id}@1"]
+    assert report["turns"] == {"mode": "all", "answered": {1: 3, 2: 1, 3: 1}, "unanswered": 2,
+                               "ended_at_tool_call": 1}
+    first, second = responses[0], responses[1]
+    assert first.reasoning and first.content.strip() == "Here is my answer to: What is 2 + 2?<|im_end|>"
+    history = tok.decode(second.prompt_ids, skip_special_tokens=False)
+    assert "Here is my answer to: What is 2 + 2?" in history and first.reasoning not in history  # dropped
+    assert "dataset answer" not in history
+    write_jsonl(tmp_path / "responses.jsonl", [r for r in responses if r.finish_reason != "abort"])
+    stats = merge.run(tmp_path / "responses.jsonl", tmp_path / "seq", tok, spec, target.end_of_turn_id(folder, tok),
+                      MERGE)
+    assert stats["turns"] == {"joined": 0, "apart": 2}
+    assert stats["train"]["samples"] + stats["valid"]["samples"] == 4
