@@ -4,17 +4,20 @@
 
 Trains the drafter with the train params of params.yaml on part of data/hidden -- the first k answers to every
 prompt, for each k of --answers (and, with --half-prompts, one answer to half of the prompts) -- and measures each
-drafter's acceptance length on the held-out prompts (the evaluate params, EAGLE only), then the n-gram baseline's
-once. The validation split is the same for every size. Prints one row per size and the baseline.
+drafter's acceptance length (the evaluate params, EAGLE only) on every turn evaluate decoded, per benchmark
+(data/decoded/<benchmark>.jsonl: each turn's prompt ids as evaluate built them, MT-bench's second turns after the
+target's own greedy first answer), then the n-gram baseline's once. The validation split is the same for every
+size. Prints one row per size and the baseline.
 """
 import tempfile
 import time
+from pathlib import Path
 
 import click
 import torch
 
-from eaglepipe import benchmarks, chat, config, speculative, target, train
-from eaglepipe.records import prompt_of, sample_of
+from eaglepipe import config, speculative, target, train
+from eaglepipe.records import prompt_of, read_jsonl, sample_of
 
 
 def acceptance(model, drafter, prompts, stops, p) -> float:
@@ -27,16 +30,16 @@ def acceptance(model, drafter, prompts, stops, p) -> float:
 @click.command(help=__doc__)
 @click.option("--params", default="params.yaml", show_default=True)
 @click.option("--hidden", "hidden_folder", default="data/hidden", show_default=True)
-@click.option("--prompts", "prompts_path", default="data/eval/heldout.jsonl", show_default=True)
+@click.option("--decoded", default="data/decoded", show_default=True, help="What evaluate decoded, per benchmark.")
 @click.option("--answers", default="1,2,3", show_default=True, help="Answers per prompt to train on, one size each.")
 @click.option("--half-prompts", is_flag=True, help="Add a size: one answer to half of the prompts.")
-def main(params, hidden_folder, prompts_path, answers, half_prompts):
+def main(params, hidden_folder, decoded, answers, half_prompts):
     cfg = config.load(params)
     folder = target.resolve(cfg.target.model)
     tokenizer, model = target.load_tokenizer(folder), target.load_model(folder)
     p = cfg.evaluate
-    prompts = [chat.prompt_ids(tokenizer, c.messages, c.tools, cfg.target.chat_template_kwargs)
-               for c in benchmarks.heldout(prompts_path)]
+    sets = {name: [row["prompt_ids"] for _, row in read_jsonl(Path(decoded) / f"{name}.jsonl")]
+            for name in config.BENCHMARKS if (Path(decoded) / f"{name}.jsonl").exists()}
     stops = target.stop_ids(folder, tokenizer)
     sizes = [("1 answer, half the prompts", lambda rid: sample_of(rid) == 0 and
               int(prompt_of(rid), 16) % 2 == 0)] if half_prompts else []
@@ -49,17 +52,22 @@ def main(params, hidden_folder, prompts_path, answers, half_prompts):
             drafter, report, _ = train.run(hidden_folder, folder, cfg.train, ckpt, keep=keep)
         seconds = time.perf_counter() - start
         torch.set_num_threads(p.threads or torch.get_num_threads())
-        length = acceptance(model, speculative.EagleDrafter(drafter), prompts, stops, p)
-        rows.append((name, report["train_samples"], report["train_tokens"], report["valid"]["acc_0"], length,
+        lengths = {b: acceptance(model, speculative.EagleDrafter(drafter), prompts, stops, p)
+                   for b, prompts in sets.items()}
+        rows.append((name, report["train_samples"], report["train_tokens"], report["valid"]["acc_0"], lengths,
                      seconds))
-        print(f"{name}: {rows[-1][1]} samples, {rows[-1][2]} tokens, valid acc_0 {rows[-1][3]}, "
-              f"acceptance length {length:.3f}, trained in {seconds:.0f} s", flush=True)
-    baseline = acceptance(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), prompts, stops, p)
-    print("\n| training data | samples | tokens | valid acc_0 | acceptance length | train s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, samples, tokens, acc, length, seconds in rows:
-        print(f"| {name} | {samples} | {tokens} | {acc:.3f} | {length:.3f} | {seconds:.0f} |")
-    print(f"| n-gram baseline (no training) | | | | {baseline:.3f} | |")
+        print(f"{name}: {rows[-1][1]} samples, {rows[-1][2]} tokens, valid acc_0 {rows[-1][3]}, acceptance length "
+              f"{ {b: round(v, 3) for b, v in lengths.items()} }, trained in {seconds:.0f} s", flush=True)
+    baseline = {b: acceptance(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), prompts, stops, p)
+                for b, prompts in sets.items()}
+    turns = ", ".join(f"{b} {len(v)}" for b, v in sets.items())
+    print(f"\nacceptance length on the turns evaluate decoded ({turns})")
+    print("| training data | samples | tokens | valid acc_0 | " + " | ".join(sets) + " | train s |")
+    print("|---|---:|---:|---:|" + "---:|" * len(sets) + "---:|")
+    for name, samples, tokens, acc, lengths, seconds in rows:
+        print(f"| {name} | {samples} | {tokens} | {acc:.3f} | " + " | ".join(f"{v:.3f}" for v in lengths.values())
+              + f" | {seconds:.0f} |")
+    print("| n-gram baseline (no training) | | | | " + " | ".join(f"{v:.3f}" for v in baseline.values()) + " | |")
 
 
 if __name__ == "__main__":
