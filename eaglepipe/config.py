@@ -100,6 +100,8 @@ class Source(Section):
                                                      "prepare.on_error]")
     columns: dict[str, str] = Field({}, description="format field: the column (or key) it is read from, where "
                                     "the data names it differently, e.g. {messages: chat}")
+    max_turns: int | None = Field(None, ge=1, description="keep a conversation up to its k-th user turn (the "
+                                  "earlier turns, answers included, as context); null: the whole conversation")
 
     @field_validator("path")
     @classmethod
@@ -179,6 +181,8 @@ class Infer(Section):
                                                     "token-out /inference/v1/generate)")
     batch_size: int = speed(64, "hf engine: prompts per batch (rows leave it as they finish); an answer does not "
                             "depend on it (per-record sampling seeds)", ge=1)
+    batch_tokens: int = speed(32768, "hf engine: at most this many tokens of KV cache per batch (rows x (longest "
+                              "prompt + max_new_tokens)), so long chats run in smaller batches", ge=1)
     samples: int = Field(3, ge=1, description="answers per prompt (record ids <prompt id>, <prompt id>.1, ...); more "
                          "than one needs temperature > 0")
     max_new_tokens: int = Field(128, ge=1, description="longest answer, in tokens")

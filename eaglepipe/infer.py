@@ -117,7 +117,8 @@ def create_engine(params, folder, tokenizer):
         from . import target
         from .engines.hf import HFEngine
 
-        return nullcontext(HFEngine(target.load_model(folder), tokenizer.pad_token_id, params.batch_size))
+        return nullcontext(HFEngine(target.load_model(folder), tokenizer.pad_token_id, params.batch_size,
+                                        params.batch_tokens))
     if params.engine == "vllm":
         from .engines.vllm import VLLMEngine
 

@@ -26,7 +26,7 @@ from collections import Counter
 from eaglepipe.benchmarks import normalise, user_texts
 from eaglepipe.config import PACKAGE_PATH
 from eaglepipe.errors import UserError
-from eaglepipe.records import Prompt, RecordError
+from eaglepipe.records import Prompt, RecordError, content_id
 from eaglepipe.sources import package_file, read_source, resolve
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ def read_candidates(src, on_error: str, seen: set, excluded: set = frozenset()) 
         None, 0, 0, 0
     for item in read_source(src.path, src.format, src.name, src.columns, rules):
         read += 1
+        if src.max_turns and not isinstance(item, RecordError):
+            item = first_turns(item, src.max_turns, rules)
         if isinstance(item, RecordError) and item.left_out:
             log.debug("left out (%s): %s", item.reason, item)
             left_out[item.reason] += 1
@@ -69,6 +71,17 @@ def read_candidates(src, on_error: str, seen: set, excluded: set = frozenset()) 
               "left_out": sum(left_out.values()), "left_out_by_rule": dict(sorted(left_out.items())),
               "rules": dict(sorted(rules.items())), "benchmark": benchmark, "duplicates": duplicates}
     return candidates, counts | ({"damage": damage} if damage else {})
+
+
+def first_turns(prompt: Prompt, k: int, rules: Counter) -> Prompt:
+    """The prompt cut after its k-th user turn (``max_turns``), with the id of what is kept; counted as the rule
+    ``cut_to_max_turns``."""
+    users = [i for i, m in enumerate(prompt.messages) if m["role"] == "user"]
+    if len(users) <= k:
+        return prompt
+    rules["cut_to_max_turns"] += 1
+    messages = prompt.messages[:users[k - 1] + 1]
+    return Prompt(content_id(messages, prompt.tools), prompt.source, messages, prompt.tools)
 
 
 def sample(candidates: list, n: int, seed: int, name: str) -> list:

@@ -128,6 +128,30 @@ def test_a_poison_record_never_takes_its_batch_mates_down(model, tokenizer, targ
         assert outs[i].output_ids == next(alone.stream([batch[i]], sampling, [f"r{i}"]))[1].output_ids
 
 
+def test_a_token_budget_splits_long_prompts_into_smaller_batches(model, tokenizer, target_folder):
+    """batch_tokens bounds rows x (longest prompt + max_new_tokens): a long chat runs in a smaller batch than short
+    ones, and every answer is the one it gives alone."""
+    short = [chat.prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS[:4]]
+    long = chat.prompt_ids(tokenizer, [{"role": "user", "content": " ".join(QUESTIONS * 6)}])
+    prompts = short + [long]
+    sampling = Sampling(max_new_tokens=4, stop_token_ids=tuple(target.stop_ids(target_folder, tokenizer)))
+    budget = 2 * (len(long) + 4)
+
+    class Recording(HFEngine):
+        def isolated(self, batch, *args):
+            sizes.append([len(prompts[i]) for i in batch])
+            yield from super().isolated(batch, *args)
+
+    sizes = []
+    outs = dict(Recording(model, tokenizer.pad_token_id, batch_size=8, batch_tokens=budget).stream(
+        prompts, sampling, [f"r{i}" for i in range(5)]))
+    assert len(sizes) > 1 and all(len(b) * (max(b) + 4) <= budget for b in sizes)
+    assert sizes[0][0] == len(long) and sum(map(len, sizes)) == 5
+    alone = HFEngine(model, tokenizer.pad_token_id, batch_size=1)
+    for i, ids in enumerate(prompts):
+        assert outs[i].output_ids == next(alone.stream([ids], sampling, [f"r{i}"]))[1].output_ids
+
+
 def test_prompts_that_cannot_train_get_no_generation(model, tokenizer, target_folder, tmp_path):
     """A 5 MB turn (beyond the target's context), a 500-turn conversation and a prompt longer than merge.max_length
     are left out before any generation under skip, counted with their ids; under fail the first is an error naming

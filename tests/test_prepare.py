@@ -149,6 +149,25 @@ def test_duplicates_are_removed_across_sources_and_counted(tmp_path):
     assert report["sources"]["b"]["shortfall"] == 8
 
 
+def test_max_turns_cuts_a_conversation_after_its_kth_user_turn_and_counts_it(tmp_path):
+    turns = [("human", "q1"), ("gpt", "a1"), ("human", "q2"), ("gpt", "a2"), ("human", "q3"), ("gpt", "a3")]
+    chats = write_jsonl(tmp_path / "c.jsonl", [
+        {"conversations": [{"from": f, "value": v} for f, v in turns]},
+        {"conversations": [{"from": f, "value": v} for f, v in turns[:2]]},
+        {"conversations": [{"from": f, "value": v + "!"} for f, v in turns[:4]]}])
+    whole, _ = prepare_({"seed": 0, "sources": [source("c", chats, 3, "sharegpt")]})
+    cut, report = prepare_({"seed": 0, "sources": [{**source("c", chats, 3, "sharegpt"), "max_turns": 2}]})
+    assert [[m["content"] for m in p.messages] for p in cut] == [["q1", "a1", "q2"], ["q1"], ["q1!", "a1!", "q2!"]]
+    assert [p.id for p in cut][1:] == [p.id for p in whole][1:] and cut[0].id != whole[0].id
+    assert cut[0].id == content_id(cut[0].messages, None)
+    assert report["sources"]["c"]["rules"]["cut_to_max_turns"] == 1
+    first, report = prepare_({"seed": 0, "sources": [{**source("c", chats, 3, "sharegpt"), "max_turns": 1}]})
+    assert [[m["content"] for m in p.messages] for p in first] == [["q1"], ["q1!"]]
+    assert report["sources"]["c"]["duplicates"] == 1  # cut to one turn, the first two chats are one prompt
+    with pytest.raises(Exception, match="max_turns"):
+        config.Source(name="c", path="x.jsonl", format="sharegpt", n=1, max_turns=0)
+
+
 def selection(cfg, name):
     return [p.id for p in prepare_(cfg)[0] if p.source == name]
 

@@ -25,10 +25,11 @@ log = logging.getLogger(__name__)
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model, pad_token_id: int, batch_size: int = 16):
+    def __init__(self, model, pad_token_id: int, batch_size: int = 16, batch_tokens: int = 32768):
         self.model = model
         self.pad_token_id = pad_token_id
         self.batch_size = batch_size
+        self.batch_tokens = batch_tokens
 
     def identity(self) -> dict:
         """What, beyond the model files, decides this engine's ids (part of the infer cache's fingerprint). The
@@ -41,10 +42,20 @@ class HFEngine:
 
     def stream(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
         """Generate in batches of similar length (less padding), longest first; yield (index, Output) as rows
-        finish, or (index, Failure) for a record that fails alone (``isolated``)."""
+        finish, or (index, Failure) for a record that fails alone (``isolated``). A batch holds at most
+        ``batch_size`` rows and ``batch_tokens`` tokens of KV cache (rows x (its longest prompt + max_new_tokens)):
+        64 rows of 2,000-token chats would otherwise hold gigabytes of cache, copied at every step."""
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: duplicates stay adjacent
-        for b in range(0, len(order), self.batch_size):
-            yield from self.isolated(order[b:b + self.batch_size], prompts, sampling, rids)
+        batch = []
+        for i in order:
+            rows = len(batch) + 1
+            if batch and (rows > self.batch_size or
+                          rows * (len(prompts[batch[0]]) + sampling.max_new_tokens) > self.batch_tokens):
+                yield from self.isolated(batch, prompts, sampling, rids)
+                batch = []
+            batch.append(i)
+        if batch:
+            yield from self.isolated(batch, prompts, sampling, rids)
 
     def isolated(self, batch: list[int], prompts, sampling: Sampling, rids):
         """Decode ``batch`` (indices into ``prompts``); when it fails (out of memory, a bad id, ...), the rows not yet

