@@ -1,11 +1,11 @@
 """Benchmark: which data lever moves the drafter's MT-bench acceptance length most, several training sets in one run.
 
-    python bench/bench_levers.py [--point NAME ...] [--list]
+    python bench/bench_levers.py [--point NAME ...] [--fresh] [--list]
 
-Each point is params.yaml with a few keys changed (POINTS below: prompts from ShareGPT, answers per prompt, answer
-length, every turn regenerated, positions trained). For each point the stages prepare, infer, merge, hidden and train
-run as dvc.yaml runs them, with their outputs in a temporary folder (the resumable caches under .cache are shared,
-so answers and states already paid for are reused). Each drafter's acceptance length (the evaluate params, EAGLE
+Each point is params.yaml with a few keys changed (POINTS below: params.yaml itself, prompts from ShareGPT, answers
+per prompt, answer length, every turn regenerated, positions trained). For each point the stages prepare, infer,
+merge, hidden and train run as dvc.yaml runs them, with their outputs in a temporary folder; the resumable caches
+under .cache are shared, so answers and states already paid for are reused (and not timed), unless --fresh. Each drafter's acceptance length (the evaluate params, EAGLE
 only) is then measured on every turn evaluate decoded (data/decoded/<benchmark>.jsonl), and the n-gram baseline's
 once. Prints one row per point: samples, trained tokens, minutes per stage and acceptance length per benchmark.
 """
