@@ -533,7 +533,8 @@ def test_e2e_the_stage_keeps_every_benchmark_prompt_out_of_the_projects_training
     """The prepare stage as dvc.yaml runs it, on the project's sources with MT-bench and HumanEval added as sources
     (formats mtbench and opencodeinstruct): none of their prompts, nor any held-out one, is selected."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["prepare"]["sources"] = [{**s, "path": str(ROOT / s["path"])} for s in params["prepare"]["sources"]] + [
+    project = params["prepare"]["sources"]  # paths relative to the repository, where the stage runs
+    params["prepare"]["sources"] = project + [
         {"name": "mtbench", "path": benchmarks.MTBENCH, "format": "mtbench", "n": 80},
         {"name": "humaneval", "path": benchmarks.HUMANEVAL, "format": "opencodeinstruct", "n": 164,
          "columns": {"input": "prompt"}}]
@@ -548,4 +549,4 @@ def test_e2e_the_stage_keeps_every_benchmark_prompt_out_of_the_projects_training
     counts = json.loads(report.read_text())["sources"]
     assert (counts["mtbench"]["benchmark"], counts["mtbench"]["selected"]) == (80, 0)
     assert (counts["humaneval"]["benchmark"], counts["humaneval"]["selected"]) == (164, 0)
-    assert sum(c["selected"] for c in counts.values()) == sum(s["n"] for s in params["prepare"]["sources"][:4])
+    assert sum(c["selected"] for c in counts.values()) == sum(s["n"] for s in project)
