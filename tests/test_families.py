@@ -128,16 +128,28 @@ def test_hidden_train_and_evaluate_run_on_each_family_and_decoding_stays_lossles
 
 
 def test_online_training_computes_the_stored_states_and_trains_the_same_drafter(ran):
-    """train.features: online runs the target inside the trainer, batch by batch: the states equal what hidden stored
-    (same layers, rounding and argmax, though batched differently), so the drafter is the offline one."""
-    o = ran["online"]
+    """train.features: online runs the target inside the trainer, batch by batch: the states are what hidden stored
+    (same layers, rounding and argmax, though batched differently), so the drafter is the offline one. Dense
+    families: the same bytes. The MoE family routes each batch's tokens to its experts in groups of another shape, so
+    a stored value may be one bf16 rounding step away (seen on a 2-core Intel Xeon), and the
+    drafter trained on them a little off the offline one."""
+    o, moe = ran["online"], ran["family"].endswith("_moe")
     assert o["report"]["features"] == "online" and ran["train"]["features"] == "offline"
     assert sorted(o["computed"]) == sorted(o["stored"])
     for sid, st in o["stored"].items():
         for name in train.STATES:
-            assert torch.equal(o["computed"][sid][name], st[name]), (sid, name)
+            computed, stored = o["computed"][sid][name], st[name]
+            if moe and stored.is_floating_point():
+                step = stored.float().abs() * 2 ** -7 + 1e-30  # one rounding step of bf16 (8 significant bits)
+                assert ((computed.float() - stored.float()).abs() <= step).all(), (sid, name)
+            else:
+                assert torch.equal(computed, stored), (sid, name)
     offline, online = o["weights"]
-    assert all(torch.equal(offline[k], online[k]) for k in offline)
+    for k in offline:
+        if moe:
+            torch.testing.assert_close(online[k], offline[k], rtol=0, atol=1e-3)
+        else:
+            assert torch.equal(offline[k], online[k]), k
 
 
 def test_the_init_is_exact_for_the_llama_layer_only_and_logged_once_per_run(ran):
