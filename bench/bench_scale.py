@@ -11,20 +11,13 @@ size. Prints one row per size and the baseline.
 """
 import tempfile
 import time
-from pathlib import Path
 
 import click
 import torch
 
 from eaglepipe import config, speculative, target, train
-from eaglepipe.records import prompt_of, read_jsonl, sample_of
-
-
-def acceptance(model, drafter, prompts, stops, p) -> float:
-    stats = speculative.Stats()
-    for ids in prompts:
-        speculative.speculative(model, drafter, ids, p.max_new_tokens, stops, p.num_steps, stats)
-    return stats.acceptance_length
+from eaglepipe.records import prompt_of, sample_of
+from harness import acceptances, decoded_sets
 
 
 @click.command(help=__doc__)
@@ -38,8 +31,7 @@ def main(params, hidden_folder, decoded, answers, half_prompts):
     folder = target.resolve(cfg.target.model)
     tokenizer, model = target.load_tokenizer(folder), target.load_model(folder)
     p = cfg.evaluate
-    sets = {name: [row["prompt_ids"] for _, row in read_jsonl(Path(decoded) / f"{name}.jsonl")]
-            for name in config.BENCHMARKS if (Path(decoded) / f"{name}.jsonl").exists()}
+    sets = decoded_sets(decoded)
     stops = target.stop_ids(folder, tokenizer)
     sizes = [("1 answer, half the prompts", lambda rid: sample_of(rid) == 0 and
               int(prompt_of(rid), 16) % 2 == 0)] if half_prompts else []
@@ -52,14 +44,12 @@ def main(params, hidden_folder, decoded, answers, half_prompts):
             drafter, report, _ = train.run(hidden_folder, folder, cfg.train, ckpt, keep=keep)
         seconds = time.perf_counter() - start
         torch.set_num_threads(p.threads or torch.get_num_threads())
-        lengths = {b: acceptance(model, speculative.EagleDrafter(drafter), prompts, stops, p)
-                   for b, prompts in sets.items()}
+        lengths = acceptances(model, speculative.EagleDrafter(drafter), sets, stops, p)
         rows.append((name, report["train_samples"], report["train_tokens"], report["valid"]["acc_0"], lengths,
                      seconds))
         print(f"{name}: {rows[-1][1]} samples, {rows[-1][2]} tokens, valid acc_0 {rows[-1][3]}, acceptance length "
               f"{ {b: round(v, 3) for b, v in lengths.items()} }, trained in {seconds:.0f} s", flush=True)
-    baseline = {b: acceptance(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), prompts, stops, p)
-                for b, prompts in sets.items()}
+    baseline = acceptances(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), sets, stops, p)
     turns = ", ".join(f"{b} {len(v)}" for b, v in sets.items())
     print(f"\nacceptance length on the turns evaluate decoded ({turns})")
     print("| training data | samples | tokens | valid acc_0 | " + " | ".join(sets) + " | train s |")

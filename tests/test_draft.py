@@ -109,8 +109,7 @@ def reference_forward(folder, embed, tokens, hiddens):
     pairs (tokens[i], hiddens[i]) at positions 0..T-1, causal attention. Returns (draft logits, pre-norm out)."""
     cfg = json.loads((folder / "config.json").read_text())
     w = load_file(str(folder / "model.safetensors"))
-    H, nh, kvh, d, eps = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-                          cfg["head_dim"], cfg["rms_norm_eps"])
+    nh, kvh, d, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
     T = tokens.shape[0]
 
     def rms(x, name):

@@ -1,0 +1,68 @@
+"""What the bench scripts share: the turns evaluate decoded, acceptance length on them, and the pipeline's stages
+run as dvc.yaml runs them with every output moved into a work folder."""
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import yaml
+
+from eaglepipe import config, speculative
+from eaglepipe.records import read_jsonl
+
+STAGES = ["prepare", "infer", "merge", "hidden", "train", "evaluate"]
+CACHES = {"infer": "--cache", "hidden": "--cache", "train": "--checkpoints"}  # each stage's resumable work
+
+
+def decoded_sets(decoded, names=config.BENCHMARKS) -> dict[str, list[list[int]]]:
+    """Each benchmark's turns as evaluate decoded them (``data/decoded/<name>.jsonl``): their prompt ids, in order;
+    MT-bench's second turns follow the target's own greedy first answer."""
+    return {name: [row["prompt_ids"] for _, row in read_jsonl(Path(decoded) / f"{name}.jsonl")]
+            for name in names if (Path(decoded) / f"{name}.jsonl").exists()}
+
+
+def acceptance(model, drafter, prompts, stops, p) -> float:
+    """Acceptance length of ``drafter`` over ``prompts`` with the evaluate params ``p`` (greedy chains)."""
+    stats = speculative.Stats()
+    for ids in prompts:
+        speculative.speculative(model, drafter, ids, p.max_new_tokens, stops, p.num_steps, stats)
+    return stats.acceptance_length
+
+
+def acceptances(model, drafter, sets: dict, stops, p) -> dict[str, float]:
+    return {name: acceptance(model, drafter, prompts, stops, p) for name, prompts in sets.items()}
+
+
+def params_for(base: dict, overrides: dict) -> dict:
+    """``base`` (params.yaml as loaded) with ``overrides``: dotted key -> value; a key ending in ``+`` appends."""
+    out = json.loads(json.dumps(base))
+    for key, value in overrides.items():
+        *path, last = key.rstrip("+").split(".")
+        node = out
+        for k in path:
+            node = node.setdefault(k, {})
+        node[last] = node[last] + value if key.endswith("+") else value
+    return out
+
+
+def stage_commands(work: Path, stages=STAGES, dvc_file: Path = Path("dvc.yaml")) -> dict[str, list[str]]:
+    """The dvc.yaml command of each of ``stages``, with params.yaml read from ``work`` and every path these stages
+    write (their metrics and timings too) moved under ``work``; what they read and do not write (the sources, the
+    held-out prompts, an upstream stage's outputs) stays the project's."""
+    all_stages = yaml.safe_load(dvc_file.read_text())["stages"]
+    written = {str(next(iter(o)) if isinstance(o, dict) else o) for name in stages
+               for kind in ("outs", "metrics", "plots") for o in all_stages[name].get(kind, [])}
+
+    def move(token: str) -> str:
+        if token == "params.yaml":
+            return str(work / "params.yaml")
+        moved = token.startswith("metrics/") or any(token == w or token.startswith(w.rstrip("/") + "/")
+                                                    for w in written)
+        return str(work / token) if moved else token
+    return {name: [move(t) for t in shlex.split(all_stages[name]["cmd"])] for name in stages}
+
+
+def env(**extra) -> dict:
+    """The environment a stage command runs in: this interpreter's bin folder first on PATH (its ``python``)."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **extra}
