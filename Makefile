@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAGES := prepare infer merge hidden train evaluate serve
 
-.PHONY: venv vllm-venv repro test test-fast inspect params metrics timings diff exps plots $(STAGES)
+.PHONY: venv vllm-venv repro test test-fast gpu-check inspect params metrics timings diff exps plots $(STAGES)
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -48,6 +48,11 @@ test: venv vllm-venv
 # The unit layer alone: no end-to-end run of a stage, a server or DVC.
 test-fast: venv
 	python -m pytest -q -m "not slow" tests
+
+# On a GPU machine: the default pipeline end to end on CUDA in a folder of its own (nothing of the project's is
+# touched), hidden, train and evaluate under torchrun on every GPU; prints each stage's tokens/s and peak GPU memory.
+gpu-check: venv
+	python bench/gpu_check.py $(ARGS)
 
 # `make inspect ARGS="--n 5 --seed 1"`: a few random records, prompt / reasoning / content / tool calls apart.
 inspect: venv

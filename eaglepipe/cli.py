@@ -6,6 +6,7 @@ import logging
 import resource
 
 import click
+import torch
 
 from . import config
 from .errors import UserError
@@ -46,9 +47,14 @@ def params(path) -> config.Params:
 def publish(report: dict, metrics, timings) -> None:
     """Write a stage's report: the figures a user compares across versions to ``metrics`` (DVC metrics, in git), and
     its ``run`` part (seconds, tokens/s, what this run computed or reused: it changes with every run) with the
-    process's peak resident memory to ``timings`` (kept out of git, so a repro that rebuilds every output bit for bit
-    leaves ``git status`` clean)."""
+    process's peak resident memory, and where it used CUDA the peak GPU memory torch allocated on its busiest GPU,
+    to ``timings`` (kept out of git, so a repro that rebuilds every output bit for bit leaves ``git status``
+    clean)."""
     report = dict(report)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    write_json(timings, {**report.pop("run", {}), "peak_rss_mb": round(peak_mb, 1)})
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+    run = {**report.pop("run", {}), "peak_rss_mb": round(peak_kib / 1024, 1)}
+    if torch.cuda.is_initialized():
+        run["peak_gpu_mb"] = round(max(torch.cuda.max_memory_allocated(i)
+                                       for i in range(torch.cuda.device_count())) / 2**20, 1)
+    write_json(timings, run)
     write_json(metrics, report)

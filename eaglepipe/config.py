@@ -186,6 +186,9 @@ class Infer(Section):
     samples: int = Field(3, ge=1, description="answers per prompt (record ids <prompt id>, <prompt id>.1, ...); more "
                          "than one needs temperature > 0")
     max_new_tokens: int = Field(128, ge=1, description="longest answer, in tokens")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="hf engine: the dtype the target computes in, on runtime.device (auto = bfloat16 on "
+        "CUDA, float32 on the CPU; pin one so that the answers do not follow the device); servers ignore it")
     turns: Literal["last", "all"] = Field("last", description="last: answer each prompt's last turn, the dataset's "
                                           "earlier answers as context | all: answer every assistant turn in order, "
                                           "each in the context of the target's own earlier answers (record ids "

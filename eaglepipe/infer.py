@@ -107,18 +107,20 @@ class Cache:
         self._append(self.failures_path, {"id": rid, "reason": reason})
 
 
-def create_engine(params, folder, tokenizer):
+def create_engine(params, folder, tokenizer, rt=None):
     """The engine named by ``infer.engine`` (``params`` is the ``infer`` section, config.Infer), as a context manager:
     ``with create_engine(...) as engine:``. Leaving it releases what the engine holds (connections, a server it
-    launched), also on errors."""
+    launched), also on errors. The hf engine holds the target on ``rt``'s device (runtime.Runtime; the CPU without
+    one), in ``infer.dtype``."""
     if params.engine == "hf":
         from contextlib import nullcontext
 
-        from . import target
+        from . import runtime
         from .engines.hf import HFEngine
 
-        return nullcontext(HFEngine(target.load_model(folder), tokenizer.pad_token_id, params.batch_size,
-                                        params.batch_tokens))
+        rt = rt or runtime.Runtime()
+        model = runtime.load_target(folder, runtime.compute_dtype(params.dtype, rt.device), rt)
+        return nullcontext(HFEngine(model, tokenizer.pad_token_id, params.batch_size, params.batch_tokens))
     if params.engine == "vllm":
         from .engines.vllm import VLLMEngine
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from eaglepipe import cli, derive, infer, target
+from eaglepipe import cli, derive, infer, runtime, target
 from eaglepipe.errors import UserError
 from eaglepipe.engines import Sampling
 from eaglepipe.gates import Gates
@@ -30,7 +30,8 @@ def main(params, prompts, out, report, timings, cache):
     folder = target.resolve(cfg.target.model)
     tokenizer = target.load_tokenizer(folder)
     sampling = Sampling.from_params(p, target.stop_ids(folder, tokenizer))
-    with infer.create_engine(p, folder, tokenizer) as engine:  # leaving it closes it (and a server it launched)
+    with runtime.start(cfg.runtime.device) as rt, infer.create_engine(p, folder, tokenizer, rt) as engine:
+        # leaving the engine closes it (and a server it launched)
         template_kwargs = cfg.target.chat_template_kwargs
         fp = infer.fingerprint(target.fingerprint(folder), engine.name, engine.identity(), sampling, template_kwargs,
                                spec if p.turns == "all" else None)

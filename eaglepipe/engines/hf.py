@@ -8,7 +8,8 @@ A hand-written decoding loop over the model's forward with a KV cache (not ``mod
   - nothing from the model folder's ``generation_config.json`` (a ``repetition_penalty``, a ``top_k``, ...) leaks
     in: the logits are those of the forward pass, processed only by the explicit ``Sampling``.
 Prompts are left-padded within a batch; position ids count real tokens only, so every row sees the positions it
-would see alone. Sampling follows SGLang's order: temperature, then top-k, top-p and min-p on the probabilities.
+would see alone. The model runs where it was loaded (``model.device``); sampling runs on the CPU, each row drawing from
+its own seeded CPU generator, so a row's draws do not depend on the device or its batch. Sampling follows SGLang's order: temperature, then top-k, top-p and min-p on the probabilities.
 """
 from __future__ import annotations
 
@@ -90,17 +91,18 @@ class HFEngine:
             if not unique or unique[-1] != ids:
                 unique.append(ids)
             source.append(len(unique) - 1)
-        width = max(len(p) for p in unique)
+        dev, width = self.model.device, max(len(p) for p in unique)
         input_ids = torch.full((len(unique), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(unique), width), dtype=torch.long)
         for row, ids in enumerate(unique):
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention[row, width - len(ids):] = 1
+        input_ids, attention = input_ids.to(dev), attention.to(dev)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        index = torch.tensor(source)
+        index = torch.tensor(source, device=dev)
         if len(unique) < len(prompts):
             cache.batch_select_indices(index)
         logits, attention, position = logits[index], attention[index], positions[index, -1]
@@ -108,7 +110,7 @@ class HFEngine:
         rows = list(range(len(prompts)))       # batch row -> prompt row, None once finished
         outputs = [[] for _ in prompts]
         while True:
-            tokens = pick(logits.float(), sampling, rngs).tolist()
+            tokens = pick(logits.float().cpu(), sampling, rngs).tolist()  # each row's generator is on the CPU
             for j, (row, token) in enumerate(zip(rows, tokens)):
                 if row is None:
                     continue
@@ -120,13 +122,13 @@ class HFEngine:
             if not live:
                 return
             if len(live) <= 0.75 * len(rows):  # drop finished rows; not one at a time (each drop copies the cache)
-                sel = torch.tensor(live)
+                sel = torch.tensor(live, device=dev)
                 cache.batch_select_indices(sel)
                 attention, position = attention[sel], position[sel]
                 rows, tokens, rngs = [rows[j] for j in live], [tokens[j] for j in live], [rngs[j] for j in live]
             attention = torch.cat((attention, torch.ones_like(attention[:, :1])), 1)
             position = position + 1
-            logits = self.model(input_ids=torch.tensor(tokens)[:, None], attention_mask=attention,
+            logits = self.model(input_ids=torch.tensor(tokens, device=dev)[:, None], attention_mask=attention,
                                 position_ids=position[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
 
 
