@@ -257,6 +257,10 @@ class Train(Section):
     step_weight: float = Field(0.8, gt=0, description="step k's loss is weighted step_weight ** k")
     positions: Literal["generated", "all"] = Field(
         "all", description="generated: loss on the target's answers only (the official recipe) | all: prompts too")
+    init: Literal["fresh", "target"] = Field(
+        "fresh", description="fresh: every drafter weight from the seeded default init | target: fc passes the high "
+        "state through, the midlayer, norm and lm_head start from the target where they fit (eaglepipe/draft.py, "
+        "Initialisation); on the default data fresh decodes better on every benchmark (README, train)")
     epochs: int = Field(3, ge=1, description="passes over the training split")
     features: Literal["offline", "online"] = Field(
         "offline", description="offline: the states hidden stored (data/hidden) | online: the frozen target runs "

@@ -39,7 +39,8 @@ Chain drafting, prompt x_0..x_{n-1}, the target's prefill gives aux_0..aux_{n-1}
        (drop the chain) and extend with the tokens x_{n+1}..x_{n+m+1} paired with project(aux[n..n+m]) (the
        target's states at the verified positions), positions n..n+m; n becomes n+m+1; go to 2.
 
-Initialisation (``init_from_target``, one log line per run says which): fc passes the high aux state through,
+Initialisation under ``train.init: target`` (``init_from_target``; the default, ``fresh``, keeps the seeded default
+init of every weight; one log line per run says which): fc passes the high aux state through,
 lm_head = the target's rows of the draft vocabulary, norm = the target's final norm, and the midlayer starts from the
 target's decoder layer that consumes the high state, each part where the target's weights for it are there with the
 drafter's shapes and stored as floats: the attention (q/k/v on the hidden-state half, the embedding half zero; o_proj;

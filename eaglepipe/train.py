@@ -443,7 +443,10 @@ def setup(feats, target_folder, p, keep=None):
                                         feats.layers)
     model = draft.Eagle3Draft(cfg, tgt["embed"])
     model.set_vocab(*draft.build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
-    draft.init_from_target(model, tgt)
+    if p.init == "target":
+        draft.init_from_target(model, tgt)
+    else:
+        log.info("drafter init: fresh: every weight from the seeded default init (train.init)")
     head_draft = tgt["head"][model.to_target(torch.arange(cfg.draft_vocab_size))]
     if uses_bf16(p):
         head_draft = head_draft.bfloat16()

@@ -36,6 +36,7 @@ def test_device_and_compute_dtype_choices():
 
 def test_device_is_a_speed_knob_and_compute_dtype_a_result_knob():
     assert "device" not in config.Runtime.tracked_keys() and "compute_dtype" in config.Hidden.tracked_keys()
+    assert "dtype" in config.Infer.tracked_keys()  # the hf engine's: it decides the answers
     with pytest.raises(config.ConfigError, match=r"runtime.device: should be auto, cpu, cuda or cuda:N, got 'gpu'"):
         config.parse({"prepare": {"sources": [{"name": "a", "path": "a.jsonl", "format": "openai", "n": 1}]},
                       "runtime": {"device": "gpu"}})

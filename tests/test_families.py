@@ -29,7 +29,7 @@ FAMILIES = {  # config class, its own keys; vocab and special ids are the embedd
     "llama": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 16}),
 }
 TRAIN = config.Train(seed=0, draft_vocab_size=256, ttt_steps=2, epochs=1, batch_tokens=128, lr=1e-3, warmup_steps=1,
-                     threads=0, positions="all", autocast="none")
+                     threads=0, positions="all", autocast="none", init="target")
 HIDDEN = config.Hidden(layers="auto", dtype="bfloat16", batch_tokens=64, shard_tokens=1000)
 PROMPTS = [[{"role": "user", "content": "Count from 1 to 20."}], [{"role": "user", "content": "Name three seas."}]]
 
