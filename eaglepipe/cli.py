@@ -4,9 +4,9 @@ from __future__ import annotations
 import functools
 import logging
 import resource
+import sys
 
 import click
-import torch
 
 from . import config
 from .errors import UserError
@@ -53,7 +53,8 @@ def publish(report: dict, metrics, timings) -> None:
     report = dict(report)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
     run = {**report.pop("run", {}), "peak_rss_mb": round(peak_kib / 1024, 1)}
-    if torch.cuda.is_initialized():
+    torch = sys.modules.get("torch")  # a stage that never imported torch (prepare does not) used no GPU
+    if torch is not None and torch.cuda.is_initialized():
         run["peak_gpu_mb"] = round(max(torch.cuda.max_memory_allocated(i)
                                        for i in range(torch.cuda.device_count())) / 2**20, 1)
     write_json(timings, run)
