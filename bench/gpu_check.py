@@ -21,9 +21,7 @@ import click
 import torch
 import yaml
 
-from harness import STAGES, env, params_for, stage_commands
-
-DISTRIBUTED = {"hidden", "train", "evaluate"}  # the stages dvc.yaml starts through eaglepipe.runtime (torchrun)
+from harness import STAGES, distributed, env, params_for, stage_commands
 
 
 def speed(timing: dict) -> str:
@@ -52,13 +50,11 @@ def main(params, device, nproc, keep):
         work = Path(keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         (work / "params.yaml").write_text(yaml.safe_dump(params_for(base, {"runtime.device": device}), sort_keys=False))
-        rows = []
-        for stage, cmd in stage_commands(work, STAGES).items():
-            extra = {"EAGLEPIPE_CACHE": str(work / "cache"),
-                     "EAGLEPIPE_NPROC": str(nproc if stage in DISTRIBUTED else 1)}
+        rows, commands = [], stage_commands(work, STAGES)
+        for stage, cmd in commands.items():  # EAGLEPIPE_NPROC: torchrun for the stages started through runtime
             click.echo(f"== {stage}: {' '.join(cmd)}", err=True)
             start = time.perf_counter()
-            if subprocess.run(cmd, env=env(**extra)).returncode:
+            if subprocess.run(cmd, env=env(cache=work / "cache", EAGLEPIPE_NPROC=str(nproc))).returncode:
                 raise click.ClickException(f"stage {stage} failed (its log is above)")
             seconds = time.perf_counter() - start
             timing_file = work / "metrics" / "timings" / f"{stage}.json"
@@ -68,7 +64,7 @@ def main(params, device, nproc, keep):
                       json.loads((work / "metrics" / "eval.json").read_text())["benchmarks"].items()}
     gpu = device != "cpu"
     click.echo(f"\ndevice {torch.cuda.get_device_name(0) if gpu else 'cpu'}, {nproc} process(es) for "
-               f"{', '.join(sorted(DISTRIBUTED))}; torch {torch.__version__}")
+               f"{', '.join(distributed(commands))}; torch {torch.__version__}")
     click.echo("| stage | seconds | tokens/s |" + (" peak GPU MB |" if gpu else "") + " peak RSS MB |")
     click.echo("|---|---:|---|" + ("---:|" if gpu else "") + "---:|")
     for stage, seconds, timing in rows:

@@ -12,7 +12,6 @@ from eaglepipe import config, speculative
 from eaglepipe.records import read_jsonl
 
 STAGES = ["prepare", "infer", "merge", "hidden", "train", "evaluate"]
-CACHES = {"infer": "--cache", "hidden": "--cache", "train": "--checkpoints"}  # each stage's resumable work
 
 
 def decoded_sets(decoded, names=config.BENCHMARKS) -> dict[str, list[list[int]]]:
@@ -63,6 +62,13 @@ def stage_commands(work: Path, stages=STAGES, dvc_file: Path = Path("dvc.yaml"))
     return {name: [move(t) for t in shlex.split(all_stages[name]["cmd"])] for name in stages}
 
 
-def env(**extra) -> dict:
-    """The environment a stage command runs in: this interpreter's bin folder first on PATH (its ``python``)."""
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **extra}
+def env(cache=None, **extra) -> dict:
+    """The environment a stage command runs in: this interpreter's bin folder first on PATH (its ``python``), and
+    with ``cache`` the stages' resumable work (``EAGLEPIPE_CACHE``, config.CACHE) in that folder."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            **({"EAGLEPIPE_CACHE": str(cache)} if cache else {}), **extra}
+
+
+def distributed(commands: dict[str, list[str]]) -> list[str]:
+    """The stages whose dvc.yaml command starts them through eaglepipe.runtime (torchrun under EAGLEPIPE_NPROC)."""
+    return [name for name, cmd in commands.items() if cmd[1:3] == ["-m", "eaglepipe.runtime"]]
