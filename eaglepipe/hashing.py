@@ -1,6 +1,7 @@
-"""Content hashes of files, read in blocks (a file may be larger than memory)."""
+"""Content hashes of files, read in blocks (a file may be larger than memory), and of Python code by what it does."""
 from __future__ import annotations
 
+import ast
 import hashlib
 
 BLOCK = 1 << 22
@@ -19,3 +20,21 @@ def files_hash(paths) -> str:
 def file_hash(path) -> str:
     """sha256 hex digest of one file's bytes."""
     return files_hash([path])
+
+
+def code_hash(paths) -> str:
+    """sha256 hex digest of Python modules' syntax trees without their docstrings, in the order given: what the
+    caches' fingerprints hash of the code that decides their contents, so that a comment, a docstring or a
+    reformatting keeps days of cached answers and states, and any change to what the code does starts afresh."""
+    h = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=str(path))
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                node.body = body[1:] or [ast.Pass()]
+        h.update(ast.dump(tree, include_attributes=False).encode() + b"\0")
+    return h.hexdigest()

@@ -49,7 +49,7 @@ import torch
 from safetensors import safe_open
 
 from . import features, runtime, sequences, shards
-from .hashing import files_hash
+from .hashing import code_hash
 from .errors import UserError
 from .records import write_json, write_jsonl
 
@@ -68,7 +68,7 @@ def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str
     and library versions. Not the sequences: the store holds states by content."""
     import transformers
 
-    code = files_hash([__file__, sequences.__file__, shards.__file__])
+    code = code_hash([__file__, sequences.__file__, shards.__file__])
     blob = json.dumps({"params": {k: v for k, v in params.items() if k != "shard_tokens"}, "layers": layers,
                        "code": code, "model": model_fp, "model_dtype": model_dtype, "torch": torch.__version__,
                        "transformers": transformers.__version__}, sort_keys=True, default=str)

@@ -31,13 +31,15 @@ from .derive import Spec, answer_message, to_response
 from .engines import Failure, Sampling
 from .errors import UserError
 from .gates import Gates
+from .hashing import code_hash
 from .records import (Generation, Prompt, RecordError, Response, generation_from_json, json_object, prompt_of,
                       record_id, scan_jsonl, writer)
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parent
-# The code that decides which ids a prompt gets; a change here starts a new cache. Under infer.turns: all, the code
-# that turns an answer into the next turn's history decides them too.
+# The code that decides which ids a prompt gets; a change to what it does (not to a comment or docstring:
+# hashing.code_hash) starts a new cache. Under infer.turns: all, the code that turns an answer into the next turn's
+# history decides them too.
 GENERATION_CODE = ["chat.py", "target.py", "engines/__init__.py"]
 HISTORY_CODE = ["turns.py", "derive.py", "reasoning.py", "harmony.py"]
 
@@ -47,8 +49,8 @@ def fingerprint(model_fp: str, engine_name: str, engine_identity: dict, sampling
     """The cache's key. ``history``: the reasoning spec that splits an answer into the next turn's history, for
     ``infer.turns: all`` (None for last)."""
     h = hashlib.sha256()
-    for name in GENERATION_CODE + [f"engines/{engine_name}.py"] + (HISTORY_CODE if history else []):
-        h.update((PACKAGE / name).read_bytes())
+    h.update(code_hash([PACKAGE / name for name in
+                        GENERATION_CODE + [f"engines/{engine_name}.py"] + (HISTORY_CODE if history else [])]).encode())
     blob = {"model": model_fp, "engine": engine_name, "identity": engine_identity, "sampling": sampling.to_json(),
             "template": template_kwargs} | ({"turns": "all", "history": repr(history)} if history else {})
     h.update(json.dumps(blob, sort_keys=True).encode())

@@ -76,7 +76,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import draft, features, hidden, records, runtime, sequences, shards
 from .errors import UserError
-from .hashing import files_hash
+from .hashing import code_hash
 from .compat import EMBED, HEAD, LAYERS, NORM, weights as stored_weights
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class Online:
 
     def identity(self) -> dict:
         return {"data": shards.dataset_hash(self.folder), "hidden": self.params.tracked(), "layers": self.layers,
-                "model_dtype": str(self.model.dtype), "code": files_hash([hidden.__file__, sequences.__file__])}
+                "model_dtype": str(self.model.dtype), "code": code_hash([hidden.__file__, sequences.__file__])}
 
     def states(self, samples: list[Sample]) -> list[dict]:
         tensors, failed = hidden.extract_shard(self.model, [(s.id, s.ids, s.mask) for s in samples], self.layers,
@@ -395,7 +395,7 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 def fingerprint(feats, params, target_fp: str) -> str:
     """Hash of the features' inputs (``feats.identity()``: the shards' bytes, and online the hidden params), the
     train params, the code that reads and trains, and the target."""
-    code = files_hash([__file__, draft.__file__, features.__file__, shards.__file__, records.__file__,
+    code = code_hash([__file__, draft.__file__, features.__file__, shards.__file__, records.__file__,
                        runtime.__file__])
     blob = json.dumps({"features": feats.identity(), "code": code, "params": params.tracked(),
                        "target": target_fp, "torch": torch.__version__}, sort_keys=True)

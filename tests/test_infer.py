@@ -16,6 +16,7 @@ from eaglepipe.engines import Failure, Sampling
 from eaglepipe.engines.hf import HFEngine
 from eaglepipe.errors import UserError
 from eaglepipe.gates import Gates
+from eaglepipe.hashing import code_hash
 from eaglepipe.records import (Prompt, content_id, prompt_of, read_jsonl, response_from_json, to_json,
                                write_jsonl)
 
@@ -185,6 +186,23 @@ def test_other_params_never_reuse_a_cache(model, tokenizer, target_folder, tmp_p
     _, report = run(ps, model, tokenizer, target_folder, tmp_path, max_new_tokens=7)
     assert report["run"]["generated"] == 2
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_the_cache_keeps_through_a_comment_and_not_through_a_code_change(tmp_path):
+    """The fingerprint hashes what the engine's code does: a comment, a docstring or a blank line keeps days of cached
+    answers; a changed line of code starts a new cache."""
+    source = (ROOT / "eaglepipe/engines/hf.py").read_text()
+    edits = {"same": source,
+             "comment": source.replace("import torch\n", "import torch  # the engine's tensors\n\n", 1),
+             "docstring": source.replace("In-process Hugging Face engine", "An in-process Hugging Face engine", 1),
+             "code": source.replace("rows = len(batch) + 1", "rows = len(batch) + 2", 1)}
+    hashes = {}
+    for name, text in edits.items():
+        assert name == "same" or text != source, name
+        (tmp_path / f"{name}.py").write_text(text)
+        hashes[name] = code_hash([tmp_path / f"{name}.py"])
+    assert hashes["same"] == code_hash([ROOT / "eaglepipe/engines/hf.py"])
+    assert hashes["comment"] == hashes["docstring"] == hashes["same"] != hashes["code"]
 
 
 # ---------------------------------------------------------------------------------------------- every turn answered

@@ -9,7 +9,8 @@ A hand-written decoding loop over the model's forward with a KV cache (not ``mod
     in: the logits are those of the forward pass, processed only by the explicit ``Sampling``.
 Prompts are left-padded within a batch; position ids count real tokens only, so every row sees the positions it
 would see alone. The model runs where it was loaded (``model.device``); sampling runs on the CPU, each row drawing from
-its own seeded CPU generator, so a row's draws do not depend on the device or its batch. Sampling follows SGLang's order: temperature, then top-k, top-p and min-p on the probabilities.
+its own seeded CPU generator, so a row's draws do not depend on the device or its batch. Sampling follows SGLang's
+order: temperature, then top-k, top-p and min-p on the probabilities.
 """
 from __future__ import annotations
 
