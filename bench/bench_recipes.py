@@ -14,7 +14,7 @@ import click
 import torch
 
 from eaglepipe import config, speculative, target, train
-from harness import acceptances, decoded_sets
+from harness import acceptances, decoded_sets, ngram, print_table
 
 # name -> overrides of the train params
 POINTS = {
@@ -53,15 +53,9 @@ def main(params, hidden_folder, decoded, points, list_points):
         valid = [report["valid"][f"acc_{k}"] for k in range(cfg.train.ttt_steps)]
         rows.append((name, valid, acceptances(model, speculative.EagleDrafter(drafter), sets, stops, p), seconds))
         print(f"{name}: valid acc {valid}, acceptance length {rows[-1][2]}, trained in {seconds:.0f} s", flush=True)
-    baseline = acceptances(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), sets, stops, p)
-    print(f"\nacceptance length on the turns evaluate decoded ({', '.join(f'{b} {len(v)}' for b, v in sets.items())})")
-    print("| recipe | valid acc per step | " + " | ".join(sets) + " | train s |")
-    print("|---|---|" + "---:|" * len(sets) + "---:|")
-    for name, valid, lengths, seconds in rows:
-        print(f"| {name} {POINTS[name]} | {', '.join(f'{a:.3f}' for a in valid)} | "
-              + " | ".join(f"{v:.3f}" for v in lengths.values()) + f" | {seconds:.0f} |")
-    print("| n-gram baseline (no training) | | " + " | ".join(f"{v:.3f}" for v in baseline.values()) + " | |")
-
+    print_table(sets, ["recipe", "valid acc per step"], ["train s"],
+                [([f"{name} {POINTS[name]}", ", ".join(f"{a:.3f}" for a in valid)], lengths, [f"{seconds:.0f}"])
+                 for name, valid, lengths, seconds in rows], ngram(model, sets, stops, p))
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,7 @@ import torch
 
 from eaglepipe import config, speculative, target, train
 from eaglepipe.records import prompt_of, sample_of
-from harness import acceptances, decoded_sets
+from harness import acceptances, decoded_sets, ngram, print_table
 
 
 @click.command(help=__doc__)
@@ -49,15 +49,9 @@ def main(params, hidden_folder, decoded, answers, half_prompts):
                      seconds))
         print(f"{name}: {rows[-1][1]} samples, {rows[-1][2]} tokens, valid acc_0 {rows[-1][3]}, acceptance length "
               f"{ {b: round(v, 3) for b, v in lengths.items()} }, trained in {seconds:.0f} s", flush=True)
-    baseline = acceptances(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), sets, stops, p)
-    turns = ", ".join(f"{b} {len(v)}" for b, v in sets.items())
-    print(f"\nacceptance length on the turns evaluate decoded ({turns})")
-    print("| training data | samples | tokens | valid acc_0 | " + " | ".join(sets) + " | train s |")
-    print("|---|---:|---:|---:|" + "---:|" * len(sets) + "---:|")
-    for name, samples, tokens, acc, lengths, seconds in rows:
-        print(f"| {name} | {samples} | {tokens} | {acc:.3f} | " + " | ".join(f"{v:.3f}" for v in lengths.values())
-              + f" | {seconds:.0f} |")
-    print("| n-gram baseline (no training) | | | | " + " | ".join(f"{v:.3f}" for v in baseline.values()) + " | |")
+    print_table(sets, ["training data", "samples", "tokens", "valid acc_0"], ["train s"],
+                [([name, samples, tokens, f"{acc:.3f}"], lengths, [f"{seconds:.0f}"])
+                 for name, samples, tokens, acc, lengths, seconds in rows], ngram(model, sets, stops, p))
 
 
 if __name__ == "__main__":

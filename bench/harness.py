@@ -33,6 +33,22 @@ def acceptances(model, drafter, sets: dict, stops, p) -> dict[str, float]:
     return {name: acceptance(model, drafter, prompts, stops, p) for name, prompts in sets.items()}
 
 
+def ngram(model, sets: dict, stops, p) -> dict[str, float]:
+    """The n-gram baseline's acceptance length on each set, with the evaluate params ``p``."""
+    return acceptances(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), sets, stops, p)
+
+
+def print_table(sets: dict, before: list[str], after: list[str], rows, baseline: dict) -> None:
+    """Acceptance lengths as a markdown table: a row per (cells before, {set: length}, cells after) in ``rows``, the
+    n-gram baseline's row last; the heading says how many turns each set holds."""
+    print(f"\nacceptance length on the turns evaluate decoded ({', '.join(f'{b} {len(v)}' for b, v in sets.items())})")
+    print("| " + " | ".join([*before, *sets, *after]) + " |")
+    print("|---|" + "---:|" * (len(before) - 1 + len(sets) + len(after)))
+    for cells, lengths, tail in rows + [(["n-gram baseline (no training)"] + [""] * (len(before) - 1), baseline,
+                                         [""] * len(after))]:
+        print("| " + " | ".join([*map(str, cells), *(f"{lengths[b]:.3f}" for b in sets), *map(str, tail)]) + " |")
+
+
 def params_for(base: dict, overrides: dict) -> dict:
     """``base`` (params.yaml as loaded) with ``overrides``: dotted key -> value; a key ending in ``+`` appends."""
     out = json.loads(json.dumps(base))
