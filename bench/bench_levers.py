@@ -41,6 +41,8 @@ POINTS = {
     "default-1": ("params.yaml, 1 answer per prompt", {"infer.samples": 1}),
     "default-1-greedy": ("params.yaml, 1 greedy answer per prompt (temperature 0, as evaluate decodes)",
                          {"infer.samples": 1, "infer.temperature": 0.0}),
+    "default-2-turns-all": ("params.yaml with every turn answered in order, its ShareGPT chats cut after 2 user turns",
+                            {"prepare.sources.4.max_turns": 2, "infer.turns": "all"}),
     "shipped-1": ("the shipped prompts, 1 answer each", {"infer.samples": 1}),
     "shipped-3": ("the shipped prompts, 3 answers each", {"infer.samples": 3}),
     "shipped-1-long": ("the shipped prompts, 1 answer of up to 256 tokens", {"infer.samples": 1,

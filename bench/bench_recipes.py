@@ -22,6 +22,7 @@ POINTS = {
     "fresh": {"init": "fresh", "epochs": 3, "lr": 0.001},
     "target-init-lr3": {"init": "target", "epochs": 3, "lr": 0.003},
     "fresh-vocab8k": {"init": "fresh", "epochs": 3, "lr": 0.001, "draft_vocab_size": 8192},
+    "fresh-5-epochs": {"init": "fresh", "epochs": 5, "lr": 0.001},
     "fresh-6-epochs": {"init": "fresh", "epochs": 6, "lr": 0.001},
     "fresh-6-epochs-lr3": {"init": "fresh", "epochs": 6, "lr": 0.003},
 }

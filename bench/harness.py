@@ -50,13 +50,15 @@ def print_table(sets: dict, before: list[str], after: list[str], rows, baseline:
 
 
 def params_for(base: dict, overrides: dict) -> dict:
-    """``base`` (params.yaml as loaded) with ``overrides``: dotted key -> value; a key ending in ``+`` appends."""
+    """``base`` (params.yaml as loaded) with ``overrides``: dotted key -> value, a number naming a list's item
+    (``prepare.sources.4.n``); a key ending in ``+`` appends."""
     out = json.loads(json.dumps(base))
     for key, value in overrides.items():
         *path, last = key.rstrip("+").split(".")
         node = out
         for k in path:
-            node = node.setdefault(k, {})
+            node = node[int(k)] if isinstance(node, list) else node.setdefault(k, {})
+        last = int(last) if isinstance(node, list) else last
         node[last] = node[last] + value if key.endswith("+") else value
     return out
 
