@@ -42,7 +42,7 @@ POINTS = {
     "default-1-greedy": ("params.yaml, 1 greedy answer per prompt (temperature 0, as evaluate decodes)",
                          {"infer.samples": 1, "infer.temperature": 0.0}),
     "default-2-turns-all": ("params.yaml with every turn answered in order, its ShareGPT chats cut after 2 user turns",
-                            {"prepare.sources.4.max_turns": 2, "infer.turns": "all"}),
+                            {"prepare.sources.sharegpt.max_turns": 2, "infer.turns": "all"}),
     "shipped-1": ("the shipped prompts, 1 answer each", {"infer.samples": 1}),
     "shipped-3": ("the shipped prompts, 3 answers each", {"infer.samples": 3}),
     "shipped-1-long": ("the shipped prompts, 1 answer of up to 256 tokens", {"infer.samples": 1,
@@ -100,6 +100,7 @@ def main(params, decoded, points, fresh, list_points):
                 [([what, samples, tokens, f"{acc:.3f}"], lengths,
                   [f"{sum(minutes.values()):.1f} (" + ", ".join(f"{m:.1f}" for m in minutes.values()) + ")"])
                  for what, samples, tokens, acc, minutes, lengths in rows], ngram(model, sets, stops, p))
+
 
 if __name__ == "__main__":
     main()

@@ -58,5 +58,6 @@ def main(params, hidden_folder, decoded, points, list_points):
                 [([f"{name} {POINTS[name]}", ", ".join(f"{a:.3f}" for a in valid)], lengths, [f"{seconds:.0f}"])
                  for name, valid, lengths, seconds in rows], ngram(model, sets, stops, p))
 
+
 if __name__ == "__main__":
     main()

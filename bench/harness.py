@@ -49,16 +49,23 @@ def print_table(sets: dict, before: list[str], after: list[str], rows, baseline:
         print("| " + " | ".join([*map(str, cells), *(f"{lengths[b]:.3f}" for b in sets), *map(str, tail)]) + " |")
 
 
+def named(items: list, name: str, key: str) -> dict:
+    """The item of ``items`` whose ``name`` is ``name`` (a source, say), for the override ``key``."""
+    found = [item for item in items if isinstance(item, dict) and item.get("name") == name]
+    if len(found) != 1:
+        raise KeyError(f"{key}: {len(found)} items named {name!r}")
+    return found[0]
+
+
 def params_for(base: dict, overrides: dict) -> dict:
-    """``base`` (params.yaml as loaded) with ``overrides``: dotted key -> value, a number naming a list's item
-    (``prepare.sources.4.n``); a key ending in ``+`` appends."""
+    """``base`` (params.yaml as loaded) with ``overrides``: dotted key -> value, a list's item named by its ``name``
+    (``prepare.sources.sharegpt.n``); a key ending in ``+`` appends."""
     out = json.loads(json.dumps(base))
     for key, value in overrides.items():
         *path, last = key.rstrip("+").split(".")
         node = out
         for k in path:
-            node = node[int(k)] if isinstance(node, list) else node.setdefault(k, {})
-        last = int(last) if isinstance(node, list) else last
+            node = named(node, k, key) if isinstance(node, list) else node.setdefault(k, {})
         node[last] = node[last] + value if key.endswith("+") else value
     return out
 
