@@ -25,6 +25,8 @@ POINTS = {
     "fresh-5-epochs": {"init": "fresh", "epochs": 5, "lr": 0.001},
     "fresh-6-epochs": {"init": "fresh", "epochs": 6, "lr": 0.001},
     "fresh-6-epochs-lr3": {"init": "fresh", "epochs": 6, "lr": 0.003},
+    "fresh-6-epochs-wd01": {"init": "fresh", "epochs": 6, "lr": 0.001, "weight_decay": 0.1},
+    "fresh-6-epochs-wd1": {"init": "fresh", "epochs": 6, "lr": 0.001, "weight_decay": 1.0},
 }
 
 

@@ -21,7 +21,7 @@ def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
     steps = p.ttt_steps
     model, train_set, _, head_draft, _ = train.setup(hidden_folder, folder, p)
     lengths = [s.ids.shape[0] for s in train_set]
-    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=p.betas, weight_decay=0.0)
+    opt = train.optimizer(model, p)
     model.train()
     tokens, seconds = 0, 0.0
     for e in range(p.epochs):

@@ -269,6 +269,8 @@ class Train(Section):
     batch_tokens: int = Field(1024, ge=1, description="right-padded tokens per batch (rows x longest sample)")
     lr: float = Field(0.001, gt=0, description="AdamW peak learning rate")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (0 = none); on the default data "
+                                "0.1 and 1.0 decode no better (README, train)")
     warmup_steps: int = Field(10, ge=0, description="linear warmup, then cosine decay to 0")
     grad_clip: float = Field(0.5, gt=0, description="gradient norm clipping")
     autocast: Literal["bfloat16", "none"] = Field("bfloat16", description="bfloat16: matmuls in bf16 under "

@@ -5,6 +5,7 @@ import ast
 import hashlib
 
 BLOCK = 1 << 22
+DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)  # nodes that may open with a docstring
 
 
 def files_hash(paths) -> str:
@@ -31,10 +32,7 @@ def code_hash(paths) -> str:
         with open(path, "rb") as f:
             tree = ast.parse(f.read(), filename=str(path))
         for node in ast.walk(tree):
-            body = getattr(node, "body", None)
-            if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
-                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                    and isinstance(body[0].value.value, str)):
-                node.body = body[1:] or [ast.Pass()]
+            if isinstance(node, DOCUMENTED) and ast.get_docstring(node, clean=False) is not None:
+                node.body = node.body[1:] or [ast.Pass()]
         h.update(ast.dump(tree, include_attributes=False).encode() + b"\0")
     return h.hexdigest()

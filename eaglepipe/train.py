@@ -392,11 +392,16 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
+def optimizer(model, p) -> torch.optim.AdamW:
+    """AdamW over the drafter's weights, as the train params set it."""
+    return torch.optim.AdamW(model.parameters(), lr=p.lr, betas=p.betas, weight_decay=p.weight_decay)
+
+
 def fingerprint(feats, params, target_fp: str) -> str:
     """Hash of the features' inputs (``feats.identity()``: the shards' bytes, and online the hidden params), the
     train params, the code that reads and trains, and the target."""
     code = code_hash([__file__, draft.__file__, features.__file__, shards.__file__, records.__file__,
-                       runtime.__file__])
+                      runtime.__file__])
     blob = json.dumps({"features": feats.identity(), "code": code, "params": params.tracked(),
                        "target": target_fp, "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -475,7 +480,7 @@ def run(feats, target_folder, params, checkpoints, keep=None, rt: runtime.Runtim
     lengths = [s.ids.shape[0] for s in train_set]
     plans = [plan_batches(lengths, batch_tokens, seed, e) for e in range(p.epochs)]
     total_steps = sum(len(b) for b in plans)
-    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=p.betas, weight_decay=0.0)
+    opt = optimizer(model, p)
     warmup = p.warmup_steps
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, total_steps))
 
