@@ -64,7 +64,8 @@ def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurren
         vllm_tokens, vllm_s = timed(ps, engine, tokenizer, sampling)
 
     print(f"prompts {len(ps)}, max_new_tokens {max_new_tokens}, temperature {temperature}, threads {threads}")
-    print(f"hf engine (batch {batch_size}):        {hf_tokens} tokens in {hf_s:.1f} s = {hf_tokens / hf_s:.1f} tokens/s")
+    print(f"hf engine (batch {batch_size}):        {hf_tokens} tokens in {hf_s:.1f} s = "
+          f"{hf_tokens / hf_s:.1f} tokens/s")
     print(f"vLLM (concurrency {concurrency}):      {vllm_tokens} tokens in {vllm_s:.1f} s = "
           f"{vllm_tokens / vllm_s:.1f} tokens/s")
     print(f"ratio (vLLM / hf): {(vllm_tokens / vllm_s) / (hf_tokens / hf_s):.2f}")

@@ -2,12 +2,13 @@
 
     python bench/bench_levers.py [--point NAME ...] [--fresh] [--list]
 
-Each point is params.yaml with a few keys changed (POINTS below: params.yaml itself, prompts from ShareGPT, answers
-per prompt, answer length, every turn regenerated, positions trained). For each point the stages prepare, infer,
-merge, hidden and train run as dvc.yaml runs them, with their outputs in a temporary folder; the resumable caches
-under .cache are shared, so answers and states already paid for are reused (and not timed), unless --fresh. Each drafter's acceptance length (the evaluate params, EAGLE
-only) is then measured on every turn evaluate decoded (data/decoded/<benchmark>.jsonl), and the n-gram baseline's
-once. Prints one row per point: samples, trained tokens, minutes per stage and acceptance length per benchmark.
+Each point is params.yaml with a few keys changed (POINTS below: params.yaml itself, prompts from ShareGPT, answers per
+prompt, answer length, every turn regenerated, positions trained). For each point the stages prepare, infer, merge,
+hidden and train run as dvc.yaml runs them, with their outputs in a temporary folder; the resumable caches under .cache
+are shared, so answers and states already paid for are reused (and not timed), unless --fresh. Each drafter's acceptance
+length (the evaluate params, EAGLE only) is then measured on every turn evaluate decoded
+(data/decoded/<benchmark>.jsonl), and the n-gram baseline's once. Prints one row per point: samples, trained tokens,
+minutes per stage and acceptance length per benchmark.
 """
 import json
 import subprocess
@@ -26,9 +27,9 @@ STAGES = ["prepare", "infer", "merge", "hidden", "train"]
 
 
 def sharegpt(n: int, max_turns: int | None = None, **overrides) -> dict:
-    """The shipped sources plus ``n`` ShareGPT chats (cut after ``max_turns`` user turns). Their long prompts want a longer ``merge.max_length`` (a prompt
-    longer still is left out, counted), and their answers are mostly longer than ``infer.max_new_tokens``: cut
-    answers train as well as whole ones, so the truncation gate is off."""
+    """The shipped sources plus ``n`` ShareGPT chats (cut after ``max_turns`` user turns). Their long prompts want a
+    longer ``merge.max_length`` (a prompt longer still is left out, counted), and their answers are mostly longer
+    than ``infer.max_new_tokens``: cut answers train as well as whole ones, so the truncation gate is off."""
     return {"prepare.sources+": [{"name": "sharegpt", "path": SHAREGPT, "format": "sharegpt", "n": n,
                                   "on_error": "skip", "max_turns": max_turns}],
             "merge.max_length": 2048, "infer.on_error": "skip", "infer.gates.max_truncated": 1.0, "infer.samples": 1,
@@ -41,6 +42,7 @@ POINTS = {
     "default-1": ("params.yaml, 1 answer per prompt", {"infer.samples": 1}),
     "default-1-greedy": ("params.yaml, 1 greedy answer per prompt (temperature 0, as evaluate decodes)",
                          {"infer.samples": 1, "infer.temperature": 0.0}),
+    "default-long": ("params.yaml with answers of up to 256 tokens", {"infer.max_new_tokens": 256}),
     "default-2-turns-all": ("params.yaml with every turn answered in order, its ShareGPT chats cut after 2 user turns",
                             {"prepare.sources.sharegpt.max_turns": 2, "infer.turns": "all"}),
     "shipped-1": ("the shipped prompts, 1 answer each", {"infer.samples": 1}),

@@ -1,12 +1,12 @@
 """How fast is the SGLang client alone? A benchmark, not a test.
 
-Starts eaglepipe/testing/sglang_server.py in --no-compute mode (made-up answers after a fixed --latency per request, so the
-server costs next to nothing) and streams --requests prompts through SGLangEngine.stream at --concurrency. A client
-that keeps ``concurrency`` requests in flight all the time reaches concurrency / latency requests per second; the
-bench prints the ratio it reached (the floor is 0.9 at concurrency 256) and the client's CPU time per request
-(process CPU of this process, which runs nothing but the client and its consumer loop). It also prints the latency
-the client saw per request, the server's CPU per request and the load average: on a shared machine, time the client
-and server processes wait for a core shows up as latency above --latency, and lowers the ratio.
+Starts eaglepipe/testing/sglang_server.py in --no-compute mode (made-up answers after a fixed --latency per request, so
+the server costs next to nothing) and streams --requests prompts through SGLangEngine.stream at --concurrency. A client
+that keeps ``concurrency`` requests in flight all the time reaches concurrency / latency requests per second; the bench
+prints the ratio it reached (the floor is 0.9 at concurrency 256) and the client's CPU time per request (process CPU of
+this process, which runs nothing but the client and its consumer loop). It also prints the latency the client saw per
+request, the server's CPU per request and the load average: on a shared machine, time the client and server processes
+wait for a core shows up as latency above --latency, and lowers the ratio.
 
     .venv/bin/python bench/bench_sglang_client.py [--concurrency 256] [--latency 0.5] [--rounds 40]
 """

@@ -44,7 +44,8 @@ def run_stage(folder: Path, source: Path) -> tuple[dict, float, float]:
     params.write_text(yaml.safe_dump({"prepare": {"on_error": "fail", "sources": [
         {"name": "big", "path": str(source), "format": "sharegpt", "n": 100}]}}))
     command = [sys.executable, str(ROOT / "stages" / "prepare.py"), "--params", str(params),
-               "--out", str(folder / "prompts.jsonl"), "--report", str(report), "--timings", str(folder / "timings.json")]
+               "--out", str(folder / "prompts.jsonl"), "--report", str(report),
+               "--timings", str(folder / "timings.json")]
     start = time.perf_counter()
     with open(log, "wb") as err:
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)

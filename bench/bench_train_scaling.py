@@ -7,8 +7,8 @@
 tokens/s is the stage's own figure (metrics/timings: tokens trained over the run's seconds, set-up and validation
 included, process start left out). Both runs train the same global batches, so their drafters agree within float
 tolerance: the largest weight difference and both runs' validation figures are printed (under bf16 autocast the
-ranks' smaller matmuls round differently from one process's, and the difference grows over the steps). Run it on an otherwise idle machine: on 2 cores, 2 processes
-x 1 thread against 1 x 1.
+ranks' smaller matmuls round differently from one process's, and the difference grows over the steps). Run it on
+an otherwise idle machine: on 2 cores, 2 processes x 1 thread against 1 x 1.
 
     python bench/bench_train_scaling.py [--hidden data/hidden] [--epochs 1]
 """
