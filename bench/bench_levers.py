@@ -43,6 +43,8 @@ POINTS = {
     "default-1-greedy": ("params.yaml, 1 greedy answer per prompt (temperature 0, as evaluate decodes)",
                          {"infer.samples": 1, "infer.temperature": 0.0}),
     "default-long": ("params.yaml with answers of up to 256 tokens", {"infer.max_new_tokens": 256}),
+    "default-long-5-epochs": ("params.yaml with answers of up to 256 tokens, 5 epochs",
+                              {"infer.max_new_tokens": 256, "train.epochs": 5}),
     "default-2-turns-all": ("params.yaml with every turn answered in order, its ShareGPT chats cut after 2 user turns",
                             {"prepare.sources.sharegpt.max_turns": 2, "infer.turns": "all"}),
     "shipped-1": ("the shipped prompts, 1 answer each", {"infer.samples": 1}),
