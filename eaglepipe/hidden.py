@@ -6,18 +6,19 @@ has a key, the hash of its ids and loss mask (``sequence_key``). The store ``.ca
 shards of computed states; the fingerprint covers the ``hidden`` params but ``shard_tokens`` (how states are grouped
 into files), the code that computes and writes them, the target model's fingerprint and compute dtype and the torch /
 transformers versions, not the sequences. A shard's safetensors metadata (``content``: {keys, failed}) lists its
-samples' keys and the sequences that failed in it, so the store is its own index. A run computes the sequences whose key no shard holds:
-adding 2% more data computes 2% of the states, whatever the order, split or shard layout merge gives the data.
+samples' keys and the sequences that failed in it, so the store is its own index. A run computes the sequences whose key
+no shard holds: adding 2% more data computes 2% of the states, whatever the order, split or shard layout merge gives the
+data.
 
 A run (rank 0 holding the store's lock file: one run per store at a time): the missing sequences (unique keys, in the
 order of ``data/sequences``) are planned into shards of at most ``hidden.shard_tokens`` tokens, and the plan is saved
 under the sequences' hash and ``shard_tokens`` (``plans/``), so a run interrupted and resumed on the same sequences
-computes the same shards (a plan whose unfinished shards no longer hold exactly the missing keys is made anew). Each shard's samples are sorted by length and batched with
-right padding up to ``hidden.batch_tokens`` tokens (rows x longest) per forward pass, no attention mask needed (causal
-attention never looks at the padding on the right). The base model runs without ``lm_head`` and keeps only the
-selected hidden states; the head then runs on the real rows only, in blocks, for ``top``. A shard is named by the hash
-of its keys and written atomically: one that exists is finished. Storage is 8·H bytes of hidden state per token in
-bf16 (3·H aux + H final), plus 9 bytes of ids, mask and ``top``.
+computes the same shards (a plan whose unfinished shards no longer hold exactly the missing keys is made anew). Each
+shard's samples are sorted by length and batched with right padding up to ``hidden.batch_tokens`` tokens (rows x
+longest) per forward pass, no attention mask needed (causal attention never looks at the padding on the right). The base
+model runs without ``lm_head`` and keeps only the selected hidden states; the head then runs on the real rows only, in
+blocks, for ``top``. A shard is named by the hash of its keys and written atomically: one that exists is finished.
+Storage is 8·H bytes of hidden state per token in bf16 (3·H aux + H final), plus 9 bytes of ids, mask and ``top``.
 
 Publish: ``data/hidden`` gets the shards its sequences use as hard links to the store's files (a copy where the
 filesystem cannot link; DVC does not cache the folder, so the states take their disk once: README) and an index whose
@@ -332,6 +333,7 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
             "bytes": total_bytes, "left_out": len(failures),
             "run": {"fingerprint": fp, "world": rt.world, "computed_tokens": computed_tokens,
                     "computed_shards": len(missing), "reused_shards": len([f for f in used if f in before]),
-                    "reused_sequences": reused_sequences, "computed_sequences": total - len(failures) - reused_sequences,
+                    "reused_sequences": reused_sequences,
+                    "computed_sequences": total - len(failures) - reused_sequences,
                     "seconds": round(seconds, 2),
                     "tokens_per_s": round(computed_tokens / seconds, 1) if seconds else None}}

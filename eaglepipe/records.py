@@ -175,7 +175,8 @@ def generation_from_json(rec: dict, path="<generation>", line=None) -> Generatio
     _check_ids(path, line, rec, "prompt_ids", True)
     _check_ids(path, line, rec, "output_ids", False)
     if rec.get("finish_reason") not in FINISH_REASONS:
-        raise RecordError(path, line, "finish_reason", f"should be one of {FINISH_REASONS}, got {rec.get('finish_reason')!r}")
+        raise RecordError(path, line, "finish_reason",
+                          f"should be one of {FINISH_REASONS}, got {rec.get('finish_reason')!r}")
     sample = _check(path, line, rec, "sample", int)
     turn = rec.get("turn", 0)
     if not isinstance(turn, int) or isinstance(turn, bool) or turn < 0:

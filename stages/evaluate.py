@@ -16,7 +16,8 @@ from eaglepipe.records import write_json, write_jsonl
 
 
 @click.command(help=__doc__)
-@click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target, evaluate, runtime).")
+@click.option("--params", required=True, type=click.Path(dir_okay=False),
+              help="params.yaml (target, evaluate, runtime).")
 @click.option("--prompts", type=click.Path(dir_okay=False),
               help="Held-out prompts, the heldout benchmark (JSON Lines of OpenAI messages, optional tools and "
                    "category).")

@@ -1,6 +1,6 @@
-"""train: the EAGLE-3 drafter on the target's stored hidden states, with training-time test (eaglepipe/train.py);
-writes a checkpoint SGLang and vLLM load as it is (eaglepipe/draft.py). Checkpointed as it goes: a rerun resumes,
-at any number of processes (exactly at the same number). Runs as one process or under torchrun (DDP; eaglepipe/runtime.py)."""
+"""train: the EAGLE-3 drafter on the target's stored hidden states, with training-time test (eaglepipe/train.py); writes
+a checkpoint SGLang and vLLM load as it is (eaglepipe/draft.py). Checkpointed as it goes: a rerun resumes, at any number
+of processes (exactly at the same number). Runs as one process or under torchrun (DDP; eaglepipe/runtime.py)."""
 import logging
 import os
 import shutil
@@ -14,7 +14,8 @@ from eaglepipe.records import write_json
 
 
 @click.command(help=__doc__)
-@click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target.model, train, hidden (online), runtime).")
+@click.option("--params", required=True, type=click.Path(dir_okay=False),
+              help="params.yaml (target.model, train, hidden (online), runtime).")
 @click.option("--hidden", "hidden_folder", required=True, type=click.Path(file_okay=False),
               help="hidden's shards (read with train.features: offline).")
 @click.option("--sequences", "seq_folder", required=True, type=click.Path(file_okay=False),

@@ -181,7 +181,8 @@ def test_resume_keeps_finished_shards_and_a_changed_param_reuses_nothing(tmp_pat
                        config.Hidden(**{**PARAMS.model_dump(), "batch_tokens": 32}), "model-fp", tmp_path / "cache")
     assert other["run"]["reused_sequences"] == 0 and other["run"]["fingerprint"] != rep["run"]["fingerprint"]
     regrouped = hidden.run(tmp_path / "seq", tmp_path / "out4", model,
-                           config.Hidden(**{**PARAMS.model_dump(), "shard_tokens": 1000}), "model-fp", tmp_path / "cache")
+                           config.Hidden(**{**PARAMS.model_dump(), "shard_tokens": 1000}), "model-fp",
+                           tmp_path / "cache")
     assert regrouped["run"]["computed_tokens"] == 0 and regrouped["run"]["fingerprint"] == rep["run"]["fingerprint"]
 
 

@@ -8,10 +8,10 @@ reasoning model's answers as token ids of the test tokenizer (reasoning_fixtures
 3. the prefilled-opening-tag template, an output with no closing tag, gpt-oss harmony channels;
 4. the real stage, as a subprocess, on the embedded model (not a reasoning model) under ``target.reasoning: think``.
 1 and 2 also run end to end over HTTP (``test_1_e2e_*``, ``test_2_e2e_*``): stages/infer.py as a subprocess with
-``infer.engine: sglang`` against eaglepipe/testing/sglang_server.py on loopback, both loading one model folder (the test tokenizer
-and the embedded weights), the server serving a reasoning model's output ids (``--reasoning wrap``) or the same with
-the thinking dropped (``--reasoning drop``); with the prefilling template and with the one that leaves ``<think>`` to
-the model.
+``infer.engine: sglang`` against eaglepipe/testing/sglang_server.py on loopback, both loading one model folder (the test
+tokenizer and the embedded weights), the server serving a reasoning model's output ids (``--reasoning wrap``) or the
+same with the thinking dropped (``--reasoning drop``); with the prefilling template and with the one that leaves
+``<think>`` to the model.
 """
 import json
 import os
@@ -218,7 +218,7 @@ def test_4_stage_on_a_non_reasoning_model_under_think_fails_its_gate(tmp_path):
     assert [g["id"] for g in kept] == [ps[0].id, ps[1].id]  # generated, kept for inspection, not published
 
 
-# ---- 1 and 2 end to end: stages/infer.py over HTTP against eaglepipe/testing/sglang_server.py -----------------------------------
+# ---- 1 and 2 end to end: stages/infer.py over HTTP against eaglepipe/testing/sglang_server.py ---------------------
 # Questions the embedded model answers in at most 13 ids and a stop (greedy): every answer fits the budget left by
 # the think block, so `content` holds whole answers, and the dropped run's answers end by stop (a truncated output
 # under a prefilled <think> would count as reasoning cut short).

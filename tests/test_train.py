@@ -183,7 +183,8 @@ def stage(data, params, folder, world: int = 1, name: str = "draft") -> subproce
            "runtime": {"device": "cpu"}}
     (folder / "params.yaml").write_text(yaml.safe_dump(raw))
     args = [sys.executable, "-m", "eaglepipe.runtime", "stages/train.py", "--params", str(folder / "params.yaml"),
-            "--hidden", str(data / "hidden"), "--sequences", str(data / "unused"), "--out", str(folder / name), "--metrics", str(folder / f"{name}.json"),
+            "--hidden", str(data / "hidden"), "--sequences", str(data / "unused"), "--out", str(folder / name),
+            "--metrics", str(folder / f"{name}.json"),
             "--plots", str(folder / f"{name}-plots.json"), "--timings", str(folder / f"{name}-timings.json"),
             "--checkpoints", str(folder / "checkpoints")]
     env = dict(os.environ, EAGLEPIPE_NPROC=str(world))

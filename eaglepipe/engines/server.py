@@ -416,7 +416,8 @@ class ServerEngine:
             if best is not None:
                 return best
             if all(s.dead for s in self._servers):
-                raise ServerError(f"no {self.title} server left: " + "; ".join(f"{s.url}: {s.dead}" for s in self._servers))
+                raise ServerError(f"no {self.title} server left: "
+                                  + "; ".join(f"{s.url}: {s.dead}" for s in self._servers))
             await self._changed.wait()
 
     # ---- requests --------------------------------------------------------------------------------------------
