@@ -103,7 +103,7 @@ def main(params, decoded, points, fresh, list_points):
     print_table(sets, ["training data", "samples", "tokens", "valid acc_0"], [f"minutes ({', '.join(STAGES)})"],
                 [([what, samples, tokens, f"{acc:.3f}"], lengths,
                   [f"{sum(minutes.values()):.1f} (" + ", ".join(f"{m:.1f}" for m in minutes.values()) + ")"])
-                 for what, samples, tokens, acc, minutes, lengths in rows], ngram(model, sets, stops, p))
+                 for what, samples, tokens, acc, minutes, lengths in rows], ngram(sets, stops, p))
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def main(params, hidden_folder, decoded, points, list_points):
         print(f"{name}: valid acc {valid}, acceptance length {rows[-1][2]}, trained in {seconds:.0f} s", flush=True)
     print_table(sets, ["recipe", "valid acc per step"], ["train s"],
                 [([f"{name} {POINTS[name]}", ", ".join(f"{a:.3f}" for a in valid)], lengths, [f"{seconds:.0f}"])
-                 for name, valid, lengths, seconds in rows], ngram(model, sets, stops, p))
+                 for name, valid, lengths, seconds in rows], ngram(sets, stops, p))
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def main(params, hidden_folder, decoded, answers, half_prompts):
               f"{ {b: round(v, 3) for b, v in lengths.items()} }, trained in {seconds:.0f} s", flush=True)
     print_table(sets, ["training data", "samples", "tokens", "valid acc_0"], ["train s"],
                 [([name, samples, tokens, f"{acc:.3f}"], lengths, [f"{seconds:.0f}"])
-                 for name, samples, tokens, acc, lengths, seconds in rows], ngram(model, sets, stops, p))
+                 for name, samples, tokens, acc, lengths, seconds in rows], ngram(sets, stops, p))
 
 
 if __name__ == "__main__":

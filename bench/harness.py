@@ -14,17 +14,17 @@ from eaglepipe.records import read_jsonl
 STAGES = ["prepare", "infer", "merge", "hidden", "train", "evaluate"]
 
 
-def decoded_sets(decoded, names=config.BENCHMARKS) -> dict[str, list[list[int]]]:
-    """Each benchmark's turns as evaluate decoded them (``data/decoded/<name>.jsonl``): their prompt ids, in order;
-    MT-bench's second turns follow the target's own greedy first answer."""
-    return {name: [row["prompt_ids"] for _, row in read_jsonl(Path(decoded) / f"{name}.jsonl")]
+def decoded_sets(decoded, names=config.BENCHMARKS) -> dict[str, list[tuple[list[int], list[int]]]]:
+    """Each benchmark's turns as evaluate decoded them (``data/decoded/<name>.jsonl``): (prompt ids, plain greedy
+    output ids), in order; MT-bench's second turns follow the target's own greedy first answer."""
+    return {name: [(row["prompt_ids"], row["output_ids"]) for _, row in read_jsonl(Path(decoded) / f"{name}.jsonl")]
             for name in names if (Path(decoded) / f"{name}.jsonl").exists()}
 
 
 def acceptance(model, drafter, prompts, stops, p) -> float:
     """Acceptance length of ``drafter`` over ``prompts`` with the evaluate params ``p`` (greedy chains)."""
     stats = speculative.Stats()
-    for ids in prompts:
+    for ids, _ in prompts:
         speculative.speculative(model, drafter, ids, p.max_new_tokens, stops, p.num_steps, stats)
     return stats.acceptance_length
 
@@ -33,9 +33,17 @@ def acceptances(model, drafter, sets: dict, stops, p) -> dict[str, float]:
     return {name: acceptance(model, drafter, prompts, stops, p) for name, prompts in sets.items()}
 
 
-def ngram(model, sets: dict, stops, p) -> dict[str, float]:
-    """The n-gram baseline's acceptance length on each set, with the evaluate params ``p``."""
-    return acceptances(model, speculative.NgramDrafter(p.ngram.max, p.ngram.min), sets, stops, p)
+def ngram(sets: dict, stops, p) -> dict[str, float]:
+    """The n-gram baseline's acceptance length on each set, with the evaluate params ``p``, replayed from the plain
+    greedy outputs (``speculative.replay``)."""
+    lengths = {}
+    for name, turns in sets.items():
+        stats = speculative.Stats()
+        for ids, output in turns:
+            speculative.replay(speculative.NgramDrafter(p.ngram.max, p.ngram.min), ids, output, p.max_new_tokens,
+                               stops, p.num_steps, stats)
+        lengths[name] = stats.acceptance_length
+    return lengths
 
 
 def print_table(sets: dict, before: list[str], after: list[str], rows, baseline: dict) -> None:

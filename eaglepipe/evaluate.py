@@ -1,7 +1,8 @@
-"""The evaluate run: plain greedy, EAGLE-3 speculative and prompt-lookup (n-gram) speculative decoding on every
-conversation of the chosen benchmarks (benchmarks.py), interleaved turn by turn in each process (so the speeds are
-measured under the same conditions), with a losslessness check against plain greedy for every turn. See
-speculative.py for the loops and the definitions.
+"""The evaluate run: plain greedy and EAGLE-3 speculative decoding on every conversation of the chosen benchmarks
+(benchmarks.py), interleaved turn by turn in each process (so the speeds are measured under the same conditions),
+with a losslessness check against plain greedy for every turn; the prompt-lookup (n-gram) baseline's counts are
+replayed from the plain greedy output (``speculative.replay``: the same counts as decoding it, without the target).
+See speculative.py for the loops and the definitions.
 
 A conversation's turns are decoded in order: turn k + 1's prompt is the chat so far with turn k's answer as a serving
 engine returns it for the plain greedy output (``Chat.answer``: the ids decoded without the stop token, reasoning
@@ -28,6 +29,7 @@ from .benchmarks import Conversation
 log = logging.getLogger(__name__)
 
 METHODS = ("plain", "eagle", "ngram")
+DECODED = ("plain", "eagle")  # run with the target; the n-gram counts are replayed
 
 
 class Chat:
@@ -96,16 +98,15 @@ def summary(turns: list[Turn]) -> dict:
 
 
 def speeds(turns: list[Turn]) -> dict:
-    """Seconds per method and tokens per second, for the timings file."""
-    totals = {m: speculative.Stats() for m in METHODS}
+    """Seconds per decoded method and tokens per second, for the timings file."""
+    totals = {m: speculative.Stats() for m in DECODED}
     for t in turns:
-        for m in METHODS:
+        for m in DECODED:
             totals[m].merge(t.stats[m])
     plain = totals["plain"].tokens_per_s
-    return {"seconds": {m: round(totals[m].seconds, 2) for m in METHODS},
-            "tokens_per_s": {m: round(totals[m].tokens_per_s, 2) for m in METHODS},
-            "speedup": round(totals["eagle"].tokens_per_s / plain, 4) if plain else None,
-            "baseline_speedup": round(totals["ngram"].tokens_per_s / plain, 4) if plain else None}
+    return {"seconds": {m: round(totals[m].seconds, 2) for m in DECODED},
+            "tokens_per_s": {m: round(totals[m].tokens_per_s, 2) for m in DECODED},
+            "speedup": round(totals["eagle"].tokens_per_s / plain, 4) if plain else None}
 
 
 def _groups(turns: list[Turn], key) -> dict:
@@ -130,7 +131,8 @@ def report(turns: list[Turn]) -> dict:
 
 def run(conversations: list[Conversation], chat_: Chat, model, drafter_model, params,
         rt: runtime.Runtime = runtime.Runtime()) -> dict:
-    """Decode every turn of this rank's share of the conversations three ways; return, on every rank, the metrics of
+    """Decode every turn of this rank's share of the conversations plainly and with EAGLE, replay the n-gram
+    baseline on the plain output; return, on every rank, the metrics of
     all of them: ``benchmarks`` (``report`` per benchmark, in the conversations' order), ``lossless`` (False lists
     the ``mismatches``) and ``run`` (speeds, for the timings file). ``positions`` holds the acceptance rate per draft
     position of ``eagle`` and ``ngram`` of each benchmark as plot rows (``position_rows``), and ``decoded`` the
@@ -145,13 +147,12 @@ def run(conversations: list[Conversation], chat_: Chat, model, drafter_model, pa
     def decode(method, ids, stats, limit=max_new):
         if method == "plain":
             return speculative.greedy(model, ids, limit, chat_.stops, stats)
-        return speculative.speculative(model, eagle if method == "eagle" else lookup, ids, limit, chat_.stops,
-                                       num_steps, stats)
+        return speculative.speculative(model, eagle, ids, limit, chat_.stops, num_steps, stats)
 
     mine = list(enumerate(conversations))[rt.rank::rt.world]
     if mine:  # warm-up (first-call allocations, lazy hooks), not counted
         ids = chat_.ids(mine[0][1].messages_for([]), mine[0][1].tools)
-        for method in METHODS:
+        for method in DECODED:
             decode(method, ids, speculative.Stats(), min(8, max_new))
     done = []  # per turn of this rank: (conversation's position, turn, Turn)
     for position, c in mine:
@@ -159,13 +160,15 @@ def run(conversations: list[Conversation], chat_: Chat, model, drafter_model, pa
         for turn in range(1, c.turns + 1):
             ids = chat_.ids(c.messages_for(answers), c.tools)
             outputs, stats = {}, {}
-            start = (position + turn) % 3
-            for method in METHODS[start:] + METHODS[:start]:  # rotate: no method always runs first
+            start = (position + turn) % len(DECODED)
+            for method in DECODED[start:] + DECODED[:start]:  # alternate: no method always runs first
                 stats[method] = speculative.Stats()
                 outputs[method] = decode(method, ids, stats[method])
-            wrong = [{"benchmark": c.benchmark, "id": c.id, "turn": turn, "method": method,
-                      "first_difference": speculative.first_difference(outputs[method], outputs["plain"])}
-                     for method in ("eagle", "ngram") if outputs[method] != outputs["plain"]]
+            stats["ngram"] = speculative.Stats()
+            speculative.replay(lookup, ids, outputs["plain"], max_new, chat_.stops, num_steps, stats["ngram"])
+            wrong = [{"benchmark": c.benchmark, "id": c.id, "turn": turn, "method": "eagle",
+                      "first_difference": speculative.first_difference(outputs["eagle"], outputs["plain"])}
+                     ] if outputs["eagle"] != outputs["plain"] else []
             done.append((position, turn, Turn(c, 0, turn, ids, outputs["plain"], stats, wrong)))
             log.info("%s %s turn %d (%d/%d, %s): %d tokens; acceptance length eagle %.3f, n-gram %.3f", c.benchmark,
                      c.id, turn, position + 1, len(conversations), c.category, len(outputs["plain"]),

@@ -8,7 +8,9 @@ Speculative loop (one sequence, top-k 1 chain, greedy):
     argmax is accepted (n tokens) and the target's next argmax is the bonus token; the cache is cropped to the
     accepted prefix; ``drafter.accept(n, aux of the n + 1 committed positions, bonus)``.
 Every emitted token is the target's greedy choice given the tokens before it, so the output equals plain greedy
-decoding (up to float ties); the evaluate stage checks it per prompt.
+decoding (up to float ties); the evaluate stage checks it per prompt. Hence a drafter that reads only the tokens so
+far (the n-gram one) gets the same counts from ``replay``, which answers each verification from the plain greedy
+output instead of running the target.
 
 Drafter interface (duck-typed):
     needs_hidden: bool                         the loop computes the target's aux hidden states only if True
@@ -134,29 +136,59 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids, stats: S
     return generated
 
 
-@torch.inference_mode()
-def speculative(model, drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int,
-                stats: Stats | None = None) -> list[int]:
-    """Chain speculative decoding with greedy verification (see the module docstring); returns the generated ids."""
+class _Target:
+    """Verification by the target: a forward over the new tokens with its KV cache, the argmax after each."""
+
+    def __init__(self, model, layers):
+        self.model, self.layers, self.cache, self.out = model, layers, _new_cache(model), None
+
+    def __call__(self, tokens: list[int], at: int, **kw) -> list[int]:
+        self.out = self.model(input_ids=torch.tensor([tokens], device=self.model.device), past_key_values=self.cache,
+                              use_cache=True, output_hidden_states=self.layers or False, **kw)
+        return self.out.logits[0].argmax(-1).tolist()
+
+    def aux(self, rows=None):
+        return _aux(self.out.hidden_states, self.layers, self.model.device, rows) if self.layers else None
+
+    def crop(self, rejected: int):  # a negative count works in transformers 4.x and 5.x
+        self.cache.crop(-rejected)
+
+
+class _Replay:
+    """Verification read off the target's plain greedy output: after ``at`` generated tokens the target's argmax
+    is ``output[at]``, so a chain whose first j draft tokens were accepted is answered by ``output[at + j]`` (past
+    a stop token there is nothing: ``None``, which no draft token equals). Exact for any drafter whose proposals
+    depend only on the tokens so far, as long as speculative decoding is lossless (evaluate checks EAGLE's)."""
+
+    def __init__(self, output: list[int]):
+        self.output = output
+
+    def __call__(self, tokens: list[int], at: int, **kw) -> list[int]:
+        if at == 0:  # the prefill: the first token
+            return [self.output[0]]
+        return [self.output[at + j] if at + j < len(self.output) else None for j in range(len(tokens))]
+
+    def aux(self, rows=None):
+        return None
+
+    def crop(self, rejected: int):
+        pass
+
+
+def _decode(verify, drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int,
+            stats: Stats) -> list[int]:
+    """The chain loop of the module docstring over ``verify`` (``_Target`` or ``_Replay``)."""
     stops = set(stop_ids)
-    stats = stats if stats is not None else Stats()
-    layers = list(drafter.layers) if drafter.needs_hidden else None
-    want = layers if layers else False
     start = time.perf_counter()
-    cache = _new_cache(model)
-    out = model(input_ids=torch.tensor([prompt_ids], device=model.device), past_key_values=cache, use_cache=True,
-                output_hidden_states=want, logits_to_keep=1)
-    pending = int(out.logits[0, -1].argmax())
+    pending = verify(list(prompt_ids), 0, logits_to_keep=1)[-1]
     generated = [pending]
     if pending not in stops and max_new_tokens > 1:
-        drafter.reset(list(prompt_ids), _aux(out.hidden_states, layers, model.device) if layers else None, pending)
+        drafter.reset(list(prompt_ids), verify.aux(), pending)
         while True:
             remaining = max_new_tokens - len(generated)
             k = min(num_steps, remaining - 1)
             draft = [int(t) for t in drafter.propose(k)][:k] if k > 0 else []
-            out = model(input_ids=torch.tensor([[pending] + draft], device=model.device), past_key_values=cache,
-                        use_cache=True, output_hidden_states=want)
-            target = out.logits[0].argmax(-1).tolist()
+            target = verify([pending] + draft, len(generated))
             n = 0
             while n < len(draft) and draft[n] == target[n]:
                 n += 1
@@ -172,13 +204,33 @@ def speculative(model, drafter, prompt_ids: list[int], max_new_tokens: int, stop
             stats.add_step(len(draft), min(n, len(new)), len(new))
             if done:
                 break
-            if n < len(draft):  # drop the rejected draft tokens (a negative count works in transformers 4.x and 5.x)
-                cache.crop(-(len(draft) - n))
+            if n < len(draft):  # drop the rejected draft tokens
+                verify.crop(len(draft) - n)
             pending = target[n]
-            drafter.accept(n, _aux(out.hidden_states, layers, model.device, n + 1) if layers else None, pending)
+            drafter.accept(n, verify.aux(n + 1), pending)
     stats.seconds += time.perf_counter() - start
     stats.tokens += len(generated)
     return generated
+
+
+@torch.inference_mode()
+def speculative(model, drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int,
+                stats: Stats | None = None) -> list[int]:
+    """Chain speculative decoding with greedy verification (see the module docstring); returns the generated ids."""
+    verify = _Target(model, list(drafter.layers) if drafter.needs_hidden else None)
+    return _decode(verify, drafter, prompt_ids, max_new_tokens, stop_ids, num_steps,
+                   stats if stats is not None else Stats())
+
+
+def replay(drafter, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int,
+           stats: Stats | None = None) -> list[int]:
+    """The counts ``speculative`` would give with ``drafter`` on a prompt whose plain greedy output is
+    ``output_ids``, without running the target (``_Replay``); only for drafters that read no hidden states (the
+    n-gram one). Returns the output, which is ``output_ids``."""
+    if drafter.needs_hidden:
+        raise ValueError("replay serves drafters that read no target hidden states")
+    return _decode(_Replay(output_ids), drafter, prompt_ids, max_new_tokens, stop_ids, num_steps,
+                   stats if stats is not None else Stats())
 
 
 class NgramDrafter:

@@ -80,6 +80,29 @@ def test_ngram_drafting_is_lossless(model, cases, stops):
     assert stats.accepted[0] > 0, "counting 1..40 repeats n-grams: some drafts are accepted"
 
 
+@pytest.mark.parametrize("num_steps,max_new", [(3, 40), (1, 24), (5, 40)])
+def test_ngram_replay_gives_the_counts_of_decoding(model, tokenizer, stops, num_steps, max_new):
+    """The n-gram baseline replayed from the plain greedy output counts exactly what decoding with the target does:
+    steps, tokens, per-position proposals and acceptances, through stop tokens and max_new_tokens cuts."""
+    stopped = 0
+    for messages in PROMPTS:
+        ids = chat.prompt_ids(tokenizer, messages)
+        plain = sp.greedy(model, ids, max_new, stops)
+        stopped += plain[-1] in stops
+        decoded, replayed = sp.Stats(), sp.Stats()
+        assert sp.speculative(model, sp.NgramDrafter(3, 1), ids, max_new, stops, num_steps, decoded) == plain
+        assert sp.replay(sp.NgramDrafter(3, 1), ids, plain, max_new, stops, num_steps, replayed) == plain
+        assert (replayed.steps, replayed.emitted, replayed.tokens, replayed.proposed, replayed.accepted) == \
+            (decoded.steps, decoded.emitted, decoded.tokens, decoded.proposed, decoded.accepted)
+        assert decoded.steps > 0
+    assert stopped, "one answer ends on a stop token inside max_new_tokens"
+
+
+def test_replay_refuses_a_drafter_that_reads_hidden_states(model):
+    with pytest.raises(ValueError, match="hidden states"):
+        sp.replay(sp.EagleDrafter(small_drafter(model)), [1, 2], [3, 4], 4, [], 3)
+
+
 @pytest.mark.parametrize("num_steps", [1, 3])
 def test_oracle_gives_num_steps_plus_one_and_wrong_gives_one(model, tokenizer, stops, num_steps):
     ids = chat.prompt_ids(tokenizer, PROMPTS[0])
