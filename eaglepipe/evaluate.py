@@ -1,8 +1,8 @@
-"""The evaluate run: plain greedy and EAGLE-3 speculative decoding on every conversation of the chosen benchmarks
-(benchmarks.py), interleaved turn by turn in each process (so the speeds are measured under the same conditions),
-with a losslessness check against plain greedy for every turn; the prompt-lookup (n-gram) baseline's counts are
-replayed from the plain greedy output (``speculative.replay``: the same counts as decoding it, without the target).
-See speculative.py for the loops and the definitions.
+"""The evaluate run: EAGLE-3 speculative decoding on every conversation of the chosen benchmarks (benchmarks.py),
+with a losslessness check for every turn: its output must be the target's plain greedy output, which one forward
+over the prompt and the output tells (``speculative.greedy_check``; where it does not, plain decoding settles it).
+The prompt-lookup (n-gram) baseline's counts are replayed from that greedy output (``speculative.replay``: the same
+counts as decoding it, without the target). See speculative.py for the loops and the definitions.
 
 A conversation's turns are decoded in order: turn k + 1's prompt is the chat so far with turn k's answer as a serving
 engine returns it for the plain greedy output (``Chat.answer``: the ids decoded without the stop token, reasoning
@@ -17,6 +17,7 @@ count (``evaluate.threads``; the speeds are tokens over the seconds every proces
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +29,6 @@ from .benchmarks import Conversation
 
 log = logging.getLogger(__name__)
 
-METHODS = ("plain", "eagle", "ngram")
-DECODED = ("plain", "eagle")  # run with the target; the n-gram counts are replayed
 
 
 class Chat:
@@ -49,7 +48,8 @@ class Chat:
 @dataclass
 class Turn:
     """One decoded turn: its conversation, number (from 1), prompt ids, plain greedy output, the counts of each
-    method and the methods whose output differed from plain greedy (``speculative.first_difference``)."""
+    method (``eagle``, ``ngram``; ``check_s``: the greedy check's seconds) and, when EAGLE's output differed from
+    plain greedy, where (``speculative.first_difference``)."""
     conversation: Conversation
     index: int
     turn: int
@@ -81,13 +81,9 @@ def decoded_record(t: Turn, layers: list) -> dict:
 def summary(turns: list[Turn]) -> dict:
     """The figures of a group of turns: conversations and turns, acceptance length and rate per draft position of
     the drafter and the baseline, verification steps, tokens, and lossless."""
-    totals = {m: speculative.Stats() for m in METHODS}
-    for t in turns:
-        for m in METHODS:
-            totals[m].merge(t.stats[m])
-    spec, base = totals["eagle"], totals["ngram"]
+    spec, base = _total(turns, "eagle"), _total(turns, "ngram")
     return {"prompts": len({(t.conversation.benchmark, t.conversation.id) for t in turns}), "turns": len(turns),
-            "tokens": totals["plain"].tokens, "lossless": not any(t.wrong for t in turns),
+            "tokens": sum(len(t.output_ids) for t in turns), "lossless": not any(t.wrong for t in turns),
             "acceptance_length": round(spec.acceptance_length, 4),
             "baseline_acceptance_length": round(base.acceptance_length, 4),
             "beats_baseline": spec.acceptance_length > base.acceptance_length,
@@ -97,16 +93,19 @@ def summary(turns: list[Turn]) -> dict:
             "verification_steps": spec.steps}
 
 
-def speeds(turns: list[Turn]) -> dict:
-    """Seconds per decoded method and tokens per second, for the timings file."""
-    totals = {m: speculative.Stats() for m in DECODED}
+def _total(turns: list[Turn], method: str) -> speculative.Stats:
+    total = speculative.Stats()
     for t in turns:
-        for m in DECODED:
-            totals[m].merge(t.stats[m])
-    plain = totals["plain"].tokens_per_s
-    return {"seconds": {m: round(totals[m].seconds, 2) for m in DECODED},
-            "tokens_per_s": {m: round(totals[m].tokens_per_s, 2) for m in DECODED},
-            "speedup": round(totals["eagle"].tokens_per_s / plain, 4) if plain else None}
+        total.merge(t.stats[method])
+    return total
+
+
+def speeds(turns: list[Turn]) -> dict:
+    """EAGLE decoding's seconds and tokens per second, and the seconds of the greedy checks, for the timings
+    file."""
+    eagle = _total(turns, "eagle")
+    return {"eagle_seconds": round(eagle.seconds, 2), "eagle_tokens_per_s": round(eagle.tokens_per_s, 2),
+            "check_seconds": round(sum(t.stats["check_s"] for t in turns), 2)}
 
 
 def _groups(turns: list[Turn], key) -> dict:
@@ -129,51 +128,54 @@ def report(turns: list[Turn]) -> dict:
     return out
 
 
+def _turn(c: Conversation, turn: int, ids: list, model, eagle, lookup, chat_: Chat, params) -> Turn:
+    """Decode one turn with EAGLE, check that its output is the target's plain greedy output (one forward,
+    ``speculative.greedy_check``; a failed check is settled by decoding plainly) and replay the n-gram baseline on
+    it."""
+    max_new, steps = params.max_new_tokens, params.num_steps
+    stats = {"eagle": speculative.Stats(), "ngram": speculative.Stats()}
+    output = speculative.speculative(model, eagle, ids, max_new, chat_.stops, steps, stats["eagle"])
+    start = time.perf_counter()
+    wrong = []
+    if speculative.greedy_check(model, ids, output, max_new, chat_.stops) is not None:
+        plain = speculative.greedy(model, ids, max_new, chat_.stops)
+        if plain != output:
+            wrong = [{"benchmark": c.benchmark, "id": c.id, "turn": turn, "method": "eagle",
+                      "first_difference": speculative.first_difference(output, plain)}]
+            output = plain
+    stats["check_s"] = time.perf_counter() - start
+    speculative.replay(lookup, ids, output, max_new, chat_.stops, steps, stats["ngram"])
+    return Turn(c, 0, turn, ids, output, stats, wrong)
+
+
 def run(conversations: list[Conversation], chat_: Chat, model, drafter_model, params,
         rt: runtime.Runtime = runtime.Runtime()) -> dict:
-    """Decode every turn of this rank's share of the conversations plainly and with EAGLE, replay the n-gram
-    baseline on the plain output; return, on every rank, the metrics of
-    all of them: ``benchmarks`` (``report`` per benchmark, in the conversations' order), ``lossless`` (False lists
-    the ``mismatches``) and ``run`` (speeds, for the timings file). ``positions`` holds the acceptance rate per draft
+    """Decode every turn of this rank's share of the conversations with EAGLE, check each output against plain
+    greedy and replay the n-gram baseline on it (``_turn``); return, on every rank, the metrics of all of them:
+    ``benchmarks`` (``report`` per benchmark, in the conversations' order), ``lossless`` (False lists the
+    ``mismatches``) and ``run`` (speeds, for the timings file). ``positions`` holds the acceptance rate per draft
     position of ``eagle`` and ``ngram`` of each benchmark as plot rows (``position_rows``), and ``decoded`` the
     ``decoded_record``s of each benchmark, each for its own file."""
-    num_steps, max_new = params.num_steps, params.max_new_tokens
     eagle = speculative.EagleDrafter(drafter_model)
     lookup = speculative.NgramDrafter(params.ngram.max, params.ngram.min)
     layers = model.config.get_text_config().num_hidden_layers
     if any(not 0 <= i < layers for i in eagle.layers):
         raise ValueError(f"the drafter reads hidden states {eagle.layers}, the target has {layers} layers")
-
-    def decode(method, ids, stats, limit=max_new):
-        if method == "plain":
-            return speculative.greedy(model, ids, limit, chat_.stops, stats)
-        return speculative.speculative(model, eagle, ids, limit, chat_.stops, num_steps, stats)
-
     mine = list(enumerate(conversations))[rt.rank::rt.world]
     if mine:  # warm-up (first-call allocations, lazy hooks), not counted
         ids = chat_.ids(mine[0][1].messages_for([]), mine[0][1].tools)
-        for method in DECODED:
-            decode(method, ids, speculative.Stats(), min(8, max_new))
+        speculative.speculative(model, eagle, ids, min(8, params.max_new_tokens), chat_.stops, params.num_steps)
     done = []  # per turn of this rank: (conversation's position, turn, Turn)
     for position, c in mine:
         answers = []
         for turn in range(1, c.turns + 1):
             ids = chat_.ids(c.messages_for(answers), c.tools)
-            outputs, stats = {}, {}
-            start = (position + turn) % len(DECODED)
-            for method in DECODED[start:] + DECODED[:start]:  # alternate: no method always runs first
-                stats[method] = speculative.Stats()
-                outputs[method] = decode(method, ids, stats[method])
-            stats["ngram"] = speculative.Stats()
-            speculative.replay(lookup, ids, outputs["plain"], max_new, chat_.stops, num_steps, stats["ngram"])
-            wrong = [{"benchmark": c.benchmark, "id": c.id, "turn": turn, "method": "eagle",
-                      "first_difference": speculative.first_difference(outputs["eagle"], outputs["plain"])}
-                     ] if outputs["eagle"] != outputs["plain"] else []
-            done.append((position, turn, Turn(c, 0, turn, ids, outputs["plain"], stats, wrong)))
+            t = _turn(c, turn, ids, model, eagle, lookup, chat_, params)
+            done.append((position, turn, t))
             log.info("%s %s turn %d (%d/%d, %s): %d tokens; acceptance length eagle %.3f, n-gram %.3f", c.benchmark,
-                     c.id, turn, position + 1, len(conversations), c.category, len(outputs["plain"]),
-                     stats["eagle"].acceptance_length, stats["ngram"].acceptance_length)
-            answers.append(chat_.answer(ids, outputs["plain"]))
+                     c.id, turn, position + 1, len(conversations), c.category, len(t.output_ids),
+                     t.stats["eagle"].acceptance_length, t.stats["ngram"].acceptance_length)
+            answers.append(chat_.answer(ids, t.output_ids))
     turns = [t for _, _, t in sorted((d for part in rt.gather(done) for d in part), key=lambda d: d[:2])]
     by_benchmark = {}
     for t in turns:
@@ -183,8 +185,8 @@ def run(conversations: list[Conversation], chat_: Chat, model, drafter_model, pa
     mismatches = [w for t in turns for w in t.wrong]
     reports = {name: report(ts) for name, ts in by_benchmark.items()}
     return {
-        "num_steps": num_steps, "max_new_tokens": max_new, "lossless": not mismatches, "mismatches": mismatches,
-        "benchmarks": reports,
+        "num_steps": params.num_steps, "max_new_tokens": params.max_new_tokens, "lossless": not mismatches,
+        "mismatches": mismatches, "benchmarks": reports,
         "run": {"threads": torch.get_num_threads(), "processes": rt.world,
                 "benchmarks": {name: speeds(ts) for name, ts in by_benchmark.items()}},
         "positions": [row | {"benchmark": name, "method": f"{name} {row['method']}"} for name, r in reports.items()

@@ -136,6 +136,28 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids, stats: S
     return generated
 
 
+@torch.inference_mode()
+def greedy_check(model, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int, stop_ids) -> int | None:
+    """Whether ``output_ids`` is the target's plain greedy output for ``prompt_ids``, in one forward over the prompt
+    and the output instead of one per token: every output token must be the target's argmax given the tokens before
+    it, and the output must end where greedy decoding ends (after its first stop id, or at ``max_new_tokens``).
+    None when it is, else the first position where it is not (as ``first_difference`` counts). The forward sees all
+    positions at once, so a near-tie may round otherwise than in the one-token steps of ``greedy``: a failed check
+    is settled by decoding (evaluate does)."""
+    stops = set(stop_ids)
+    if not output_ids:
+        return 0
+    out = model(input_ids=torch.tensor([list(prompt_ids) + list(output_ids[:-1])], device=model.device),
+                logits_to_keep=len(output_ids))
+    argmax = out.logits[0].argmax(-1).tolist()
+    for i, (want, got) in enumerate(zip(argmax, output_ids)):
+        if want != got or i == max_new_tokens:
+            return i
+        if got in stops and i < len(output_ids) - 1:  # greedy decoding stops here
+            return i + 1
+    return None if output_ids[-1] in stops or len(output_ids) == max_new_tokens else len(output_ids)
+
+
 class _Target:
     """Verification by the target: a forward over the new tokens with its KV cache, the argmax after each."""
 

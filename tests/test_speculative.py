@@ -98,6 +98,29 @@ def test_ngram_replay_gives_the_counts_of_decoding(model, tokenizer, stops, num_
     assert stopped, "one answer ends on a stop token inside max_new_tokens"
 
 
+@pytest.mark.parametrize("max_new", [8, 40])
+def test_greedy_check_accepts_the_greedy_output_and_finds_where_another_departs(model, tokenizer, stops, max_new):
+    """One forward tells the plain greedy output from any other: a changed token, an answer cut short, one that
+    runs past its stop id or past max_new_tokens."""
+    for messages in PROMPTS:
+        ids = chat.prompt_ids(tokenizer, messages)
+        plain = sp.greedy(model, ids, max_new, stops)
+        assert sp.greedy_check(model, ids, plain, max_new, stops) is None
+        for j in {0, len(plain) // 2, len(plain) - 1}:
+            changed = plain[:j] + [(plain[j] + 1) % model.config.vocab_size] + plain[j + 1:]
+            assert sp.greedy_check(model, ids, changed, max_new, stops) == j
+        if len(plain) > 1:
+            assert sp.greedy_check(model, ids, plain[:-1], max_new, stops) == len(plain) - 1
+        longer = sp.greedy(model, ids, max_new + 4, stops)
+        if longer != plain:  # greedy went on past max_new_tokens
+            assert sp.greedy_check(model, ids, longer, max_new, stops) == max_new
+    ids = chat.prompt_ids(tokenizer, PROMPTS[1])
+    plain = sp.greedy(model, ids, 40, stops)
+    assert plain[-1] in stops, "the short answer ends on a stop id"
+    past = plain + sp.greedy(model, ids + plain, 3, [])  # what the target says after its stop id
+    assert sp.greedy_check(model, ids, past, 40, stops) == len(plain)
+
+
 def test_replay_refuses_a_drafter_that_reads_hidden_states(model):
     with pytest.raises(ValueError, match="hidden states"):
         sp.replay(sp.EagleDrafter(small_drafter(model)), [1, 2], [3, 4], 4, [], 3)
