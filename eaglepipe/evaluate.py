@@ -80,17 +80,31 @@ def decoded_record(t: Turn, layers: list) -> dict:
 
 def summary(turns: list[Turn]) -> dict:
     """The figures of a group of turns: conversations and turns, acceptance length and rate per draft position of
-    the drafter and the baseline, verification steps, tokens, and lossless."""
+    the drafter and the baseline, verification steps, tokens, and lossless. Each acceptance length comes with its
+    standard error over conversations (``_se``; ``difference_se`` is that of drafter minus baseline, paired), and
+    ``beats_baseline_by_2se`` says whether the drafter leads by more than twice it."""
     spec, base = _total(turns, "eagle"), _total(turns, "ngram")
-    return {"prompts": len({(t.conversation.benchmark, t.conversation.id) for t in turns}), "turns": len(turns),
+    conversations = list(_groups(turns, lambda t: (t.conversation.benchmark, t.conversation.id)).values())
+    spec_c, base_c = ([_total(ts, m) for ts in conversations] for m in ("eagle", "ngram"))
+    diff_se = speculative.difference_se(spec_c, base_c)
+    return {"prompts": len(conversations), "turns": len(turns),
             "tokens": sum(len(t.output_ids) for t in turns), "lossless": not any(t.wrong for t in turns),
             "acceptance_length": round(spec.acceptance_length, 4),
+            "acceptance_length_se": _round(speculative.acceptance_se(spec_c)),
             "baseline_acceptance_length": round(base.acceptance_length, 4),
+            "baseline_acceptance_length_se": _round(speculative.acceptance_se(base_c)),
+            "difference_se": _round(diff_se),
             "beats_baseline": spec.acceptance_length > base.acceptance_length,
+            "beats_baseline_by_2se": diff_se is not None and
+            spec.acceptance_length - base.acceptance_length > 2 * diff_se,
             "acceptance_rate_per_position": [round(r, 4) for r in spec.acceptance_rate],
             "conditional_acceptance_rate_per_position": [round(r, 4) for r in spec.conditional_rate],
             "baseline_acceptance_rate_per_position": [round(r, 4) for r in base.acceptance_rate],
             "verification_steps": spec.steps}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
 
 
 def _total(turns: list[Turn], method: str) -> speculative.Stats:

@@ -156,11 +156,16 @@ def summary() -> str:
     lines = []
     if (ROOT / EVAL).exists():
         ev = json.loads((ROOT / EVAL).read_text())
-        lines.append("acceptance length (tokens per target forward, greedy), the drafter against prompt lookup:")
+        lines.append("acceptance length (tokens per target forward, greedy; ± one standard error over conversations),"
+                     " the drafter against prompt lookup (n-gram):")
         for name, b in ev["benchmarks"].items():
-            verdict = "beats n-gram" if b["beats_baseline"] else "loses to n-gram"
-            lines.append(f"  {name:<10} {b['acceptance_length']:.3f} vs {b['baseline_acceptance_length']:.3f}  "
-                         f"{verdict}  ({b['turns']} turns; lossless: {b['lossless']})")
+            diff = b["acceptance_length"] - b["baseline_acceptance_length"]
+            verdict = ("beats n-gram" if diff > 0 else "loses to n-gram") + (
+                " by more than twice the error" if abs(diff) > 2 * (b.get("difference_se") or float("inf")) else
+                ", within twice the error")
+            lines.append(f"  {name:<10} {b['acceptance_length']:.3f} ± {b.get('acceptance_length_se') or 0:.3f} vs "
+                         f"{b['baseline_acceptance_length']:.3f} ± {b.get('baseline_acceptance_length_se') or 0:.3f}: "
+                         f"{verdict} ({b['prompts']} conversations, {b['turns']} turns; lossless: {b['lossless']})")
     if (ROOT / SERVE).exists():
         sv = json.loads((ROOT / SERVE).read_text())
         lines.append(f"serve check (vLLM serving the drafter): {'passed' if sv['passed'] else 'FAILED'}, acceptance "
