@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from . import chat, derive, draft, runtime, speculative
+from . import chat, derive, draft, runtime, speculative, uncertainty
 from .benchmarks import Conversation
 
 log = logging.getLogger(__name__)
@@ -81,18 +81,20 @@ def decoded_record(t: Turn, layers: list) -> dict:
 def summary(turns: list[Turn]) -> dict:
     """The figures of a group of turns: conversations and turns, acceptance length and rate per draft position of
     the drafter and the baseline, verification steps, tokens, and lossless. Each acceptance length comes with its
-    standard error over conversations (``_se``; ``difference_se`` is that of drafter minus baseline, paired), and
+    standard error over conversations (uncertainty.py; ``difference_se`` is that of drafter minus baseline,
+    paired), and
     ``beats_baseline_by_2se`` says whether the drafter leads by more than twice it."""
     spec, base = _total(turns, "eagle"), _total(turns, "ngram")
     conversations = list(_groups(turns, lambda t: (t.conversation.benchmark, t.conversation.id)).values())
-    spec_c, base_c = ([_total(ts, m) for ts in conversations] for m in ("eagle", "ngram"))
-    diff_se = speculative.difference_se(spec_c, base_c)
+    spec_c, base_c = (([s.emitted for s in cs], [s.steps for s in cs])
+                      for cs in ([_total(ts, m) for ts in conversations] for m in ("eagle", "ngram")))
+    diff_se = uncertainty.difference_se(spec_c, base_c)
     return {"prompts": len(conversations), "turns": len(turns),
             "tokens": sum(len(t.output_ids) for t in turns), "lossless": not any(t.wrong for t in turns),
             "acceptance_length": round(spec.acceptance_length, 4),
-            "acceptance_length_se": _round(speculative.acceptance_se(spec_c)),
+            "acceptance_length_se": _round(uncertainty.ratio_se(*spec_c)),
             "baseline_acceptance_length": round(base.acceptance_length, 4),
-            "baseline_acceptance_length_se": _round(speculative.acceptance_se(base_c)),
+            "baseline_acceptance_length_se": _round(uncertainty.ratio_se(*base_c)),
             "difference_se": _round(diff_se),
             "beats_baseline": spec.acceptance_length > base.acceptance_length,
             "beats_baseline_by_2se": diff_se is not None and

@@ -1,4 +1,5 @@
-"""``make repro`` and ``make <stage>``: ``dvc repro`` with a plan before it and a summary after it.
+"""``make repro`` and ``make <stage>``: ``dvc repro`` with a plan before it and a summary after it, in the
+project's root (the working directory).
 
 Before: the stages DVC will run, in order (``dvc status --with-deps``: those whose code, params or inputs changed;
 the stages below them run too when those outputs change), each with an estimate of its minutes: the wall time it
@@ -23,7 +24,6 @@ from pathlib import Path
 import click
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
 MEASURED = Path("metrics/timings/stages.json")
 REFERENCE = Path("metrics/reference_timings.json")
 EVAL, SERVE, DRAFTER = Path("metrics/eval.json"), Path("metrics/serve.json"), Path("models/draft")
@@ -34,20 +34,20 @@ NEXT = ("make metrics   # every figure, one per line", "make plots     # trainin
 
 def stage_order() -> list[str]:
     """The stages in dvc.yaml's order, which is the pipeline's (each reads only what a stage above it wrote)."""
-    return list(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
+    return list(yaml.safe_load(Path("dvc.yaml").read_text())["stages"])
 
 
 def stale(targets: tuple[str, ...]) -> dict[str, list]:
     """``dvc status --with-deps``: the stages of ``targets`` (all when empty) and above them whose deps, params or
     outputs differ from dvc.lock, with DVC's reasons."""
-    out = subprocess.run(["dvc", "status", "--json", "--with-deps", *targets], cwd=ROOT, capture_output=True,
+    out = subprocess.run(["dvc", "status", "--json", "--with-deps", *targets], capture_output=True,
                          text=True, check=True).stdout
     return json.loads(out or "{}")
 
 
 def below(stages: list[str], order: list[str]) -> list[str]:
     """The stages of ``order`` that read, directly or not, an output of one of ``stages``."""
-    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    spec = yaml.safe_load(Path("dvc.yaml").read_text())["stages"]
 
     def paths(s, key):
         return [next(iter(d)) if isinstance(d, dict) else d for d in spec[s].get(key, [])]
@@ -78,8 +78,8 @@ def probe(seconds: float = 1.0) -> float:
 def estimates(names: list[str]) -> dict[str, tuple[float, str]]:
     """Seconds and where they come from, per stage: this machine's last wall time, else the reference run's scaled
     by the probe; a stage with neither has none."""
-    measured = json.loads((ROOT / MEASURED).read_text()) if (ROOT / MEASURED).exists() else {}
-    ref = json.loads((ROOT / REFERENCE).read_text()) if (ROOT / REFERENCE).exists() else {"stages": {}}
+    measured = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
+    ref = json.loads(REFERENCE.read_text()) if REFERENCE.exists() else {"stages": {}}
     out, scale = {}, None
     for name in names:
         if name in measured:
@@ -112,8 +112,8 @@ def print_plan(targets: tuple[str, ...]) -> list[str]:
             how = (f"~{minutes(est[s][0])} ({est[s][1]})" if s in est else "no estimate")
             why = "to run" if s in will else "runs if what it reads changes"
             click.echo(f"  {s:<9} {why:<32} {how}")
-    total = sum(est[s][0] for s in will + may if s in est)
-    click.echo(f"  about {minutes(total)} in all, if every stage listed runs\n")
+    if est:
+        click.echo(f"  about {minutes(sum(t for t, _ in est.values()))} in all, if every stage listed runs\n")
     return will
 
 
@@ -121,7 +121,7 @@ def run(targets: tuple[str, ...]) -> int:
     """``dvc repro`` on ``targets``, its output passed through; each stage's wall time is added to MEASURED."""
     start = last = time.monotonic()
     current, timed = None, {}
-    proc = subprocess.Popen(["dvc", "repro", *targets], cwd=ROOT, stdout=subprocess.PIPE, text=True, bufsize=1)
+    proc = subprocess.Popen(["dvc", "repro", *targets], stdout=subprocess.PIPE, text=True, bufsize=1)
     for line in proc.stdout:
         m = STAGE_LINE.match(line)
         now = time.monotonic()
@@ -138,7 +138,7 @@ def run(targets: tuple[str, ...]) -> int:
     if current and code == 0:
         timed[current] = time.monotonic() - last
     if timed:
-        path = ROOT / MEASURED
+        path = MEASURED
         measured = json.loads(path.read_text()) if path.exists() else {}
         at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         measured.update({s: {"seconds": round(t, 1), "at": at} for s, t in timed.items()})
@@ -154,8 +154,8 @@ def run(targets: tuple[str, ...]) -> int:
 def summary() -> str:
     """The figures the run was for, from the metrics files, and what to do next."""
     lines = []
-    if (ROOT / EVAL).exists():
-        ev = json.loads((ROOT / EVAL).read_text())
+    if EVAL.exists():
+        ev = json.loads(EVAL.read_text())
         lines.append("acceptance length (tokens per target forward, greedy; ± one standard error over conversations),"
                      " the drafter against prompt lookup (n-gram):")
         for name, b in ev["benchmarks"].items():
@@ -166,12 +166,12 @@ def summary() -> str:
             lines.append(f"  {name:<10} {b['acceptance_length']:.3f} ± {b.get('acceptance_length_se') or 0:.3f} vs "
                          f"{b['baseline_acceptance_length']:.3f} ± {b.get('baseline_acceptance_length_se') or 0:.3f}: "
                          f"{verdict} ({b['prompts']} conversations, {b['turns']} turns; lossless: {b['lossless']})")
-    if (ROOT / SERVE).exists():
-        sv = json.loads((ROOT / SERVE).read_text())
+    if SERVE.exists():
+        sv = json.loads(SERVE.read_text())
         lines.append(f"serve check (vLLM serving the drafter): {'passed' if sv['passed'] else 'FAILED'}, acceptance "
                      f"length {sv['acceptance_length']:.3f} against evaluate's {sv['evaluate_acceptance_length']:.3f},"
                      f" outputs equal to plain greedy: {sv['outputs_equal']}")
-    if (ROOT / DRAFTER).exists():
+    if DRAFTER.exists():
         lines.append(f"the drafter: {DRAFTER}/ (an EAGLE-3 checkpoint vLLM and SGLang load as it is)")
     return "\n".join(lines + ["next:"] + [f"  {c}" for c in NEXT])
 

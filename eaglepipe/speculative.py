@@ -31,7 +31,6 @@ proposed a token at position i; ``conditional_rate[i]`` = the same over steps th
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -96,32 +95,6 @@ class Stats:
                 "conditional_acceptance_rate_per_position": [round(r, 4) for r in self.conditional_rate],
                 "verification_steps": self.steps, "tokens": self.tokens, "seconds": round(self.seconds, 3),
                 "tokens_per_s": round(self.tokens_per_s, 2)}
-
-
-def _influence(clusters: list[Stats]) -> list[float]:
-    """Each cluster's term in the linearised acceptance length of all clusters together, (e_i - τ s_i) / S."""
-    steps = sum(c.steps for c in clusters)
-    tau = sum(c.emitted for c in clusters) / steps
-    return [(c.emitted - tau * c.steps) / steps for c in clusters]
-
-
-def _se(terms: list[float]) -> float | None:
-    n = len(terms)
-    return math.sqrt(n / (n - 1) * sum(z * z for z in terms)) if n > 1 else None
-
-
-def acceptance_se(clusters: list[Stats]) -> float | None:
-    """The standard error of the acceptance length of ``clusters`` together (one ``Stats`` per conversation: turns
-    of one conversation are not independent), by the delta method for a ratio of sums; None under two clusters."""
-    return _se(_influence(clusters)) if sum(c.steps for c in clusters) else None
-
-
-def difference_se(a: list[Stats], b: list[Stats]) -> float | None:
-    """The standard error of τ(a) - τ(b), two drafters measured on the same clusters in the same order (paired:
-    each cluster's terms are subtracted before squaring, so what the clusters share cancels)."""
-    if not sum(c.steps for c in a) or not sum(c.steps for c in b):
-        return None
-    return _se([x - y for x, y in zip(_influence(a), _influence(b))])
 
 
 def first_difference(a: list, b: list) -> int:

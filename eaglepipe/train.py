@@ -76,7 +76,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import draft, features, hidden, records, runtime, sequences, shards
+from . import draft, features, hidden, records, runtime, sequences, shards, uncertainty
 from .errors import UserError
 from .hashing import code_hash
 from .compat import EMBED, HEAD, LAYERS, NORM, weights as stored_weights
@@ -288,8 +288,9 @@ def collate(samples: list[Sample], states: list[dict], steps: int, head_draft: t
 
 
 # --------------------------------------------------------------------------------------------------- TTT forward
-def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: float = 1.0):
-    """(loss, stats [steps, 4] = loss sum, loss positions, correct, positions) for one batch; step k's loss is
+def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: float = 1.0, per_row: bool = False):
+    """(loss, stats [steps, 4] = loss sum, loss positions, correct, positions) for one batch, and with ``per_row``
+    the correct and positions of each row [steps, B, 2] third; step k's loss is
     weighted ``step_weight ** k`` (the stats are not weighted). Step k's loss is its sum over the batch divided by
     ``batch["norm"][k]`` (default: the batch's own loss positions, ``kept``), times ``batch["weight"]`` (default 1):
     how a rank's share of a global batch weighs in (module docstring)."""
@@ -306,7 +307,7 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: 
     k0, v0 = attn.keys_values(x0, *model.rope(torch.arange(T, device=dev)[None].expand(B, T)))  # step-0 keys
     future = torch.arange(T, device=dev)[None, None, None, :] > act[:, None, :, None]  # keys after the query's position
     h, x = g[rows, act], x0[rows, act]
-    diag_k, diag_v, total, stats = [], [], 0.0, []
+    diag_k, diag_v, total, stats, rows_hit = [], [], 0.0, [], []
     for k in range(steps):
         cos, sin = model.rope(act + k)
         if k:
@@ -332,10 +333,13 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: 
         ce = -(batch["probs"][b, t] * torch.log_softmax(logits, -1)).sum(-1)[keep]
         loss = ce.sum() / max(norm[k], 1)
         total = total + step_weight ** k * (loss * weight)
-        correct = (model.to_target(logits.argmax(-1)) == target).sum()
-        stats.append(torch.stack([ce.detach().sum(), ce.new_tensor(float(ce.numel())), correct.float(),
+        hit = model.to_target(logits.argmax(-1)) == target
+        stats.append(torch.stack([ce.detach().sum(), ce.new_tensor(float(ce.numel())), hit.sum().float(),
                                   ce.new_tensor(float(b.numel()))]))
-    return total, torch.stack(stats)
+        if per_row:
+            rows_hit.append(torch.stack([torch.bincount(b, hit.float(), B), torch.bincount(b, minlength=B).float()],
+                                        -1))
+    return (total, torch.stack(stats)) + ((torch.stack(rows_hit),) if per_row else ())
 
 
 class TTT(nn.Module):
@@ -365,26 +369,32 @@ def summarize(stats: torch.Tensor) -> list[dict]:
 
 
 def last_epoch(history: list[dict], split: str) -> dict:
-    """{loss_k, acc_k} of ``split``'s rows in the last epoch of ``history`` ({} when it has none)."""
+    """{loss_k, acc_k} (and ``acc_se_k`` where measured) of ``split``'s rows in the last epoch of ``history`` ({}
+    when it has none)."""
     last = history[-1]["epoch"]
     return {f"{m}_{r['step']}": r[m] for r in history if r["epoch"] == last and r["split"] == split
-            for m in ("loss", "acc")}
+            for m in ("loss", "acc", "acc_se") if m in r}
 
 
 @torch.no_grad()
 def evaluate(model, feats, samples, steps, head_draft, batch_tokens, bf16: bool = False,
              rt: runtime.Runtime = runtime.Runtime()) -> list[dict]:
     """Per-step loss and accuracy over ``samples`` (their states from ``feats``), their batches dealt round-robin to
-    the ranks."""
+    the ranks; each accuracy with its standard error over the samples (``acc_se``, uncertainty.py: positions of
+    one sequence are not independent)."""
     model.eval()
-    stats = torch.zeros(steps, 4)
+    stats, per_sample = torch.zeros(steps, 4), {}
     for idx in plan_batches([s.ids.shape[0] for s in samples], batch_tokens)[rt.rank::rt.world]:
         rows = [samples[i] for i in idx]
         batch = collate(rows, feats.states(rows), steps, head_draft, model.t2d)
         with autocast(bf16, head_draft.device):
-            stats += ttt_forward(model, batch, steps)[1].cpu()
+            _, batch_stats, by_row = ttt_forward(model, batch, steps, per_row=True)
+        stats += batch_stats.cpu()
+        per_sample.update(zip(idx, by_row.cpu().transpose(0, 1).tolist()))  # sample -> [steps][correct, positions]
     model.train()
-    return summarize(rt.all_sum(stats))
+    counts = [c for part in rt.gather(per_sample) for c in part.values()]
+    return [r | {"acc_se": None if (se := uncertainty.ratio_se([c[k][0] for c in counts], [c[k][1] for c in counts]))
+                 is None else round(se, 5)} for k, r in enumerate(summarize(rt.all_sum(stats)))]
 
 
 # ------------------------------------------------------------------------------------------------------ the run

@@ -148,16 +148,34 @@ def dvc(project: Path, *args) -> subprocess.CompletedProcess:
     return out
 
 
+def make_repro(project: Path, *args) -> str:
+    """What ``make repro`` runs (eaglepipe/repro.py) in ``project``; its output."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+               EAGLEPIPE_CACHE=str(project / ".cache"))
+    out = subprocess.run([sys.executable, "-m", "eaglepipe.repro", *args], cwd=project, env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 @pytest.mark.slow
 def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
-    first = dvc(project, "repro")
+    first = make_repro(project)
+    plan, _, rest = first.partition("\n\n")
+    assert plan.startswith("make repro: the plan") and all(f"  {name} " in plan for name in stages())
     for name in stages():
-        assert f"Running stage '{name}'" in first.stdout
+        assert f"Running stage '{name}'" in rest
+    timed = json.loads((project / "metrics/timings/stages.json").read_text())
+    assert set(timed) == set(stages()) and all(t["seconds"] > 0 for t in timed.values())
+    ev = json.loads((project / "metrics/eval.json").read_text())["benchmarks"]["heldout"]
+    summary = rest[rest.index("acceptance length (tokens per target forward"):]
+    assert f"heldout    {ev['acceptance_length']:.3f} ± " in summary and "serve check (vLLM serving the drafter): passed" in \
+        summary and "models/draft/" in summary and "make metrics" in summary
     index = json.loads((project / "data/sequences/index.json").read_text())
     assert index["train"]["samples"] + index["valid"]["samples"] > 0
 
-    second = dvc(project, "repro")
-    assert "Running stage" not in second.stdout, second.stdout
+    second = make_repro(project)
+    assert "every stage is up to date" in second and "Running stage" not in second, second
 
     params = yaml.safe_load((project / "params.yaml").read_text())
     fast = yaml.safe_load((project / "params.yaml").read_text())
@@ -200,6 +218,8 @@ def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     assert "infer" in readers and set(stale) == readers, stale  # infer and the stages below it that read it
     dry = dvc(project, "repro", "--dry").stdout
     assert "Running stage 'infer'" in dry and "Running stage 'prepare'" not in dry
+    plan = make_repro(project, "--dry")  # what will run, each with its wall time from the first run
+    assert "  infer     to run" in plan and "  prepare " not in plan and "its last run here" in plan
 
 
 @pytest.mark.slow

@@ -168,23 +168,6 @@ def test_stats_merge_and_report():
     assert a.report()["acceptance_length"] == round(7 / 3, 4)
 
 
-def stats_of(steps, emitted):
-    s = sp.Stats()
-    s.steps, s.emitted = steps, emitted
-    return s
-
-
-def test_standard_errors_over_conversations():
-    """τ = 12 / 8 = 1.5 over three conversations; the delta method's terms (e_i - τ s_i) / S are 1/8, -1/8, 0, so
-    the standard error is sqrt(3/2 · 2/64); a drafter against itself differs by exactly 0 with no error."""
-    a = [stats_of(2, 4), stats_of(2, 2), stats_of(4, 6)]
-    assert sp.acceptance_se(a) == pytest.approx((3 / 2 * 2 / 64) ** 0.5)
-    assert sp.difference_se(a, a) == 0.0
-    b = [stats_of(2, 2), stats_of(2, 2), stats_of(4, 4)]   # always 1: no spread of its own
-    assert sp.acceptance_se(b) == 0.0 and sp.difference_se(a, b) == pytest.approx(sp.acceptance_se(a))
-    assert sp.acceptance_se(a[:1]) is None and sp.acceptance_se([]) is None
-
-
 def test_ngram_proposals():
     d = sp.NgramDrafter(max_ngram=3)
     d.reset([5, 6, 7, 8, 9, 5, 6], None, 7)

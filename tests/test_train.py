@@ -223,15 +223,20 @@ def test_loss_decreases_and_a_killed_run_resumes_exactly(data, tmp_path, autocas
     params = config.Train(**{**PARAMS, "autocast": autocast})
     full = train.run(data / "hidden", data / "target", params, tmp_path / "a")
     model, report, history = full
-    assert set(report["train"]) == set(report["valid"]) == {f"{m}_{k}" for m in ("loss", "acc") for k in range(3)}
+    assert set(report["train"]) == {f"{m}_{k}" for m in ("loss", "acc") for k in range(3)}
+    assert set(report["valid"]) == {f"{m}_{k}" for m in ("loss", "acc", "acc_se") for k in range(3)}
+    for k in range(3):  # over the 4 valid sequences: none only where every one scored the same
+        se, acc = report["valid"][f"acc_se_{k}"], report["valid"][f"acc_{k}"]
+        assert 0 <= se < 0.5 and (se > 0 or acc in (0.0, 1.0)), (k, se, acc)
     # the plot rows: one per epoch, split and TTT step, exactly the steps trained
     assert [(r["epoch"], r["split"], r["step"]) for r in history] == \
         [(e, s, k) for e in (1, 2) for s in ("train", "valid") for k in range(3)]
-    assert all(set(r) == {"epoch", "split", "step", "loss", "acc"} for r in history)
+    assert all(set(r) == {"epoch", "split", "step", "loss", "acc"} | ({"acc_se"} if r["split"] == "valid" else set())
+               for r in history)
     row = {(r["epoch"], r["split"], r["step"]): r for r in history}
     assert row[2, "train", 0]["loss"] < row[1, "train", 0]["loss"] * 0.9
     assert row[2, "train", 0]["acc"] > row[1, "train", 0]["acc"] and row[2, "valid", 0]["loss"] is not None
-    assert report["valid"] == {f"{m}_{k}": row[2, "valid", k][m] for m in ("loss", "acc") for k in range(3)}
+    assert report["valid"] == {f"{m}_{k}": row[2, "valid", k][m] for m in ("loss", "acc", "acc_se") for k in range(3)}
 
     checkpoints = killed_after_first_checkpoint(data, params, tmp_path)
     state = torch.load(checkpoints / "state.pt", weights_only=True)  # tensors and plain data only
