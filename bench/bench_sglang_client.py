@@ -1,6 +1,6 @@
 """How fast is the SGLang client alone? A benchmark, not a test.
 
-Starts eaglepipe/testing/sglang_server.py in --no-compute mode (made-up answers after a fixed --latency per request, so
+Starts tests/sglang_server.py in --no-compute mode (made-up answers after a fixed --latency per request, so
 the server costs next to nothing) and streams --requests prompts through SGLangEngine.stream at --concurrency. A client
 that keeps ``concurrency`` requests in flight all the time reaches concurrency / latency requests per second; the bench
 prints the ratio it reached (the floor is 0.9 at concurrency 256) and the client's CPU time per request (process CPU of
@@ -13,6 +13,7 @@ wait for a core shows up as latency above --latency, and lowers the ratio.
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 import urllib.request
@@ -25,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 from eaglepipe import config, target
 from eaglepipe.engines import Output, Sampling
 from eaglepipe.engines.sglang import SGLangEngine
-from eaglepipe.testing.sglang_server import free_port, start_server, stop_server
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the SGLang stand-in, a test double
+from sglang_server import free_port, start_server, stop_server  # noqa: E402
 
 
 def proc_cpu(pid: int) -> float:

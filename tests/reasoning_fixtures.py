@@ -9,7 +9,7 @@ thinking off), ``prefill_think=false`` leaves the tag to the model (Qwen3 hybrid
 
 It is saved as a model folder (tokenizer + the embedded model's config and generation config, no weights) so
 ``target.resolve``, ``target.stop_ids`` and ``target.fingerprint`` work on it; ``served_model_folder`` adds the embedded
-weights (a link), for the stage and eaglepipe/testing/sglang_server.py (``--reasoning``) to load the same folder. The
+weights (a link), for the stage and tests/sglang_server.py (``--reasoning``) to load the same folder. The
 scripted engine implements the engine interface and answers with token ids made by this tokenizer, as a reasoning model
 served token-exact would.
 """

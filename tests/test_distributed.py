@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from eaglepipe import config, hidden, runtime, sequences, shards
-from eaglepipe.testing.e2e import ranks_of, untrained_drafter
+from e2e import ranks_of, untrained_drafter
 from eaglepipe.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from eaglepipe import benchmarks, config, evaluate, reasoning, speculative, target
-from eaglepipe.testing.e2e import untrained_drafter
+from e2e import untrained_drafter
 
 LAYERS = [2, 15, 27]
 HELDOUT = Path(__file__).resolve().parent.parent / "data/eval/heldout.jsonl"

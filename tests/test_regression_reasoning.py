@@ -8,7 +8,7 @@ reasoning model's answers as token ids of the test tokenizer (reasoning_fixtures
 3. the prefilled-opening-tag template, an output with no closing tag, gpt-oss harmony channels;
 4. the real stage, as a subprocess, on the embedded model (not a reasoning model) under ``target.reasoning: think``.
 1 and 2 also run end to end over HTTP (``test_1_e2e_*``, ``test_2_e2e_*``): stages/infer.py as a subprocess with
-``infer.engine: sglang`` against eaglepipe/testing/sglang_server.py on loopback, both loading one model folder (the test
+``infer.engine: sglang`` against tests/sglang_server.py on loopback, both loading one model folder (the test
 tokenizer and the embedded weights), the server serving a reasoning model's output ids (``--reasoning wrap``) or the
 same with the thinking dropped (``--reasoning drop``); with the prefilling template and with the one that leaves
 ``<think>`` to the model.
@@ -30,7 +30,7 @@ from eaglepipe.gates import GateBreach, Gates
 from eaglepipe.records import Prompt, RecordError, content_id, response_from_json, write_json, write_jsonl
 from reasoning_fixtures import (ScriptedEngine, harmony_model, ids, model_folder, question_of, reasoning_dropped,
                                 reasoning_model, reasoning_tokenizer, served_model_folder, think_answer)
-from eaglepipe.testing.sglang_server import THOUGHT, configure, free_port, start_server, stats, stop_server
+from sglang_server import THOUGHT, configure, free_port, start_server, stats, stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 GATES = config.load(ROOT / "params.yaml").infer.gates  # the project's own settings
@@ -218,7 +218,7 @@ def test_4_stage_on_a_non_reasoning_model_under_think_fails_its_gate(tmp_path):
     assert [g["id"] for g in kept] == [ps[0].id, ps[1].id]  # generated, kept for inspection, not published
 
 
-# ---- 1 and 2 end to end: stages/infer.py over HTTP against eaglepipe/testing/sglang_server.py ---------------------
+# ---- 1 and 2 end to end: stages/infer.py over HTTP against tests/sglang_server.py ---------------------
 # Questions the embedded model answers in at most 13 ids and a stop (greedy): every answer fits the budget left by
 # the think block, so `content` holds whole answers, and the dropped run's answers end by stop (a truncated output
 # under a prefilled <think> would count as reasoning cut short).
@@ -239,7 +239,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(served, tmp_path_factory):
-    """eaglepipe/testing/sglang_server.py on loopback serving the served folder (the mode is set per test)."""
+    """tests/sglang_server.py on loopback serving the served folder (the mode is set per test)."""
     port = free_port()
     proc = start_server(port, tmp_path_factory.mktemp("server") / "server.log", "--model-path", served)
     yield f"http://127.0.0.1:{port}"

@@ -17,7 +17,7 @@ from eaglepipe import benchmarks, config, draft, evaluate, reasoning, serve, tar
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.server import BadAnswer
 from eaglepipe.engines.vllm import check_answer
-from eaglepipe.testing.e2e import port_closed, untrained_drafter
+from e2e import port_closed, untrained_drafter
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = ROOT / ".venv-vllm" / "bin" / "python"

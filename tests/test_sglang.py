@@ -1,5 +1,5 @@
 """The SGLang client (eaglepipe/engines/sglang.py): its answer checks, and its retries, failover and limits against
-eaglepipe/testing/sglang_server.py in --no-compute mode (real protocol, made-up ids, no model) over loopback."""
+tests/sglang_server.py in --no-compute mode (real protocol, made-up ids, no model) over loopback."""
 import sys
 import threading
 import time
@@ -10,7 +10,7 @@ from eaglepipe import config, chat, target
 from eaglepipe.engines import Failure, Output, Sampling
 from eaglepipe.engines.server import BadAnswer, ServerError, tokenizer_probes
 from eaglepipe.engines.sglang import SGLangEngine, check_answer, sampling_params
-from eaglepipe.testing.sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
+from sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
 
 STOP = 2  # the embedded model's <|im_end|>
 SAMPLING = Sampling(max_new_tokens=8, stop_token_ids=(STOP,))

@@ -1,4 +1,4 @@
-"""End to end: stages/infer.py with infer.engine: sglang against eaglepipe/testing/sglang_server.py over loopback.
+"""End to end: stages/infer.py with infer.engine: sglang against tests/sglang_server.py over loopback.
 
 The compute server generates with the embedded model through HFEngine (batch size 1, one request at a time), so a
 clean greedy run must give the records of the embedded engine run with batch_size 1, field for field (meta aside).
@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from eaglepipe.records import Prompt, content_id, write_jsonl
-from eaglepipe.testing.e2e import assert_same_records, cache_lines, port_closed, wait_for
-from eaglepipe.testing.sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
+from e2e import assert_same_records, cache_lines, port_closed, wait_for
+from sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
 
 pytestmark = pytest.mark.slow  # the real stage against a real server process
 
@@ -212,7 +212,7 @@ def test_failures_over_the_limit_fail_the_stage_and_keep_the_rest(fast_server, w
 def test_a_launched_server_is_stopped_at_the_end_and_on_failure(work, tmp_path, ok):
     port = free_port()
     launch = {"model_path": "embedded", "tp": 1, "dp": 1, "port": port, "log": str(tmp_path / "launched.log"),
-              "command": [sys.executable, "eaglepipe/testing/sglang_server.py", "--no-compute"], "stop_timeout_s": 10,
+              "command": [sys.executable, "tests/sglang_server.py", "--no-compute"], "stop_timeout_s": 10,
               "extra_args": [] if ok else ["--tokenize-skew"]}
     out = run_stage(tmp_path, write_params(tmp_path, launch=launch), work / "prompts.jsonl", "sg")
     assert port_closed(port), "the launched server outlived the stage"

@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 from eaglepipe import config, draft, features, shards, train
 from eaglepipe.errors import UserError
-from eaglepipe.testing.e2e import ranks_of
+from e2e import ranks_of
 
 ROOT = Path(__file__).resolve().parent.parent
 V, H, LAYERS = 512, 64, 8

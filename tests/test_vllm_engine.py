@@ -14,7 +14,7 @@ import yaml
 from eaglepipe import config
 from eaglepipe.engines import vllm
 from eaglepipe.records import Prompt, content_id, write_jsonl
-from eaglepipe.testing.e2e import assert_same_records, cache_lines, port_closed, wait_for
+from e2e import assert_same_records, cache_lines, port_closed, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(vllm.python()).exists() and

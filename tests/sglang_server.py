@@ -1,6 +1,6 @@
 """A stand-in for an SGLang server that speaks its native HTTP API, for the tests and bench/bench_sglang_client.py.
 
-    python eaglepipe/testing/sglang_server.py --port 30000 [--model-path embedded] [--no-compute] [--latency 0.2]
+    python tests/sglang_server.py --port 30000 [--model-path embedded] [--no-compute] [--latency 0.2]
         [--fault-rate 0.1] [--faults all|http429,reset,...] [--fault-mode random|cycle] [--fault-budget N]
         [--hang-s 30] [--startup-delay 2] [--batch-arrays] [--exclude-stop] [--old-api] [--tokenize-skew]
         [--reasoning wrap|drop]
@@ -567,7 +567,7 @@ def free_port() -> int:
 def start_server(port: int, log: Path, *args) -> subprocess.Popen:
     """This server on a loopback port; returns once /health answers 200."""
     out = open(log, "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "eaglepipe.testing.sglang_server", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, __file__, "--port", str(port),
                              *map(str, args)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     out.close()

@@ -1,1 +1,0 @@
-"""Test doubles the tests and benchmarks share (no stage imports them)."""
