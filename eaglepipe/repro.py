@@ -113,7 +113,8 @@ def print_plan(targets: tuple[str, ...]) -> list[str]:
             why = "to run" if s in will else "runs if what it reads changes"
             click.echo(f"  {s:<9} {why:<32} {how}")
     if est:
-        click.echo(f"  about {minutes(sum(t for t, _ in est.values()))} in all, if every stage listed runs\n")
+        click.echo(f"  about {minutes(sum(t for t, _ in est.values()))} in all, if every stage listed runs")
+    click.echo()
     return will
 
 
