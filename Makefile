@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAGES := prepare infer merge hidden train evaluate serve
 
-.PHONY: venv vllm-venv repro test test-fast gpu-check inspect params metrics timings diff exps plots $(STAGES)
+.PHONY: venv vllm-venv repro test test-fast bench gpu-check inspect params metrics timings diff exps plots $(STAGES)
 
 # tools/install.sh installs with uv where it can be had, else with pip: the same pins.
 $(VENV)/.installed: requirements.txt pyproject.toml tools/install.sh
@@ -49,6 +49,11 @@ test: venv vllm-venv
 # The unit layer alone: no end-to-end run of a stage, a server or DVC.
 test-fast: venv
 	python -m pytest -q -m "not slow" tests
+
+# After make repro: the trained drafter against plain decoding and prompt lookup in vLLM on all of MT-bench and
+# HumanEval (bench/bench_vllm.py; `make bench ARGS="--concurrency 64"`).
+bench: venv vllm-venv
+	python bench/bench_vllm.py $(ARGS)
 
 # On a GPU machine: the default pipeline end to end on CUDA in a folder of its own (nothing of the project's is
 # touched), hidden, train and evaluate under torchrun on every GPU; prints each stage's tokens/s and peak GPU memory.

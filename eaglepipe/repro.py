@@ -29,7 +29,8 @@ REFERENCE = Path("metrics/reference_timings.json")
 EVAL, SERVE, DRAFTER = Path("metrics/eval.json"), Path("metrics/serve.json"), Path("models/draft")
 STAGE_LINE = re.compile(r"^(Running stage|Stage) '([^']+)'")  # DVC's lines as a stage starts or is skipped
 NEXT = ("make metrics   # every figure, one per line", "make plots     # training curves, acceptance per position",
-        "make diff      # what changed since the last commit")
+        "make diff      # what changed since the last commit",
+        "make bench     # the drafter, plain decoding and prompt lookup in vLLM on all of MT-bench and HumanEval")
 
 
 def stage_order() -> list[str]:

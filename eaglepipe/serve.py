@@ -88,40 +88,77 @@ def engine_layers(log_text: str, num_layers: int) -> list:
     return [int(i) for i in found[-1].split(",") if i.strip()]
 
 
-def decode(folder, tokenizer, p: config.Serve, rows: list[dict], sampling: Sampling, draft=None,
-           num_steps: int | None = None) -> dict:
-    """Start vLLM (with the drafter when ``draft`` names one), decode every row's prompt, stop it. Returns
-    ``outputs`` (ids per row), ``spec`` (per-request counts, or None), ``counters`` (the server's, for these requests
-    only), ``log`` (what the server wrote in this run), ``seconds`` and ``tokens``."""
-    flags = ["--dtype", p.dtype, *p.extra_args]
-    if draft is not None:
-        flags += ["--speculative-config", json.dumps({"method": "eagle3", "model": str(draft),
-                                                      "num_speculative_tokens": num_steps}),
-                  "--per-request-spec-decode-metrics", "summary"]
-    run = "eagle" if draft is not None else "plain"
-    launch = config.Launch(model_path=str(folder), host=p.host, port=p.port, extra_args=flags,
-                           log=str(CACHE / "vllm" / f"serve-{run}.log"))
-    servers = config.Servers(launch=launch, concurrency=1, health_timeout_s=p.health_timeout_s, retries=2,
-                             timeout_s=600.0)
-    log.info("serve check: starting vLLM (%s), log %s", run, launch.log)
-    with VLLMEngine(servers, tokenizer, p.python) as engine:
-        warm = Sampling(max_new_tokens=min(8, sampling.max_new_tokens), stop_token_ids=sampling.stop_token_ids)
-        list(engine.stream([rows[0]["prompt_ids"]], warm, ["warmup"]))
-        url = engine.urls[0]
-        before = counters(url) if draft is not None else None
+def eagle3(draft, num_steps: int) -> dict:
+    """vLLM's ``--speculative-config`` for the trained drafter (without ``method`` vLLM silently picks another)."""
+    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_steps}
+
+
+class Served:
+    """A vLLM server of the target (with ``speculative``, a ``--speculative-config``, when given), started on entering
+    ``with`` and always stopped on leaving; ``decode`` runs prompts through it with ``concurrency`` requests in
+    flight. ``run`` names the run in the log file's name (``.cache/vllm/serve-<run>.log``) and in messages; after the
+    block, ``log`` holds what the server wrote in this run."""
+
+    def __init__(self, folder, tokenizer, p: config.Serve, speculative: dict | None = None, run: str = "plain",
+                 concurrency: int = 1):
+        flags = ["--dtype", p.dtype, *p.extra_args]
+        if speculative is not None:
+            flags += ["--speculative-config", json.dumps(speculative), "--per-request-spec-decode-metrics", "summary"]
+        launch = config.Launch(model_path=str(folder), host=p.host, port=p.port, extra_args=flags,
+                               log=str(CACHE / "vllm" / f"serve-{run}.log"))
+        servers = config.Servers(launch=launch, concurrency=concurrency, health_timeout_s=p.health_timeout_s,
+                                 retries=2, timeout_s=600.0)
+        self.engine, self.run, self.speculative = VLLMEngine(servers, tokenizer, p.python), run, speculative
+        self.warm, self.log = False, ""
+        log.info("starting vLLM (%s), log %s", run, launch.log)
+
+    def __enter__(self) -> "Served":
+        self.engine.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        text = self.engine._launched.log_path.read_text(errors="replace") if self.engine._launched else ""
+        self.log = text[text.rfind("\n==== "):]  # the log file gathers runs; each starts with a header line
+        return self.engine.__exit__(*exc)
+
+    @property
+    def url(self) -> str:
+        return self.engine.urls[0]
+
+    def decode(self, rows: list[dict], sampling: Sampling) -> dict:
+        """Every row's ``prompt_ids`` (request ids from its ``index``), after one short warm-up request on the first
+        call: ``outputs`` (ids per row), ``spec`` (vLLM's per-request counts, or None), ``seconds``, ``tokens``."""
+        if not self.warm:
+            warm = Sampling(max_new_tokens=min(8, sampling.max_new_tokens), stop_token_ids=sampling.stop_token_ids)
+            list(self.engine.stream([rows[0]["prompt_ids"]], warm, ["warmup"]))
+            self.warm = True
         start = time.perf_counter()
-        answers = dict(engine.stream([r["prompt_ids"] for r in rows], sampling, [f"p{r['index']}" for r in rows]))
+        answers = dict(self.engine.stream([r["prompt_ids"] for r in rows], sampling,
+                                          [f"p{r['index']}" for r in rows]))
         seconds = time.perf_counter() - start
-        after = counters(url) if draft is not None else None
-        text = engine._launched.log_path.read_text(errors="replace")
-    text = text[text.rfind("\n==== "):]  # the log file gathers runs; each starts with a header line (launch.py)
-    failed = {i: a.reason for i, a in answers.items() if isinstance(a, Failure)}
-    if failed:
-        raise UserError(f"vLLM ({run}) failed {len(failed)} prompt(s): {list(failed.items())[:3]}")
-    outputs = [answers[i].output_ids for i in range(len(rows))]
-    return {"outputs": outputs, "seconds": seconds, "tokens": sum(len(o) for o in outputs),
-            "spec": [answers[i].meta.get("speculative_decoding") for i in range(len(rows))] if draft else None,
-            "counters": delta(after, before) if draft is not None else None, "log": text}
+        failed = {i: a.reason for i, a in answers.items() if isinstance(a, Failure)}
+        if failed:
+            raise UserError(f"vLLM ({self.run}) failed {len(failed)} prompt(s): {list(failed.items())[:3]}")
+        outputs = [answers[i].output_ids for i in range(len(rows))]
+        return {"outputs": outputs, "seconds": seconds, "tokens": sum(len(o) for o in outputs),
+                "spec": [answers[i].meta.get("speculative_decoding") for i in range(len(rows))]
+                if self.speculative else None}
+
+
+def eagle3(draft, num_steps: int) -> dict:
+    """vLLM's ``--speculative-config`` for the trained drafter (without ``method`` vLLM silently picks another)."""
+    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_steps}
+
+
+def decode(folder, tokenizer, p: config.Serve, rows: list[dict], sampling: Sampling, speculative: dict | None = None,
+           run: str = "plain") -> dict:
+    """One server (``Served``), one request at a time over ``rows``: ``Served.decode``'s figures, with ``counters``
+    (the server's, for these requests only) and ``log``."""
+    with Served(folder, tokenizer, p, speculative, run) as server:
+        before = counters(server.url) if speculative is not None else None
+        result = server.decode(rows, sampling)
+        result["counters"] = delta(counters(server.url), before) if speculative is not None else None
+    return result | {"log": server.log}
 
 
 def per_step(rows: list[dict], outputs: list, spec: list) -> dict:
@@ -197,5 +234,5 @@ def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve,
 
     num_layers = AutoConfig.from_pretrained(folder).get_text_config().num_hidden_layers
     plain = decode(folder, tokenizer, p, rows, sampling)
-    eagle = decode(folder, tokenizer, p, rows, sampling, draft, num_steps)
+    eagle = decode(folder, tokenizer, p, rows, sampling, eagle3(draft, num_steps), "eagle")
     return compare(rows, plain, eagle, p.tolerance, num_layers)

@@ -151,8 +151,8 @@ def served(tmp_path_factory, target_folder, tokenizer, model):
 @needs_vllm
 def test_e2e_vllm_serves_the_drafter_with_evaluates_layers_acceptance_and_outputs(served, target_folder, tokenizer):
     s = served
-    eagle = serve.decode(target_folder.resolve(), tokenizer, s["p"], s["rows"], s["sampling"], s["folder"] / "draft",
-                         3)
+    eagle = serve.decode(target_folder.resolve(), tokenizer, s["p"], s["rows"], s["sampling"],
+                         serve.eagle3(s["folder"] / "draft", 3), "eagle")
     assert port_closed(s["p"].port)
     m = serve.compare(s["rows"], s["plain"], eagle, 0.01, 30)
     assert m["engine_layers"] == m["layers"] == LAYERS
@@ -169,7 +169,8 @@ def test_e2e_a_checkpoint_vllm_reads_with_other_layers_fails(served, target_fold
     cfg = json.loads((doctored / "config.json").read_text())
     del cfg["eagle_aux_hidden_state_layer_ids"]
     (doctored / "config.json").write_text(json.dumps(cfg))
-    eagle = serve.decode(target_folder.resolve(), tokenizer, s["p"], s["rows"], s["sampling"], doctored, 3)
+    eagle = serve.decode(target_folder.resolve(), tokenizer, s["p"], s["rows"], s["sampling"],
+                         serve.eagle3(doctored, 3), "eagle")
     m = serve.compare(s["rows"], s["plain"], eagle, 0.01, 30)
     assert m["engine_layers"] == [i - 1 for i in LAYERS] and not m["passed"]
     assert port_closed(s["p"].port)
@@ -200,3 +201,29 @@ def test_e2e_ctrl_c_stops_the_server(served, tmp_path):
     while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "vLLM processes outlived Ctrl-C"
+
+
+@needs_vllm
+def test_e2e_make_bench_measures_the_drafter_plain_and_ngram_in_vllm(served, tmp_path):
+    """bench/bench_vllm.py on the first two conversations of MT-bench and HumanEval: every method's acceptance
+    length with its error, per turn and category, its outputs against plain decoding's, its speed against plain."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["serve"] = {**params.get("serve", {}), "python": str(VLLM), "port": 8014}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    out = subprocess.run([sys.executable, "bench/bench_vllm.py", "--params", str(tmp_path / "params.yaml"),
+                          "--draft", str(served["folder"] / "draft"), "--limit", "2", "--max-new-tokens", "12",
+                          "--concurrency", "2", "--out", str(tmp_path / "bench.json")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert port_closed(8014)
+    result = json.loads((tmp_path / "bench.json").read_text())["benchmarks"]
+    assert set(result) == {"mtbench", "humaneval"}
+    for name, by_method in result.items():
+        assert set(by_method) == {"plain", "eagle3", "ngram"} and by_method["plain"]["speedup"] == 1.0
+        for method in ("eagle3", "ngram"):
+            m = by_method[method]
+            assert m["turns"] == (4 if name == "mtbench" else 2) and 0 <= m["equal_to_plain"] <= m["turns"]
+            assert 1 <= m["acceptance_length"] <= 4 and m["acceptance_length_se"] is not None
+            assert m["tokens_per_s"] > 0 and m["speedup"] > 0
+        assert set(by_method["eagle3"].get("per_turn", {})) == ({"1", "2"} if name == "mtbench" else set())
+    assert "| mtbench | turn 2 | eagle3 |" in out.stdout and "| humaneval | all | ngram |" in out.stdout

@@ -1,0 +1,166 @@
+"""make bench: the full benchmarks through vLLM, the way users compare drafters (not part of make repro).
+
+All 80 MT-bench questions (both turns: turn 2 asked after the target's own greedy turn-1 answer, as evaluate asks it)
+and all 164 HumanEval problems, each answered greedily by vLLM (from .venv-vllm, started as the serve check starts
+it: eaglepipe/serve.py) once per method: plain decoding; the trained drafter (eagle3, evaluate.num_steps draft
+tokens); prompt lookup (vLLM's ngram method with evaluate.ngram's bounds and as many draft tokens). vLLM's suffix
+method is left out: it needs Arctic Inference (arctic-inference), which PyPI ships for vLLM's CPU build only as
+source. GSM8K is left out: no package on PyPI ships its test split (aviary-gsm8k loads it from the Hugging Face hub
+at run time).
+
+Per benchmark, per category and, for MT-bench, per turn: acceptance length (tokens the verification steps emitted
+over the steps, evaluate's definition; vLLM's per-request counts) with its standard error over conversations
+(eaglepipe/uncertainty.py), and whether each output equals plain decoding's; per benchmark and method, tokens/s at
+``--concurrency`` requests in flight and its ratio to plain. Greedy outputs can differ from plain where batched
+float rounding flips a near-tie, so equality is counted, not required; evaluate (make repro) stays the lossless
+check. Writes the figures as JSON (``--out``) and prints the table.
+"""
+import json
+import logging
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import click
+
+from eaglepipe import benchmarks, config, derive, evaluate, serve, target, uncertainty
+from eaglepipe.engines import Sampling
+from eaglepipe.records import write_json
+
+SETS = ("mtbench", "humaneval")
+
+
+def methods(e: config.Evaluate, draft: Path) -> dict[str, dict]:
+    """The speculative configs compared with plain decoding."""
+    return {"eagle3": serve.eagle3(draft, e.num_steps),
+            "ngram": {"method": "ngram", "num_speculative_tokens": e.num_steps, "prompt_lookup_max": e.ngram.max,
+                      "prompt_lookup_min": e.ngram.min}}
+
+
+def turns_of(conversations, chat, answers: dict | None = None) -> list[dict]:
+    """Rows to decode: every conversation's turn 1, or with ``answers`` (turn-1 assistant messages by conversation
+    position) the turn 2 of those that have one."""
+    rows = []
+    for i, c in enumerate(conversations):
+        if answers is None or (c.turns > 1 and i in answers):
+            turn = 1 if answers is None else 2
+            ids = chat.ids(c.messages_for([] if answers is None else [answers[i]]), c.tools)
+            rows.append({"index": len(rows), "conversation": i, "turn": turn, "prompt_ids": ids})
+    return rows
+
+
+def figures(conversations, rows: list[dict], outputs: list, spec: list | None, plain: list) -> dict:
+    """Acceptance length with its error over conversations, and outputs equal to plain, for a group of rows."""
+    out = {"turns": len(rows), "equal_to_plain": sum(o == p for o, p in zip(outputs, plain))}
+    if spec is not None:
+        emitted, steps = defaultdict(int), defaultdict(int)
+        for r, o, s in zip(rows, outputs, spec):
+            emitted[r["conversation"]] += len(o) - 1
+            steps[r["conversation"]] += s["num_spec_steps"]
+        keys = sorted(emitted)
+        e, n = [emitted[k] for k in keys], [steps[k] for k in keys]
+        out["acceptance_length"] = round(sum(e) / sum(n), 4) if sum(n) else None
+        se = uncertainty.ratio_se(e, n)
+        out["acceptance_length_se"] = None if se is None else round(se, 4)
+    return out
+
+
+def report(conversations, rows, outputs, spec, plain) -> dict:
+    """``figures`` for the whole set, per category and per turn."""
+    def pick(keep):
+        idx = [i for i, r in enumerate(rows) if keep(r)]
+        return figures(conversations, [rows[i] for i in idx], [outputs[i] for i in idx],
+                       None if spec is None else [spec[i] for i in idx], [plain[i] for i in idx])
+    out = pick(lambda r: True)
+    categories = sorted({conversations[r["conversation"]].category for r in rows})
+    if len(categories) > 1:
+        out["per_category"] = {c: pick(lambda r, c=c: conversations[r["conversation"]].category == c)
+                               for c in categories}
+    if len({r["turn"] for r in rows}) > 1:
+        out["per_turn"] = {str(t): pick(lambda r, t=t: r["turn"] == t) for t in (1, 2)}
+    return out
+
+
+def run(cfg, folder, tokenizer, draft: Path, max_new: int, concurrency: int, limit: int | None = None) -> dict:
+    e = cfg.evaluate
+    stops = target.stop_ids(folder, tokenizer)
+    chat = evaluate.Chat(tokenizer, cfg.target.chat_template_kwargs, derive.spec_from_params(cfg.target.reasoning),
+                         stops)
+    sampling = Sampling(temperature=0.0, max_new_tokens=max_new, stop_token_ids=tuple(sorted(stops)))
+    sets = {}
+    for name in SETS:
+        conversations, _ = benchmarks.select({name: config.Benchmark(n=None)}, limit=limit)
+        sets[name] = {"conversations": conversations, "rows": turns_of(conversations, chat)}
+    results = {name: {} for name in SETS}
+    with serve.Served(folder, tokenizer, cfg.serve, run="bench-plain", concurrency=concurrency) as server:
+        for name, s in sets.items():  # turn 1, then each turn 2 after the target's own turn-1 answer
+            first = server.decode(s["rows"], sampling)
+            answers = {r["conversation"]: chat.answer(r["prompt_ids"], o) for r, o in zip(s["rows"], first["outputs"])}
+            second = turns_of(s["conversations"], chat, answers)
+            for j, r in enumerate(second):
+                r["index"] = len(s["rows"]) + j
+            s["rows"] += second
+            rest = server.decode(second, sampling) if second else {"outputs": [], "seconds": 0.0, "tokens": 0}
+            s["plain"] = first["outputs"] + rest["outputs"]
+            results[name]["plain"] = {"seconds": first["seconds"] + rest["seconds"],
+                                      "tokens": first["tokens"] + rest["tokens"]}
+            logging.info("plain %s: %d turns", name, len(s["rows"]))
+    for method, spec in methods(e, draft).items():
+        with serve.Served(folder, tokenizer, cfg.serve, spec, f"bench-{method}", concurrency) as server:
+            for name, s in sets.items():
+                res = server.decode(s["rows"], sampling)
+                results[name][method] = {"seconds": res["seconds"], "tokens": res["tokens"],
+                                         **report(s["conversations"], s["rows"], res["outputs"], res["spec"],
+                                                  s["plain"])}
+                logging.info("%s %s: acceptance length %s", method, name, results[name][method]["acceptance_length"])
+    for name, by_method in results.items():
+        plain_tps = by_method["plain"]["tokens"] / by_method["plain"]["seconds"]
+        for m in by_method.values():
+            m["tokens_per_s"] = round(m["tokens"] / m["seconds"], 2)
+            m["speedup"] = round(m["tokens_per_s"] / plain_tps, 3)
+            m["seconds"] = round(m["seconds"], 2)
+    return {"max_new_tokens": max_new, "concurrency": concurrency, "num_steps": e.num_steps,
+            "ngram": {"max": e.ngram.max, "min": e.ngram.min}, "benchmarks": results}
+
+
+def table(result: dict) -> str:
+    lines = ["| benchmark | group | method | acceptance length ± SE | equal to plain | tokens/s | vs plain |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for name, by_method in result["benchmarks"].items():
+        for method, m in by_method.items():
+            if method == "plain":
+                lines.append(f"| {name} | all | plain | 1 | | {m['tokens_per_s']} | 1.00 |")
+                continue
+            groups = [("all", m)] + [(f"turn {k}", v) for k, v in m.get("per_turn", {}).items()] + \
+                list(m.get("per_category", {}).items())
+            for group, g in groups:
+                speed = [str(m["tokens_per_s"]), f"{m['speedup']:.2f}"] if group == "all" else ["", ""]
+                lines.append(f"| {name} | {group} | {method} | {g['acceptance_length']:.3f} ± "
+                             f"{g['acceptance_length_se'] or 0:.3f} | {g['equal_to_plain']}/{g['turns']} | "
+                             + " | ".join(speed) + " |")
+    return "\n".join(lines)
+
+
+@click.command(help=__doc__)
+@click.option("--params", default="params.yaml", show_default=True, type=click.Path(dir_okay=False))
+@click.option("--draft", default="models/draft", show_default=True, type=click.Path(file_okay=False),
+              help="The trained drafter (make repro writes it).")
+@click.option("--max-new-tokens", type=int, default=None, help="Per turn [default: evaluate.max_new_tokens].")
+@click.option("--concurrency", default=16, show_default=True, help="Requests in flight.")
+@click.option("--limit", type=int, default=None, help="Only the first N conversations of each benchmark (a smoke run).")
+@click.option("--out", default="metrics/timings/bench.json", show_default=True, type=click.Path(dir_okay=False),
+              help="The figures as JSON (not in git: they hold this machine's speeds).")
+def main(params, draft, max_new_tokens, concurrency, limit, out):
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = config.load(params)
+    if not (Path(draft) / "config.json").exists():
+        sys.exit(f"no drafter at {draft}: run make repro first (or give --draft)")
+    folder = target.resolve(cfg.target.model)
+    result = run(cfg, folder, target.load_tokenizer(folder), Path(draft).resolve(),
+                 max_new_tokens or cfg.evaluate.max_new_tokens, concurrency, limit)
+    write_json(out, result)
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
