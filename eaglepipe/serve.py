@@ -125,13 +125,17 @@ class Served:
     def url(self) -> str:
         return self.engine.urls[0]
 
-    def decode(self, rows: list[dict], sampling: Sampling) -> dict:
-        """Every row's ``prompt_ids`` (request ids from its ``index``), after one short warm-up request on the first
-        call: ``outputs`` (ids per row), ``spec`` (vLLM's per-request counts, or None), ``seconds``, ``tokens``."""
+    def warm_up(self, prompt_ids: list, sampling: Sampling) -> None:
+        """One short request (first-call allocations), once; ``decode`` sends it if nobody did."""
         if not self.warm:
             warm = Sampling(max_new_tokens=min(8, sampling.max_new_tokens), stop_token_ids=sampling.stop_token_ids)
-            list(self.engine.stream([rows[0]["prompt_ids"]], warm, ["warmup"]))
+            list(self.engine.stream([prompt_ids], warm, ["warmup"]))
             self.warm = True
+
+    def decode(self, rows: list[dict], sampling: Sampling) -> dict:
+        """Every row's ``prompt_ids`` (request ids from its ``index``), after the warm-up: ``outputs`` (ids per row),
+        ``spec`` (vLLM's per-request counts, or None), ``seconds``, ``tokens``."""
+        self.warm_up(rows[0]["prompt_ids"], sampling)
         start = time.perf_counter()
         answers = dict(self.engine.stream([r["prompt_ids"] for r in rows], sampling,
                                           [f"p{r['index']}" for r in rows]))
@@ -155,6 +159,7 @@ def decode(folder, tokenizer, p: config.Serve, rows: list[dict], sampling: Sampl
     """One server (``Served``), one request at a time over ``rows``: ``Served.decode``'s figures, with ``counters``
     (the server's, for these requests only) and ``log``."""
     with Served(folder, tokenizer, p, speculative, run) as server:
+        server.warm_up(rows[0]["prompt_ids"], sampling)  # not counted
         before = counters(server.url) if speculative is not None else None
         result = server.decode(rows, sampling)
         result["counters"] = delta(counters(server.url), before) if speculative is not None else None
