@@ -8,8 +8,8 @@ method is left out: it needs Arctic Inference (arctic-inference), which PyPI shi
 source. GSM8K is left out: no package on PyPI ships its test split (aviary-gsm8k loads it from the Hugging Face hub
 at run time).
 
-Per benchmark, per category and, for MT-bench, per turn: acceptance length (tokens the verification steps emitted
-over the steps, evaluate's definition; vLLM's per-request counts) with its standard error over conversations
+Per benchmark, per category and, for MT-bench, per turn: acceptance length (tokens emitted over decode steps,
+evaluate's definition, where a step that proposed nothing emits one token) with its standard error over conversations
 (eaglepipe/uncertainty.py), and whether each output equals plain decoding's; per benchmark and method, tokens/s at
 ``--concurrency`` requests in flight and its ratio to plain. Greedy outputs can differ from plain where batched
 float rounding flips a near-tie, so equality is counted, not required; evaluate (make repro) stays the lossless
@@ -49,6 +49,15 @@ def turns_of(conversations, chat, answers: dict | None = None) -> list[dict]:
     return rows
 
 
+def steps_of(output: list, spec: dict) -> int:
+    """A request's decode steps after the prefill: vLLM counts only the steps that proposed drafts (``num_spec_steps``,
+    S, with A accepted drafts); each other step emitted one token, so there were ``len(output) - 1 - A - S`` of them.
+    vLLM also counts drafts accepted past the stop id or the length limit on a request's last step, which can hide up
+    to ``num_speculative_tokens`` draft-less steps of a request (prompt lookup's; the drafter proposes every step)."""
+    s, a = spec["num_spec_steps"], spec["num_accepted_draft_tokens"]
+    return s + max(0, len(output) - 1 - a - s)
+
+
 def figures(conversations, rows: list[dict], outputs: list, spec: list | None, plain: list) -> dict:
     """Acceptance length with its error over conversations, and outputs equal to plain, for a group of rows."""
     out = {"turns": len(rows), "equal_to_plain": sum(o == p for o, p in zip(outputs, plain))}
@@ -56,7 +65,7 @@ def figures(conversations, rows: list[dict], outputs: list, spec: list | None, p
         emitted, steps = defaultdict(int), defaultdict(int)
         for r, o, s in zip(rows, outputs, spec):
             emitted[r["conversation"]] += len(o) - 1
-            steps[r["conversation"]] += s["num_spec_steps"]
+            steps[r["conversation"]] += steps_of(o, s)
         keys = sorted(emitted)
         e, n = [emitted[k] for k in keys], [steps[k] for k in keys]
         out["acceptance_length"] = round(sum(e) / sum(n), 4) if sum(n) else None
@@ -81,7 +90,8 @@ def report(conversations, rows, outputs, spec, plain) -> dict:
     return out
 
 
-def run(cfg, folder, tokenizer, draft: Path, max_new: int, concurrency: int, limit: int | None = None) -> dict:
+def run(cfg, folder, tokenizer, draft: Path, max_new: int, concurrency: int, limit: int | None = None,
+        only: tuple = ()) -> dict:
     e = cfg.evaluate
     stops = target.stop_ids(folder, tokenizer)
     chat = evaluate.Chat(tokenizer, cfg.target.chat_template_kwargs, derive.spec_from_params(cfg.target.reasoning),
@@ -106,6 +116,8 @@ def run(cfg, folder, tokenizer, draft: Path, max_new: int, concurrency: int, lim
                                       "tokens": first["tokens"] + rest["tokens"]}
             logging.info("plain %s: %d turns", name, len(s["rows"]))
     for method, spec in methods(e, draft).items():
+        if only and method not in only:
+            continue
         with serve.Served(folder, tokenizer, cfg.serve, spec, f"bench-{method}", concurrency) as server:
             for name, s in sets.items():
                 res = server.decode(s["rows"], sampling)
@@ -147,17 +159,19 @@ def table(result: dict) -> str:
               help="The trained drafter (make repro writes it).")
 @click.option("--max-new-tokens", type=int, default=None, help="Per turn [default: evaluate.max_new_tokens].")
 @click.option("--concurrency", default=16, show_default=True, help="Requests in flight.")
+@click.option("--methods", "only", multiple=True, type=click.Choice(["eagle3", "ngram"]),
+              help="Only these methods beside plain decoding [default: all].")
 @click.option("--limit", type=int, default=None, help="Only the first N conversations of each benchmark (a smoke run).")
 @click.option("--out", default="metrics/timings/bench.json", show_default=True, type=click.Path(dir_okay=False),
               help="The figures as JSON (not in git: they hold this machine's speeds).")
-def main(params, draft, max_new_tokens, concurrency, limit, out):
+def main(params, draft, max_new_tokens, concurrency, only, limit, out):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = config.load(params)
     if not (Path(draft) / "config.json").exists():
         sys.exit(f"no drafter at {draft}: run make repro first (or give --draft)")
     folder = target.resolve(cfg.target.model)
     result = run(cfg, folder, target.load_tokenizer(folder), Path(draft).resolve(),
-                 max_new_tokens or cfg.evaluate.max_new_tokens, concurrency, limit)
+                 max_new_tokens or cfg.evaluate.max_new_tokens, concurrency, limit, only)
     write_json(out, result)
     print(table(result))
 
