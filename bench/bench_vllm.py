@@ -58,7 +58,7 @@ def steps_of(output: list, spec: dict) -> int:
     return s + max(0, len(output) - 1 - a - s)
 
 
-def figures(conversations, rows: list[dict], outputs: list, spec: list | None, plain: list) -> dict:
+def figures(rows: list[dict], outputs: list, spec: list | None, plain: list) -> dict:
     """Acceptance length with its error over conversations, and outputs equal to plain, for a group of rows."""
     out = {"turns": len(rows), "equal_to_plain": sum(o == p for o, p in zip(outputs, plain))}
     if spec is not None:
@@ -78,7 +78,7 @@ def report(conversations, rows, outputs, spec, plain) -> dict:
     """``figures`` for the whole set, per category and per turn."""
     def pick(keep):
         idx = [i for i, r in enumerate(rows) if keep(r)]
-        return figures(conversations, [rows[i] for i in idx], [outputs[i] for i in idx],
+        return figures([rows[i] for i in idx], [outputs[i] for i in idx],
                        None if spec is None else [spec[i] for i in idx], [plain[i] for i in idx])
     out = pick(lambda r: True)
     categories = sorted({conversations[r["conversation"]].category for r in rows})
