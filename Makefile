@@ -81,7 +81,7 @@ diff: venv
 	dvc metrics diff
 	dvc params diff
 
-# Experiments run with `dvc exp run -S train.lr=0.002` (README), side by side.
+# Experiments run with `dvc exp run -S train.lr=0.002` (docs/experiments.md), side by side.
 exps: venv
 	dvc exp show --only-changed --no-pager
 

@@ -94,7 +94,7 @@ class Source(Section):
     path: str = Field(min_length=1, description="a JSON Lines or JSON array file (.gz: gzip-compressed), a "
                       "`datasets` save_to_disk folder, a .parquet or .arrow file or a folder of them; "
                       "pkg:<package>/<path> is a file inside an installed package")
-    format: Literal[tuple(FORMATS)] = Field(description="record format (README, prepare)")
+    format: Literal[tuple(FORMATS)] = Field(description="record format (docs/pipeline.md, prepare)")
     n: int = Field(ge=0, description="prompts to sample from it")
     on_error: Literal["fail", "skip"] | None = Field(None, description="this source's on_error [default: "
                                                      "prepare.on_error]")
@@ -144,7 +144,7 @@ class Gates(Section):
     every: int = Field(16, ge=1, description="then every this many, and at the end")
     min_reasoning: float = Field(0.9, ge=0, le=1, description="least share with non-empty reasoning (only when "
                                  "target.reasoning expects it)")
-    max_truncated: float = Field(0.5, ge=0, le=1, description="most share finished by length")
+    max_truncated: float = Field(1.0, ge=0, le=1, description="most share finished by length")
     max_empty: float = Field(0.02, ge=0, le=1, description="most share with neither reasoning nor answer text")
 
 
@@ -183,7 +183,7 @@ class Infer(Section):
                             "depend on it (per-record sampling seeds)", ge=1)
     batch_tokens: int = speed(32768, "hf engine: at most this many tokens of KV cache per batch (rows x (longest "
                               "prompt + max_new_tokens)), so long chats run in smaller batches", ge=1)
-    samples: int = Field(3, ge=1, description="answers per prompt (record ids <prompt id>, <prompt id>.1, ...); more "
+    samples: int = Field(2, ge=1, description="answers per prompt (record ids <prompt id>, <prompt id>.1, ...); more "
                          "than one needs temperature > 0")
     max_new_tokens: int = Field(128, ge=1, description="longest answer, in tokens")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -198,15 +198,15 @@ class Infer(Section):
     top_k: int = Field(-1, ge=-1, description="-1 = off")
     min_p: float = Field(0.0, ge=0, le=1, description="min-p sampling, 0 = off")
     seed: int = Field(0, description="sampling seed (with each record's id: eaglepipe/engines seed_for)")
-    on_error: Literal["fail", "skip"] = Field("fail", description="a prompt that cannot give a trainable sequence "
+    on_error: Literal["fail", "skip"] = Field("skip", description="a prompt that cannot give a trainable sequence "
                                               "(it exceeds the target's context with max_new_tokens, or leaves no "
                                               "room within merge.max_length) stops the stage before any "
                                               "generation (fail) or is left out, counted with its id (skip)")
     max_failure_rate: float = speed(0.0, "the stage fails when more prompts than this share fail permanently",
                                     ge=0, le=1)
     gates: Gates = Field(Gates(), description="checked while infer runs; a breach stops it and publishes nothing")
-    sglang: Servers = speed(Servers(), "infer.engine: sglang (README, SGLang); other engines ignore it")
-    vllm: Servers = speed(Servers(), "infer.engine: vllm (README, vLLM); other engines ignore it")
+    sglang: Servers = speed(Servers(), "infer.engine: sglang (docs/engines.md); other engines ignore it")
+    vllm: Servers = speed(Servers(), "infer.engine: vllm (docs/engines.md); other engines ignore it")
 
     @model_validator(mode="after")
     def _servers_for_the_engine(self):
@@ -228,7 +228,7 @@ class Infer(Section):
 class Merge(Section):
     seed: int = Field(0, description="seeds the train/valid split (per prompt id) and the shuffle")
     valid_fraction: float = Field(0.1, ge=0, lt=1, description="share of prompts in the valid split")
-    max_length: int = Field(1024, ge=2, description="longer sequences keep their first max_length tokens")
+    max_length: int = Field(2048, ge=2, description="longer sequences keep their first max_length tokens")
     shard_tokens: int = Field(1_000_000, ge=1, description="tokens per safetensors shard")
     max_left_out: float = Field(0.1, ge=0, le=1, description="the stage fails when it leaves out more than this share "
                                 "of the records (aborted, or a prompt with no room for an answer), or all of them")
@@ -260,8 +260,8 @@ class Train(Section):
     init: Literal["fresh", "target"] = Field(
         "fresh", description="fresh: every drafter weight from the seeded default init | target: fc passes the high "
         "state through, the midlayer, norm and lm_head start from the target where they fit (eaglepipe/draft.py, "
-        "Initialisation); on the default data fresh decodes better on every benchmark (README, train)")
-    epochs: int = Field(3, ge=1, description="passes over the training split")
+        "Initialisation); measured against each other: docs/experiments.md")
+    epochs: int = Field(6, ge=1, description="passes over the training split")
     features: Literal["offline", "online"] = Field(
         "offline", description="offline: the states hidden stored (data/hidden) | online: the frozen target runs "
         "inside the trainer on data/sequences and computes them per batch, as hidden would (the hidden params), "
@@ -269,11 +269,10 @@ class Train(Section):
     batch_tokens: int = Field(1024, ge=1, description="right-padded tokens per batch (rows x longest sample)")
     lr: float = Field(0.001, gt=0, description="AdamW peak learning rate")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (0 = none); on the default data "
-                                "0.1 and 1.0 decode no better (README, train)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (0 = none)")
     warmup_steps: int = Field(10, ge=0, description="linear warmup, then cosine decay to 0")
     grad_clip: float = Field(0.5, gt=0, description="gradient norm clipping")
-    autocast: Literal["bfloat16", "none"] = Field("bfloat16", description="bfloat16: matmuls in bf16 under "
+    autocast: Literal["bfloat16", "none"] = Field("none", description="bfloat16: matmuls in bf16 under "
                                                   "torch.autocast (weights, optimizer, loss in float32) | none")
     checkpoint_every: int = speed(50, "optimizer steps between checkpoints (also at every epoch's end)", ge=1)
     threads: int = speed(2, "torch threads (0 = torch's default)", ge=0)
@@ -301,13 +300,13 @@ class Benchmark(Section):
 
 class Evaluate(Section):
     benchmarks: dict[Literal[BENCHMARKS], Benchmark] = Field(
-        {"heldout": Benchmark()}, min_length=1, description="the sets to decode, each {n, seed}: heldout (evaluate's "
+        {"heldout": Benchmark(n=10), "mtbench": Benchmark(n=8), "humaneval": Benchmark(n=8)}, min_length=1, description="the sets to decode, each {n, seed}: heldout (evaluate's "
         "--prompts file), mtbench (80 two-turn questions; turn 2 follows the target's greedy answer to turn 1), "
         "humaneval (164 problems)")
     num_steps: int = Field(3, ge=1, description="draft tokens per verification step (chain, top-k 1)")
     max_new_tokens: int = Field(64, ge=1, description="tokens decoded per turn")
     ngram: Ngram = Field(Ngram(), description="prompt-lookup baseline")
-    threads: int = speed(1, "torch threads for all three decoders (0 = torch's default)", ge=0)
+    threads: int = speed(2, "torch threads for all three decoders (0 = torch's default)", ge=0)
     limit: Union[int, None] = speed(None, "evaluate only the first N conversations of each benchmark's selection "
                                     "(null = all; for quick runs)", ge=1)
 

@@ -21,7 +21,7 @@ blocks, for ``top``. A shard is named by the hash of its keys and written atomic
 Storage is 8·H bytes of hidden state per token in bf16 (3·H aux + H final), plus 9 bytes of ids, mask and ``top``.
 
 Publish: ``data/hidden`` gets the shards its sequences use as hard links to the store's files (a copy where the
-filesystem cannot link; DVC does not cache the folder, so the states take their disk once: README) and an index whose
+filesystem cannot link; DVC does not cache the folder, so the states take their disk once: docs/data-and-versions.md) and an index whose
 entries name, in the order of ``data/sequences``, which row of which shard each sample is (``shards.py``). A
 sequence reused from an earlier run keeps the states it got in the batch it was computed in; a batch of other shapes
 can round a few values differently, so the published bytes depend on which sequences were computed together (a run

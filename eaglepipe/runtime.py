@@ -12,7 +12,7 @@ compute dtype decides the numbers: ``hidden.compute_dtype`` is a result knob.
 dvc.yaml runs a stage as ``python -m eaglepipe.runtime stages/<stage>.py ARGS``: the script itself, or, when
 ``EAGLEPIPE_NPROC`` is above 1 (``NPROC=8 make hidden`` sets it), ``torchrun --standalone --nproc-per-node 8`` on it
 (without ``--standalone`` when ``PET_NNODES`` is set: a job across nodes, whose rendezvous torchrun reads from its
-``PET_*`` variables; README).
+``PET_*`` variables; docs/distributed.md).
 """
 from __future__ import annotations
 

@@ -135,3 +135,10 @@ def test_a_missing_params_file_is_one_line(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "stages/train.py"), "--params", "nope.yaml",
                           *STAGE_ARGS["train"]], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 1 and out.stderr.strip() == "Error: nope.yaml: no such params file", out.stderr
+
+
+def test_the_defaults_are_the_shipped_params():
+    """The default a user reads (make params) is the value that runs: params.yaml with every key but the prompt
+    sources left out validates to the same params as params.yaml itself."""
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    assert config.parse({"prepare": {"sources": raw["prepare"]["sources"]}}) == config.parse(raw)
