@@ -181,7 +181,7 @@ def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     fast = yaml.safe_load((project / "params.yaml").read_text())
     fast["train"].update(threads=1, checkpoint_every=7)
     fast["evaluate"].update(threads=2, limit=1)
-    fast["infer"]["sglang"].update(urls=["http://127.0.0.2:30000"], concurrency=8)
+    fast["infer"]["sglang"] = {"urls": ["http://127.0.0.2:30000"], "concurrency": 8}  # params.yaml has none
     fast["infer"]["batch_size"] = 3
     fast["serve"].update(port=8012, health_timeout_s=300.0, extra_args=["--enforce-eager", "--max-num-seqs", "4"])
     (project / "params.yaml").write_text(yaml.safe_dump(fast, sort_keys=False))
