@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAGES := prepare infer merge hidden train evaluate serve
 
-.PHONY: venv vllm-venv repro test test-fast bench gpu-check inspect params metrics timings diff exps plots $(STAGES)
+.PHONY: venv vllm-venv repro test test-fast test-e2e test-engine bench gpu-check inspect params plan metrics timings diff exps plots $(STAGES)
 
 # tools/install.sh installs with uv where it can be had, else with pip: the same pins.
 $(VENV)/.installed: requirements.txt pyproject.toml tools/install.sh
@@ -46,9 +46,13 @@ $(STAGES): venv vllm-venv
 test: venv vllm-venv
 	python -m pytest -q tests
 
-# The unit layer alone: no end-to-end run of a stage, a server or DVC.
+# One tier of the tests (pyproject.toml: unit, e2e, engine); `make test` runs all three.
 test-fast: venv
-	python -m pytest -q -m "not slow" tests
+	python -m pytest -q -m unit tests
+test-e2e: venv
+	python -m pytest -q -m e2e tests
+test-engine: venv vllm-venv
+	python -m pytest -q -m engine tests
 
 # After make repro: the trained drafter against plain decoding and prompt lookup in vLLM on all of MT-bench and
 # HumanEval (bench/bench_vllm.py; `make bench ARGS="--concurrency 64"`).
@@ -67,6 +71,11 @@ inspect: venv
 # Every params key with its type, default and meaning.
 params: venv
 	python -m eaglepipe.config
+
+# Before a run: tokens to generate and train, the disk of the hidden states, hours at measured or given speeds
+# (eaglepipe/plan.py; `make plan ARGS="--target recipes/kimi-k2.5/config.json --samples 88000"`).
+plan: venv
+	python -m eaglepipe.plan $(ARGS)
 
 # The figures a version is compared by, one per line (DVC's own table is one row per file, thousands of columns), and
 # the last run's speed and memory of each stage.

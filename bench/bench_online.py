@@ -31,7 +31,7 @@ def main(params, sequences, decoded, epochs):
     p = cfg.train.model_copy(update={"epochs": epochs or cfg.train.epochs})
     folder = target.resolve(cfg.target.model)
     rt = runtime.Runtime()
-    states_model = runtime.load_target(folder, runtime.compute_dtype(cfg.hidden.compute_dtype, rt.device), rt)
+    states_model = runtime.load_target(folder, cfg.hidden.compute_dtype, rt)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

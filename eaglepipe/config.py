@@ -2,17 +2,20 @@
 
 ``params.yaml`` holds one section per stage. ``load`` reads the whole file and validates every section before a stage
 loads anything: an unknown key, a wrong type or a value out of range is a ``ConfigError`` naming the key (with the
-closest known key for a typo), the value and what is allowed. ``python -m eaglepipe.config`` prints every key with
-its type, default and meaning.
+closest known key for a typo: explain.py), the value and what is allowed. ``python -m eaglepipe.config`` prints every
+key with its type, default and meaning.
 
 Result knobs and speed knobs: a field declared with ``speed(...)`` changes how fast a stage runs (threads, server
 addresses, concurrency, checkpoint interval, how many evaluation prompts to try), never what it writes. ``dvc.yaml``
 tracks exactly the other keys of each stage (``tracked_keys``; tests/test_dvc_contract.py checks it), and resume
 caches leave speed knobs out of their fingerprints, so moving a run to another machine invalidates nothing.
+
+The names a value may take are listed here (``TOOL_CALLS``, ``FORMATS``, ``infer.engine``); the modules that implement
+them key their tables by these names (tests/test_config.py checks that both agree). This module imports no stage
+code: what it imports would be a dep of every stage.
 """
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from pathlib import Path
@@ -21,6 +24,7 @@ from typing import Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import explain
 from .errors import UserError
 
 CACHE = Path(os.environ.get("EAGLEPIPE_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
@@ -51,6 +55,7 @@ class Section(BaseModel):
 
 # ------------------------------------------------------------------------------------------------------------ target
 TOOL_CALLS = ("none", "hermes", "qwen3_coder", "glm45", "kimi_k2", "deepseek_v3", "deepseek_v31", "harmony")
+"""The tool-call families; eaglepipe/toolcalls.py has a parser for each but none."""
 
 
 class Markers(Section):
@@ -76,15 +81,11 @@ class Target(Section):
 
 
 # ----------------------------------------------------------------------------------------------------------- prepare
-FORMATS = {  # each prompt-source format (eaglepipe/sources.py) and the record fields it reads
-    "sharegpt": ("conversations", "system", "tools"),
-    "openai": ("messages", "tools"),
-    "glaive": ("system", "chat"),
-    "opencodeinstruct": ("input",),
-    "magicoder": ("problem", "instruction"),
-    "alpaca": ("instruction", "input"),
-    "mtbench": ("turns",),
-}
+FORMATS = {"sharegpt": ("conversations", "system", "tools"), "openai": ("messages", "tools"), "glaive": ("system", "chat"),
+           "opencodeinstruct": ("input",), "magicoder": ("problem", "instruction"), "alpaca": ("instruction", "input"),
+           "mtbench": ("turns",)}
+"""Each prompt-source format and the record fields its converter reads (``columns`` may rename them);
+eaglepipe/formats.py has a converter for each."""
 PACKAGE_PATH = re.compile(r"pkg:(?P<package>[A-Za-z_][A-Za-z0-9_]*)/(?P<file>[^/].*)")
 """``pkg:<top-level package>/<path inside it>``: a file shipped inside an installed package."""
 
@@ -178,7 +179,7 @@ class Servers(Section):
 class Infer(Section):
     engine: Literal["hf", "sglang", "vllm"] = Field("hf", description="hf (in-process Hugging Face) | sglang "
                                                     "(servers' native /generate) | vllm (servers' token-in "
-                                                    "token-out /inference/v1/generate)")
+                                                    "token-out /inference/v1/generate): eaglepipe/engines, ENGINES")
     batch_size: int = speed(64, "hf engine: prompts per batch (rows leave it as they finish); an answer does not "
                             "depend on it (per-record sampling seeds)", ge=1)
     batch_tokens: int = speed(32768, "hf engine: at most this many tokens of KV cache per batch (rows x (longest "
@@ -300,7 +301,8 @@ class Benchmark(Section):
 
 class Evaluate(Section):
     benchmarks: dict[Literal[BENCHMARKS], Benchmark] = Field(
-        {"heldout": Benchmark(n=10), "mtbench": Benchmark(n=8), "humaneval": Benchmark(n=8)}, min_length=1, description="the sets to decode, each {n, seed}: heldout (evaluate's "
+        {"heldout": Benchmark(n=10), "mtbench": Benchmark(n=8), "humaneval": Benchmark(n=8)}, min_length=1,
+        description="the sets to decode, each {n, seed}: heldout (evaluate's "
         "--prompts file), mtbench (80 two-turn questions; turn 2 follows the target's greedy answer to turn 1), "
         "humaneval (164 problems)")
     num_steps: int = Field(3, ge=1, description="draft tokens per verification step (chain, top-k 1)")
@@ -355,64 +357,6 @@ class Params(Section):
     runtime: Runtime = Runtime()
 
 
-# ------------------------------------------------------------------------------------------------------------ errors
-def _model_at(loc: tuple):
-    """The section model and the key at ``loc`` (for suggestions)."""
-    model = Params
-    for part in loc[:-1]:
-        if isinstance(part, int) or model is None:
-            continue
-        field = model.model_fields.get(part)
-        if field is None:
-            return None
-        ann = field.annotation
-        args = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)]
-        inner = [a for a in getattr(ann, "__args__", ()) for a in getattr(a, "__args__", ())
-                 if isinstance(a, type) and issubclass(a, BaseModel)]
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        elif args or inner:
-            model = (args or inner)[0]
-        else:
-            return None
-    return model
-
-
-def _loc(err: dict) -> tuple:
-    """The error's location in params terms, without pydantic's union-branch tags."""
-    tags = ("list[", "tuple[", "literal[", "function-", "union[")
-    return tuple(p for p in err["loc"] if not (isinstance(p, str) and (
-        p.startswith(tags) or p in ("Markers", "Launch", "str", "int"))))
-
-
-def _describe(err: dict) -> str:
-    loc = _loc(err)
-    key = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc).replace(".[", "[")
-    if err["type"] == "extra_forbidden":
-        model = _model_at(loc)
-        known = list(model.model_fields) if model else []
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else f" (known keys: {', '.join(known)})" if known else ""
-        return f"unknown key {key}{hint}"
-    if err["type"] == "missing":
-        return f"{key} is missing"
-    if err["type"] == "value_error":
-        return f"{key or 'params'}: {err['ctx']['error']}"
-    value = err.get("input")
-    return f"{key} = {value!r}: {err['msg'][0].lower()}{err['msg'][1:]}" if key else err["msg"]
-
-
-def _relevant(err: dict) -> bool:
-    """Of a union's alternatives, the error of the one the value's shape was meant for (a string for a name, a
-    mapping or a list for the other)."""
-    structured = isinstance(err.get("input"), (dict, list))
-    if err["type"] == "literal_error":
-        return not structured
-    if err["type"] in ("model_type", "dict_type", "list_type", "tuple_type"):
-        return structured
-    return True
-
-
 def parse(raw: dict, where: str = "params") -> Params:
     """Validate a params mapping; raises ConfigError with one line per problem, joined by '; '."""
     if not isinstance(raw, dict):
@@ -420,18 +364,7 @@ def parse(raw: dict, where: str = "params") -> Params:
     try:
         return Params.model_validate(raw)
     except ValidationError as e:
-        problems, seen = [], set()
-        errors = e.errors()
-        kept = [err for err in errors if _relevant(err)]
-        # an error of a union's other alternative goes only when one about the same key stays
-        kept += [err for err in errors if not _relevant(err)
-                 and not any(_loc(k)[:len(_loc(err))] == _loc(err) for k in kept)]
-        for err in sorted(kept, key=errors.index):
-            line = _describe(err)
-            if line not in seen:  # a union reports one error per alternative
-                seen.add(line)
-                problems.append(line)
-        raise ConfigError(f"{where}: " + "; ".join(problems)) from None
+        raise ConfigError(f"{where}: " + "; ".join(explain.problems(e, Params))) from None
 
 
 def load(path="params.yaml") -> Params:

@@ -18,9 +18,9 @@ PROMPT_TAIL_TOKENS = 16  # how much of the prompt's end is decoded to see whethe
 
 def spec_from_params(value, tool_calls: str | None = None) -> Spec:
     """The spec for ``target.reasoning`` (preset name or ``{start, end}``, see reasoning.py) and
-    ``target.tool_calls`` (a family of toolcalls.FAMILIES, or None: not parsed, not checked)."""
-    if tool_calls is not None and tool_calls not in toolcalls.FAMILIES:
-        raise ValueError(f"target.tool_calls={tool_calls!r}: expected one of {list(toolcalls.FAMILIES)}")
+    ``target.tool_calls`` (a family of config.TOOL_CALLS, or None: not parsed, not checked)."""
+    if tool_calls not in (None, "none", *toolcalls.PARSERS):
+        raise ValueError(f"target.tool_calls={tool_calls!r}: expected one of {['none', *toolcalls.PARSERS]}")
     return spec_of(value, tool_calls)
 
 

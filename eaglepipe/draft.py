@@ -48,8 +48,8 @@ hidden_norm = its input norm) and the MLP (post-attention norm, gate/up/down). A
 the attention from the seeded default init, the MLP from seeded gate/up and a zero down_proj (it adds nothing until
 training grows it). The init is *exact*, step 0 computing exactly that target layer over the target's states (within
 the target's sliding window, if it has one: the drafter attends to every position), when both parts fit, no weight
-of the layer is left over and the family's layer is the Llama layer (``LLAMA_LAYER_FAMILIES``: another family with
-the same weight names may compute something else from them). Otherwise the log says not exact and names what it
+of the layer is left over and the family's layer is the Llama layer (``families.Family.llama_layer``: another family
+with the same weight names may compute something else from them). Otherwise the log says not exact and names what it
 dropped or started fresh, e.g.:
     Qwen3, Qwen3-MoE: q_norm/k_norm (RMS norms on each head's q and k) have no place in the Llama layer: dropped,
         the projections copied.
@@ -93,6 +93,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import families
+
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -116,7 +118,7 @@ class DraftConfig:
     @classmethod
     def from_target(cls, config, draft_vocab_size: int, aux_layers: list) -> "DraftConfig":
         """The drafter's config from the target's (a transformers config): same widths, heads and RoPE."""
-        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        c = families.text_config(config)
         return cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                    num_attention_heads=c.num_attention_heads,
                    num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
@@ -352,7 +354,6 @@ ATTENTION_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self
                      "self_attn.o_proj.weight", "input_layernorm.weight")
 MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 LAYER_WEIGHTS = ATTENTION_WEIGHTS + MLP_WEIGHTS  # a target layer's weights the midlayer can start from
-LLAMA_LAYER_FAMILIES = ("llama", "mistral")  # model types whose decoder layer is the Llama layer over these weights
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -408,14 +409,14 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
         model.lm_head.weight.copy_(target["head"][draft_ids])
         model.norm.weight.copy_(target["norm"])
     source = f"target layer {target['layer_index']} ({target['model_type']})"
-    if not (why_attn or why_mlp or dropped) and target["model_type"] in LLAMA_LAYER_FAMILIES:
+    if not (why_attn or why_mlp or dropped) and families.FAMILIES.get(target["model_type"], families.OTHER).llama_layer:
         text = f"exact: the midlayer is {source}, a Llama layer with every weight used; step 0 computes that layer"
     else:
         parts = [f"attention {'fresh (seeded), ' + why_attn if why_attn else 'copied'}",
                  f"MLP {'fresh (seeded gate/up, zero down_proj), ' + why_mlp if why_mlp else 'copied'}"]
         if dropped:
             parts.append(f"dropped {', '.join(dropped)}")
-        elif target["model_type"] not in LLAMA_LAYER_FAMILIES:
+        elif not families.FAMILIES.get(target["model_type"], families.OTHER).llama_layer:
             parts.append(f"{target['model_type']}'s layer is not known to be the Llama layer")
         text = f"not exact: the midlayer starts from {source}: {'; '.join(parts)}"
     log.info("drafter init: %s", text)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from . import chat, derive, draft, runtime, speculative, uncertainty
+from . import chat, derive, draft, families, runtime, speculative, uncertainty
 from .benchmarks import Conversation
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ def run(conversations: list[Conversation], chat_: Chat, model, drafter_model, pa
     ``decoded_record``s of each benchmark, each for its own file."""
     eagle = speculative.EagleDrafter(drafter_model)
     lookup = speculative.NgramDrafter(params.ngram.max, params.ngram.min)
-    layers = model.config.get_text_config().num_hidden_layers
+    layers = families.text_config(model.config).num_hidden_layers
     if any(not 0 <= i < layers for i in eagle.layers):
         raise ValueError(f"the drafter reads hidden states {eagle.layers}, the target has {layers} layers")
     mine = list(enumerate(conversations))[rt.rank::rt.world]

@@ -21,11 +21,12 @@ blocks, for ``top``. A shard is named by the hash of its keys and written atomic
 Storage is 8·H bytes of hidden state per token in bf16 (3·H aux + H final), plus 9 bytes of ids, mask and ``top``.
 
 Publish: ``data/hidden`` gets the shards its sequences use as hard links to the store's files (a copy where the
-filesystem cannot link; DVC does not cache the folder, so the states take their disk once: docs/data-and-versions.md) and an index whose
-entries name, in the order of ``data/sequences``, which row of which shard each sample is (``shards.py``). A
-sequence reused from an earlier run keeps the states it got in the batch it was computed in; a batch of other shapes
-can round a few values differently, so the published bytes depend on which sequences were computed together (a run
-from an empty store, or resumed, at any number of processes, publishes the same bytes).
+filesystem cannot link; DVC does not cache the folder, so the states take their disk once:
+docs/data-and-versions.md) and an index whose entries name, in the order of ``data/sequences``, which row of which
+shard each sample is (``shards.py``). A sequence reused from an earlier run keeps the states it got in the batch it
+was computed in; a batch of other shapes can round a few values differently, so the published bytes depend on which
+sequences were computed together (a run from an empty store, or resumed, at any number of processes, publishes the
+same bytes).
 
 A sequence that fails alone (``extract_shard``) is left out of its shard, its key and reason kept in the shard's
 metadata (it is not retried) and listed in ``failures.jsonl``. The published files hold data only: no fingerprint.
@@ -49,7 +50,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import features, runtime, sequences, shards
+from . import families, features, runtime, sequences, shards
 from .hashing import code_hash
 from .errors import UserError
 from .records import write_json, write_jsonl
@@ -57,10 +58,6 @@ from .records import write_json, write_jsonl
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str = "") -> str:
@@ -172,7 +169,7 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
         run_batch(batch)
     kept = [i for i in range(len(samples)) if i in rows]
     packed = sequences.pack([(samples[i][1], samples[i][2]) for i in kept])
-    H = text_config(model.config).hidden_size
+    H = families.text_config(model.config).hidden_size
     stack = lambda part, width, kind: torch.cat([rows[i][part] for i in kept]) if kept \
         else torch.empty((0, width) if width else 0, dtype=kind)  # noqa: E731
     return {**packed, "aux": stack(0, 3 * H, dtype), "final": stack(1, H, dtype),
@@ -233,40 +230,78 @@ def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.R
     return the run report (the same on every rank). ``params``: the ``hidden`` section (config.Hidden); ``rt``: this
     process's rank and world (runtime.py)."""
     store = Path(cache_root) / fingerprint(params.tracked(), features.layer_ids(
-        params.layers, text_config(model.config).num_hidden_layers), model_fp, str(model.dtype))
+        params.layers, families.text_config(model.config).num_hidden_layers), model_fp, str(model.dtype))
     with locked(store, rt):
         return _run(seq_folder, out, model, params, store, rt)
 
 
 def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> dict:
+    """``run``'s steps, under the store's lock: plan the shards, compute the missing ones, index what the sequences
+    use, publish it, report."""
     seq_folder, out = Path(seq_folder), Path(out)
-    cfg = text_config(model.config)
+    cfg = families.text_config(model.config)
     layers = features.layer_ids(params.layers, cfg.num_hidden_layers)
-    dtype_name = params.dtype
-    dtype, H = DTYPES[dtype_name], cfg.hidden_size
-    fp = store.name
     seq_index = shards.load_index(seq_folder)
     seqs = {split: [(rid, ids, mask, sequence_key(ids, mask)) for rid, _source, ids, mask in
                     sequences.read(seq_folder, split)] for split in shards.SPLITS if split in seq_index}
-    plan_path = store / "plans" / f"{shards.dataset_hash(seq_folder)[:32]}-{params.shard_tokens}.json"
+    plan, before = _plan(store, seq_folder, seqs, params.shard_tokens, rt)
+    missing = [keys for keys in plan if shard_name(keys) not in before]
+    ranks = _compute(store, missing, seqs, model, layers, params, rt)
+    index = {"layers": layers, "layer_convention": features.LAYER_CONVENTION, "hidden_size": cfg.hidden_size,
+             "dtype": params.dtype}
+    failures, used, reused_sequences = _index(store, seqs, before, index)
+    total = sum(len(items) for items in seqs.values())
+    if len(failures) > params.max_failure_rate * total:
+        raise UserError(f"hidden: {len(failures)} of {total} sequences fail alone, more than hidden.max_failure_rate "
+                        f"{params.max_failure_rate} (reasons in the metadata of the shards in {store}; finished shards "
+                        "are kept, and a failed sequence is not retried)")
     if rt.is_main:
-        for stale in store.glob("**/*.tmp*"):  # a file being written when the last run stopped (the lock: no other)
+        _publish(store, out, used, index, failures)
+    rt.barrier()  # no rank ends before the output is in place
+    computed_tokens, seconds = sum(r[0] for r in ranks), max(r[1] for r in ranks)
+    total_bytes = sum((store / f).stat().st_size for f in used)
+    tokens = sum(index[split]["tokens"] for split in seqs)
+    H, bytes_el = cfg.hidden_size, torch.tensor([], dtype=DTYPES[params.dtype]).element_size()
+    return {"layers": layers, "hidden_size": H, "samples": sum(index[s]["samples"] for s in seqs),
+            "tokens": tokens, "train_tokens": index.get("train", {}).get("tokens", 0),
+            "valid_tokens": index.get("valid", {}).get("tokens", 0),
+            "hidden_bytes_per_token": 4 * H * bytes_el, "bytes_per_token": round(total_bytes / max(tokens, 1), 2),
+            "bytes": total_bytes, "left_out": len(failures),
+            "run": {"fingerprint": store.name, "world": rt.world, "computed_tokens": computed_tokens,
+                    "computed_shards": len(missing), "reused_shards": len([f for f in used if f in before]),
+                    "reused_sequences": reused_sequences,
+                    "computed_sequences": total - len(failures) - reused_sequences,
+                    "seconds": round(seconds, 2),
+                    "tokens_per_s": round(computed_tokens / seconds, 1) if seconds else None}}
+
+
+def _plan(store: Path, seq_folder: Path, seqs: dict, shard_tokens: int, rt: runtime.Runtime) -> tuple[list, set]:
+    """(the shards of these sequences, each a list of keys; the names of the shards the store already holds). Rank 0
+    first clears what a stopped run left half-written (the lock: no other run is writing) and writes the plan."""
+    plan_path = store / "plans" / f"{shards.dataset_hash(seq_folder)[:32]}-{shard_tokens}.json"
+    if rt.is_main:
+        for stale in store.glob("**/*.tmp*"):
             if stale.is_dir():
                 shutil.rmtree(stale)
             else:
                 stale.unlink()
-        make_plan(store, plan_path, seqs, params.shard_tokens)
+        make_plan(store, plan_path, seqs, shard_tokens)
     rt.barrier()  # the plan is written before any rank reads it
     plan = json.loads(plan_path.read_text())
     before = {p.name for p in store.glob("shard-*.safetensors")}
-    by_key = {key: (rid, ids, mask) for split in seqs.values() for rid, ids, mask, key in split}
-    missing = [keys for keys in plan if shard_name(keys) not in before]
     rt.barrier()  # every rank has listed the finished shards before any is written
+    return plan, before
+
+
+def _compute(store: Path, missing: list, seqs: dict, model, layers: list, params, rt: runtime.Runtime) -> list:
+    """Extract and write the ``missing`` shards, dealt round-robin to the ranks; every rank's (tokens, seconds),
+    once every rank's shards are written."""
+    by_key = {key: (ids, mask) for split in seqs.values() for _rid, ids, mask, key in split}
     computed_tokens, elapsed = 0, 0.0
     for keys in missing[rt.rank::rt.world]:
         start = time.perf_counter()
-        tensors, left_out = extract_shard(model, [(k, by_key[k][1], by_key[k][2]) for k in keys], layers,
-                                          params.batch_tokens, dtype)
+        tensors, left_out = extract_shard(model, [(k, *by_key[k]) for k in keys], layers, params.batch_tokens,
+                                          DTYPES[params.dtype])
         gone = {f["id"] for f in left_out}
         meta = {"content": json.dumps({  # one key: safetensors writes several in no fixed order
             "keys": [k for k in keys if k not in gone],
@@ -277,10 +312,13 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
         log.info("hidden %s: %d samples, %d tokens (%.0f tokens/s so far%s)", shard_name(keys), len(keys),
                  int(tensors["offsets"][-1]), computed_tokens / max(elapsed, 1e-9),
                  f", rank {rt.rank} of {rt.world}" if rt.world > 1 else "")
-    ranks = rt.gather((computed_tokens, elapsed))  # also waits until every rank's shards are written
+    return rt.gather((computed_tokens, elapsed))
 
+
+def _index(store: Path, seqs: dict, before: set, index: dict) -> tuple[list, list, int]:
+    """Fill ``index`` with each split's entries (which row of which shard each sequence is, in order); return (the
+    sequences that failed alone, the shard files used in order, how many sequences came from shards held before)."""
     held, failed = scan(store)
-    index = {"layers": layers, "layer_convention": features.LAYER_CONVENTION, "hidden_size": H, "dtype": dtype_name}
     failures, used, reused_sequences = [], [], 0
     for split, items in seqs.items():
         entries = []
@@ -300,40 +338,23 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
             e["rows"].append(row)
         index[split] = {"shards": entries, "samples": sum(e["samples"] for e in entries),
                         "tokens": sum(e["tokens"] for e in entries)}
-    total = sum(len(items) for items in seqs.values())
-    if len(failures) > params.max_failure_rate * total:
-        raise UserError(f"hidden: {len(failures)} of {total} sequences fail alone, more than hidden.max_failure_rate "
-                        f"{params.max_failure_rate} (reasons in the metadata of the shards in {store}; finished shards "
-                        "are kept, and a failed sequence is not retried)")
-    used = list(dict.fromkeys(used))
-    total_bytes = sum((store / f).stat().st_size for f in used)
-    tokens = sum(index[split]["tokens"] for split in seqs)
-    if rt.is_main:  # publish: links to the store's shards, the index, the failures, renamed into place
-        work = store / f"publish.tmp{os.getpid()}"
-        work.mkdir()
-        for f in used:
-            try:
-                os.link(store / f, work / f)
-            except OSError:  # a filesystem without hard links, or a file linked too often
-                shutil.copy2(store / f, work / f)
-        if failures:
-            write_jsonl(work / "failures.jsonl", failures)
-        write_json(work / "index.json", index)
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(work), str(out))  # a rename on the same filesystem
-    rt.barrier()  # no rank ends before the output is in place
-    computed_tokens, seconds = sum(r[0] for r in ranks), max(r[1] for r in ranks)
-    bytes_el = torch.tensor([], dtype=dtype).element_size()
-    return {"layers": layers, "hidden_size": H, "samples": sum(index[s]["samples"] for s in seqs),
-            "tokens": tokens, "train_tokens": index.get("train", {}).get("tokens", 0),
-            "valid_tokens": index.get("valid", {}).get("tokens", 0),
-            "hidden_bytes_per_token": 4 * H * bytes_el, "bytes_per_token": round(total_bytes / max(tokens, 1), 2),
-            "bytes": total_bytes, "left_out": len(failures),
-            "run": {"fingerprint": fp, "world": rt.world, "computed_tokens": computed_tokens,
-                    "computed_shards": len(missing), "reused_shards": len([f for f in used if f in before]),
-                    "reused_sequences": reused_sequences,
-                    "computed_sequences": total - len(failures) - reused_sequences,
-                    "seconds": round(seconds, 2),
-                    "tokens_per_s": round(computed_tokens / seconds, 1) if seconds else None}}
+    return failures, list(dict.fromkeys(used)), reused_sequences
+
+
+def _publish(store: Path, out: Path, used: list, index: dict, failures: list) -> None:
+    """``out`` = links to the store's shards ``used``, the index and the failures, built aside and renamed into
+    place."""
+    work = store / f"publish.tmp{os.getpid()}"
+    work.mkdir()
+    for f in used:
+        try:
+            os.link(store / f, work / f)
+        except OSError:  # a filesystem without hard links, or a file linked too often
+            shutil.copy2(store / f, work / f)
+    if failures:
+        write_jsonl(work / "failures.jsonl", failures)
+    write_json(work / "index.json", index)
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(work), str(out))  # a rename on the same filesystem

@@ -109,29 +109,6 @@ class Cache:
         self._append(self.failures_path, {"id": rid, "reason": reason})
 
 
-def create_engine(params, folder, tokenizer, rt=None):
-    """The engine named by ``infer.engine`` (``params`` is the ``infer`` section, config.Infer), as a context manager:
-    ``with create_engine(...) as engine:``. Leaving it releases what the engine holds (connections, a server it
-    launched), also on errors. The hf engine holds the target on ``rt``'s device (runtime.Runtime; the CPU without
-    one), in ``infer.dtype``."""
-    if params.engine == "hf":
-        from contextlib import nullcontext
-
-        from . import runtime
-        from .engines.hf import HFEngine
-
-        rt = rt or runtime.Runtime()
-        model = runtime.load_target(folder, runtime.compute_dtype(params.dtype, rt.device), rt)
-        return nullcontext(HFEngine(model, tokenizer.pad_token_id, params.batch_size, params.batch_tokens))
-    if params.engine == "vllm":
-        from .engines.vllm import VLLMEngine
-
-        return VLLMEngine(params.vllm, tokenizer)
-    from .engines.sglang import SGLangEngine
-
-    return SGLangEngine(params.sglang, tokenizer)
-
-
 @dataclass(frozen=True)
 class Limits:
     """What is known before any generation about which prompts can give a trainable sequence."""
@@ -192,12 +169,15 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates
     def ids_of(messages, p):
         return chat.prompt_ids(tokenizer, messages, p.tools, template_kwargs)
 
+    def respond(gen: Generation) -> Response:
+        return to_response(gen, tokenizer, spec, sampling)
+
     done, cache_counts = cache.load()
     lines = {p.id: line for line, p in enumerate(prompts, start=1)}
     asks_of = {p.id: turns.asks(p.messages) for p in prompts} if turns_ == "all" else {}
     history = {}  # (prompt id, sample) -> the target's answers so far, as assistant messages
     responses, failures, left_out, wanted_all = {}, [], {}, []
-    generated, new_tokens, elapsed, tool_ended = 0, 0, 0.0, 0
+    generated, progress, tool_ended = 0, [0, 0.0], 0  # progress: new tokens, seconds generating
     for turn in range(1, max(map(len, asks_of.values())) + 1) if asks_of else [0]:
         if turn <= 1:
             asks = [Ask(lines[p.id], p, turn, tuple(range(samples)),
@@ -214,47 +194,16 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates
                             f"{ {k: len(v) for k, v in left_out.items()} })")
         wanted = [(a, k, record_id(a.prompt.id, k, a.turn)) for a in asks for k in a.samples]
         wanted_all += [rid for _, _, rid in wanted]
-        for a, _, rid in wanted:
-            if rid in done:
-                if done[rid].prompt_ids != a.ids:
-                    raise UserError(f"{cache.path}: record {rid} was generated from other prompt ids; "
-                                    "delete the cache folder")
-                responses[rid] = to_response(done[rid], tokenizer, spec, sampling)
-                gates.add(responses[rid])
-        todo = [w for w in wanted if w[2] not in done]
-        what = f"turn {turn}: " if turn else ""
-        log.info("%s%d prompts x %d samples: %d already generated (cache %s), %d to generate", what, len(asks),
-                 samples, len(wanted) - len(todo), cache.folder, len(todo))
-        start = time.perf_counter()
-        with tqdm(total=len(todo), desc=f"infer turn {turn}" if turn else "infer", unit="answer",
-                  dynamic_ncols=True) as bar:
-            for i, out in engine.stream([a.ids for a, _, _ in todo], sampling, [rid for _, _, rid in todo]):
-                a, k, rid = todo[i]
-                if isinstance(out, Failure):
-                    cache.fail(rid, out.reason)
-                    failures.append({"id": rid, "reason": out.reason})
-                else:
-                    gen = Generation(rid, a.prompt.source, a.ids, out.output_ids, out.finish_reason, out.meta, k,
-                                     a.turn)
-                    cache.add(gen)
-                    responses[rid] = to_response(gen, tokenizer, spec, sampling)
-                    gates.add(responses[rid])
-                    new_tokens += len(out.output_ids)
-                    if gates.due():
-                        gates.check()
-                bar.update(1)
-                bar.set_postfix(tok_s=f"{new_tokens / (elapsed + time.perf_counter() - start):.1f}")
-        elapsed += time.perf_counter() - start
+        todo = reuse(wanted, done, cache, respond, gates, responses)
+        log.info("%s%d prompts x %d samples: %d already generated (cache %s), %d to generate",
+                 f"turn {turn}: " if turn else "", len(asks), samples, len(wanted) - len(todo), cache.folder, len(todo))
+        generate(todo, turn, engine, sampling, cache, respond, gates, responses, failures, progress)
         generated += len(todo)
-        for a, k, rid in wanted:  # the next turn's history
-            r = responses.get(rid)
-            if not (0 < turn < len(asks_of[a.prompt.id]) and r and r.finish_reason != "abort"):
-                continue
-            if r.tool_calls:
-                tool_ended += 1
-                continue
-            history[(a.prompt.id, k)] = history.get((a.prompt.id, k), []) + [
-                answer_message(tokenizer, r.prompt_ids, r.output_ids, spec, sampling.stop_token_ids)]
+        if asks_of:
+            tool_ended += extend_history(history, wanted, turn, asks_of, responses,
+                                         lambda r: answer_message(tokenizer, r.prompt_ids, r.output_ids, spec,
+                                                                  sampling.stop_token_ids))
+    new_tokens, elapsed = progress
     gates.check()
     if len(failures) > max_failure_rate * len(wanted_all):
         raise UserError(f"{len(failures)} of {len(wanted_all)} answers failed (more than infer.max_failure_rate="
@@ -269,6 +218,60 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates
                         "unanswered": sum(map(len, asks_of.values())) * samples - len(ordered),
                         "ended_at_tool_call": tool_ended}
     return ordered, {**rep, "left_out": {k: len(v) for k, v in left_out.items()}, "left_out_ids": left_out}
+
+
+def reuse(wanted: list, done: dict, cache: Cache, respond, gates: Gates, responses: dict) -> list:
+    """Put the ``wanted`` answers the cache holds (``done``) into ``responses`` and the gates; return the others."""
+    for a, _, rid in wanted:
+        if rid in done:
+            if done[rid].prompt_ids != a.ids:
+                raise UserError(f"{cache.path}: record {rid} was generated from other prompt ids; delete the cache "
+                                "folder")
+            responses[rid] = respond(done[rid])
+            gates.add(responses[rid])
+    return [w for w in wanted if w[2] not in done]
+
+
+def generate(todo: list, turn: int, engine, sampling: Sampling, cache: Cache, respond, gates: Gates, responses: dict,
+             failures: list, progress: list) -> None:
+    """Generate ``todo`` ((ask, sample, record id) each) with ``engine``: each answer into the cache as it arrives,
+    its response (``respond``) into ``responses`` and the gates, each permanent failure into the failures file and
+    ``failures``. ``progress`` = [new tokens, seconds] of the whole run, added to."""
+    start, (tokens, seconds) = time.perf_counter(), progress
+    desc = f"infer turn {turn}" if turn else "infer"
+    with tqdm(total=len(todo), desc=desc, unit="answer", dynamic_ncols=True) as bar:
+        for i, out in engine.stream([a.ids for a, _, _ in todo], sampling, [rid for _, _, rid in todo]):
+            a, k, rid = todo[i]
+            if isinstance(out, Failure):
+                cache.fail(rid, out.reason)
+                failures.append({"id": rid, "reason": out.reason})
+            else:
+                gen = Generation(rid, a.prompt.source, a.ids, out.output_ids, out.finish_reason, out.meta, k, a.turn)
+                cache.add(gen)
+                responses[rid] = respond(gen)
+                gates.add(responses[rid])
+                tokens += len(out.output_ids)
+                if gates.due():
+                    gates.check()
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / (seconds + time.perf_counter() - start):.1f}")
+    progress[:] = [tokens, seconds + time.perf_counter() - start]
+
+
+def extend_history(history: dict, wanted: list, turn: int, asks_of: dict, responses: dict, message) -> int:
+    """Under ``infer.turns: all``: add each answer of ``turn`` (``message`` of its response) to its conversation's
+    history for the next turn, where one follows; an aborted answer ends its conversation, and so does one that
+    calls a tool (no dataset turn answers it). Returns how many ended at a tool call."""
+    tool_ended = 0
+    for a, k, rid in wanted:
+        r = responses.get(rid)
+        if not (0 < turn < len(asks_of[a.prompt.id]) and r and r.finish_reason != "abort"):
+            continue
+        if r.tool_calls:
+            tool_ended += 1
+            continue
+        history[(a.prompt.id, k)] = history.get((a.prompt.id, k), []) + [message(r)]
+    return tool_ended
 
 
 def report(responses: list[Response], failures: list, cache_counts: Counter, generated: int, new_tokens: int,

@@ -11,7 +11,7 @@ Stability rules (downstream caches key on prompt ids, so a selection must not mo
 No benchmark prompt enters training: with ``prepare.exclude_benchmarks`` a record any of whose user turns is, after
 whitespace normalisation, a prompt of a set evaluate decodes (``benchmarks.excluded_texts``: MT-bench, HumanEval,
 the held-out file) is kept out and counted as ``benchmark``; so is one where a blank-line-separated part of a user
-turn is one (consecutive user turns are merged with a blank line, sources.py).
+turn is one (consecutive user turns are merged with a blank line, formats.py).
 
 A ``pkg:`` source lies outside the repository, where DVC does not look: its package is pinned in requirements.txt
 (a prepare dependency in dvc.yaml), and the report records the package's version and the file's sha256, so a

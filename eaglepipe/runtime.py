@@ -1,6 +1,7 @@
-"""Where a stage runs: its device, the target's compute dtype, its rank among the processes of a torchrun job, and
-the seeding of torch's random generators. Code takes its device from its inputs (``model.device``, a tensor's
-``.device``); this module alone chooses it.
+"""Where a stage runs: its device, the target's compute dtype, its rank among the processes of a torchrun job, the
+seeding of torch's random generators, and what depends on the world: wrapping a model for training in it
+(``Runtime.wrap``: DDP above one process) and saving and loading a checkpoint (``Runtime.save``, ``Runtime.load``).
+Code takes its device from its inputs (``model.device``, a tensor's ``.device``); this module alone chooses it.
 
 One process (``python stages/hidden.py ...``) is rank 0 of a world of 1. Under torchrun (``RANK``, ``WORLD_SIZE`` and
 ``LOCAL_RANK`` in the environment) with more than one process, ``start`` joins the process group (gloo on CPU, nccl
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import runpy
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -53,6 +56,40 @@ class Runtime:
         total = tensor.to(self.device, copy=True)
         dist.all_reduce(total)
         return total.to(tensor.device)
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` as this world trains it: itself in a world of 1, else DistributedDataParallel, which averages
+        the ranks' gradients in backward. Buffers are not broadcast: the callers' buffers are constants."""
+        if self.world == 1:
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                                       broadcast_buffers=False)
+
+    def save(self, path: Path, state: dict) -> None:
+        """Rank 0 writes ``state`` (tensors and plain data) to ``path`` atomically: a kill leaves the last one whole.
+        The other ranks write nothing."""
+        if not self.is_main:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> dict | None:
+        """What ``save`` wrote to ``path``, on the CPU (None when there is nothing); a file of another kind is a
+        UserError. Rank 0 first deletes what a kill left half-written."""
+        if self.is_main:
+            for stale in path.parent.glob(f"{path.name}.tmp*"):
+                stale.unlink()
+        if not path.exists():
+            return None
+        try:  # tensors and plain data only: a state file from elsewhere cannot run code
+            return torch.load(path, weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError as e:
+            raise UserError(f"{path}: not a checkpoint this code wrote ({str(e).splitlines()[0][:120]}); delete it to "
+                            "start over") from None
 
     def gather(self, obj) -> list:
         """Every rank's ``obj`` (picklable), in rank order, on every rank; a barrier too."""
@@ -110,14 +147,15 @@ def start(device_name: str = "auto"):
 
 
 def load_target(folder, dtype: str, rt: Runtime, device_map=None):
-    """The target model in ``dtype``, frozen, loaded straight onto ``rt``'s device, or spread over the node's GPUs
-    by accelerate's ``device_map`` (``runtime.device_map``: one process holds the whole target then)."""
+    """The target model in ``dtype`` (a name, or ``auto``: ``compute_dtype``), frozen, loaded straight onto ``rt``'s
+    device, or spread over the node's GPUs by accelerate's ``device_map`` (``runtime.device_map``: one process holds
+    the whole target then)."""
     from transformers import AutoModelForCausalLM
 
     if device_map is not None and rt.world > 1:
         raise UserError(f"runtime.device_map spreads one target over this node's devices, but this job runs "
                         f"{rt.world} processes: run one (NPROC=1), or leave device_map null (a target per rank)")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype),
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, compute_dtype(dtype, rt.device)),
                                                  device_map=rt.device if device_map is None else device_map)
     return model.eval().requires_grad_(False)
 

@@ -30,7 +30,7 @@ import time
 import urllib.request
 from collections import defaultdict
 
-from . import config
+from . import config, families
 from .config import CACHE
 from .engines import Failure, Sampling
 from .engines.vllm import VLLMEngine
@@ -149,11 +149,6 @@ class Served:
                 if self.speculative else None}
 
 
-def eagle3(draft, num_steps: int) -> dict:
-    """vLLM's ``--speculative-config`` for the trained drafter (without ``method`` vLLM silently picks another)."""
-    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_steps}
-
-
 def decode(folder, tokenizer, p: config.Serve, rows: list[dict], sampling: Sampling, speculative: dict | None = None,
            run: str = "plain") -> dict:
     """One server (``Served``), one request at a time over ``rows``: ``Served.decode``'s figures, with ``counters``
@@ -237,7 +232,7 @@ def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve,
     sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stop_ids)))
     from transformers import AutoConfig
 
-    num_layers = AutoConfig.from_pretrained(folder).get_text_config().num_hidden_layers
+    num_layers = families.text_config(AutoConfig.from_pretrained(folder)).num_hidden_layers
     plain = decode(folder, tokenizer, p, rows, sampling)
     eagle = decode(folder, tokenizer, p, rows, sampling, eagle3(draft, num_steps), "eagle")
     return compare(rows, plain, eagle, p.tolerance, num_layers)

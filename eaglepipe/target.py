@@ -15,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+from . import compat, families
 from .config import CACHE
 from .hashing import file_hash
 
@@ -77,6 +78,15 @@ def fingerprint(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def checked(model: str) -> Path:
+    """The model folder of ``target.model`` (``resolve``), once ``compat.check`` has found it one the pipeline serves:
+    a stage that computes with the target calls this first, so a target it cannot serve stops it in its first
+    seconds, before anything is loaded."""
+    folder = resolve(model)
+    compat.check(folder)
+    return folder
+
+
 def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
@@ -97,7 +107,7 @@ def context_length(folder: Path) -> int | None:
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(folder)
-    return getattr(cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg, "max_position_embeddings", None)
+    return getattr(families.text_config(cfg), "max_position_embeddings", None)
 
 
 def stop_ids(folder: Path, tokenizer) -> list[int]:

@@ -25,8 +25,6 @@ import re
 
 from . import harmony
 
-FAMILIES = ("none", "hermes", "qwen3_coder", "glm45", "kimi_k2", "deepseek_v3", "deepseek_v31", "harmony")
-
 
 def _call(name, arguments, **extra) -> dict:
     return {"type": "function", "function": {"name": name, "arguments": arguments}, **extra}
@@ -226,7 +224,7 @@ def parse(content: str, family: str | None) -> list:
     if family in (None, "none"):
         return []
     if family not in PARSERS:
-        raise ValueError(f"tool-call family {family!r}: expected one of {list(FAMILIES)}")
+        raise ValueError(f"tool-call family {family!r}: expected one of {['none', *PARSERS]}")
     try:
         return PARSERS[family](content)
     except Exception as e:  # noqa: BLE001 - a parser bug must not stop a run; the record keeps its ids

@@ -10,7 +10,7 @@ import torch
 
 from pathlib import Path
 
-from eaglepipe import benchmarks, cli, compat, config, derive, evaluate, runtime, target
+from eaglepipe import benchmarks, cli, config, derive, evaluate, runtime, target
 from eaglepipe.errors import UserError
 from eaglepipe.records import write_json, write_jsonl
 
@@ -35,8 +35,7 @@ def main(params, prompts, draft_folder, report, positions, decoded, timings):
     p = cfg.evaluate
     if p.threads:
         torch.set_num_threads(p.threads)
-    folder = target.resolve(cfg.target.model)
-    compat.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
+    folder = target.checked(cfg.target.model)
     tokenizer = target.load_tokenizer(folder)
     conversations, selection = benchmarks.select(p.benchmarks, prompts, p.limit)
     spec = derive.spec_from_params(cfg.target.reasoning)

@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from eaglepipe import cli, compat, hidden, runtime, target
+from eaglepipe import cli, hidden, runtime, target
 
 
 @click.command(help=__doc__)
@@ -20,16 +20,14 @@ from eaglepipe import cli, compat, hidden, runtime, target
 @cli.stage
 def main(params, seq_folder, out, report, timings, cache):
     cfg = cli.params(params)
-    folder = target.resolve(cfg.target.model)
-    compat.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
+    folder = target.checked(cfg.target.model)
     with runtime.start(cfg.runtime.device) as rt:
         if cfg.train.features == "online":
             if rt.is_main:
                 cli.publish(hidden.skip(out), report, timings)
                 logging.info("hidden: %s", hidden.SKIPPED)
             return
-        dtype = runtime.compute_dtype(cfg.hidden.compute_dtype, rt.device)
-        model = runtime.load_target(folder, dtype, rt, cfg.runtime.device_map)
+        model = runtime.load_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
         rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
     if rt.is_main:
         cli.publish(rep, report, timings)

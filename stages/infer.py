@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from eaglepipe import cli, derive, infer, runtime, target
+from eaglepipe.engines import Sampling, table
 from eaglepipe.errors import UserError
-from eaglepipe.engines import Sampling
 from eaglepipe.gates import Gates
 from eaglepipe.records import read_prompts, write_json, write_jsonl
 
@@ -30,7 +30,7 @@ def main(params, prompts, out, report, timings, cache):
     folder = target.resolve(cfg.target.model)
     tokenizer = target.load_tokenizer(folder)
     sampling = Sampling.from_params(p, target.stop_ids(folder, tokenizer))
-    with runtime.start(cfg.runtime.device) as rt, infer.create_engine(p, folder, tokenizer, rt) as engine:
+    with runtime.start(cfg.runtime.device) as rt, table.create(p, folder, tokenizer, rt) as engine:
         # leaving the engine closes it (and a server it launched)
         template_kwargs = cfg.target.chat_template_kwargs
         fp = infer.fingerprint(target.fingerprint(folder), engine.name, engine.identity(), sampling, template_kwargs,

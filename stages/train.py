@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from eaglepipe import cli, compat, draft, runtime, target, train
+from eaglepipe import cli, draft, runtime, target, train
 from eaglepipe.config import CACHE
 from eaglepipe.records import write_json
 
@@ -30,12 +30,11 @@ from eaglepipe.records import write_json
 @cli.stage
 def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkpoints):
     cfg = cli.params(params)
-    folder = target.resolve(cfg.target.model)
-    compat.check(folder)  # a target the pipeline cannot serve stops here, before anything is loaded
+    folder = target.checked(cfg.target.model)
     with runtime.start(cfg.runtime.device) as rt:
         if cfg.train.features == "online":
-            dtype = runtime.compute_dtype(cfg.hidden.compute_dtype, rt.device)
-            feats = train.Online(seq_folder, runtime.load_target(folder, dtype, rt, cfg.runtime.device_map), cfg.hidden)
+            model = runtime.load_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
+            feats = train.Online(seq_folder, model, cfg.hidden)
         else:
             feats = train.Stored(hidden_folder)
         fp = rt.gather(train.fingerprint(feats, cfg.train, target.fingerprint(folder)) if rt.is_main else None)[0]

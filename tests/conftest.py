@@ -1,7 +1,9 @@
-"""Shared fixtures: the embedded target (tokenizer and model loaded once per test session)."""
+"""Shared fixtures: the embedded target (tokenizer and model loaded once per test session); each test's tier."""
 import pytest
 
 from eaglepipe import target
+
+TIERS = ("unit", "e2e", "engine")
 
 
 @pytest.fixture(scope="session")
@@ -20,8 +22,11 @@ def model(target_folder):
 
 
 def pytest_collection_modifyitems(items):
-    """A test that runs the real model (the ``model`` fixture) or a stage end to end (``e2e`` in its name) is slow:
-    `make test-fast` leaves it out."""
+    """Every test is in exactly one tier (pyproject.toml says what each means): a test its file marks ``e2e`` or
+    ``engine`` is in that tier, any other test is in ``unit``."""
     for item in items:
-        if "model" in getattr(item, "fixturenames", ()) or "e2e" in item.name:
-            item.add_marker(pytest.mark.slow)
+        tiers = {mark.name for mark in item.iter_markers() if mark.name in TIERS}
+        if len(tiers) > 1:
+            raise pytest.UsageError(f"{item.nodeid} is marked {' and '.join(sorted(tiers))}: one tier per test")
+        if not tiers:
+            item.add_marker(pytest.mark.unit)

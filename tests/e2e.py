@@ -1,13 +1,43 @@
 """What the end-to-end tests share: for the infer stage against servers (tests/test_sglang_e2e.py,
-tests/test_vllm_engine.py, tests/test_serve.py) reading the generation cache, comparing records, waiting; for stages
-under torchrun (tests/test_distributed.py, tests/test_train.py) finding the ranks' processes; for decoding tests
-(tests/test_evaluate.py, tests/test_serve.py, tests/test_distributed.py) an untrained drafter."""
+tests/test_vllm_engine.py, tests/test_serve.py) running it, reading the generation cache, comparing records, the
+kill -9 and server-restart checks every engine passes, waiting; for stages under torchrun (tests/test_distributed.py,
+tests/test_train.py) finding the ranks' processes; for decoding tests (tests/test_evaluate.py, tests/test_serve.py,
+tests/test_distributed.py) an untrained drafter."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+from eaglepipe.records import Prompt, content_id
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
+             "Say hello in Spanish.", "Name a planet.", "What do bees make?"]
+PROMPTS = [Prompt(content_id([{"role": "user", "content": q}], None), "t", [{"role": "user", "content": q}])
+           for q in QUESTIONS]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def infer_cmd(folder: Path, params: Path, prompts: Path) -> list[str]:
+    """stages/infer.py writing into ``folder``: out/, report.json, timings.json and its cache in cache/."""
+    return [sys.executable, "stages/infer.py", "--params", str(params), "--prompts", str(prompts),
+            "--out", str(folder / "out"), "--report", str(folder / "report.json"),
+            "--timings", str(folder / "timings.json"), "--cache", str(folder / "cache")]
+
+
+def run_infer(folder: Path, params: Path, prompts: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(infer_cmd(folder, params, prompts), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "out" / "responses.jsonl").read_text().splitlines()]
 
 
 def cache_lines(folder: Path) -> list[dict]:
@@ -30,6 +60,50 @@ def assert_same_records(got: list[dict], reference: list[dict], engine: str) -> 
         assert list(g) == list(ref), (list(g), list(ref))
         assert {k: v for k, v in g.items() if k != "meta"} == {k: v for k, v in ref.items() if k != "meta"}, g["id"]
         assert g["meta"]["engine"] == engine and ref["meta"]["engine"] == "hf"
+
+
+def kill_9_then_resume(folder: Path, params: Path, prompts: Path, reference: list[dict], engine: str,
+                       wait_s: float) -> None:
+    """kill -9 of the infer stage once two records are cached, then a rerun: it generates only the rest, every
+    prompt is cached once and the records are ``reference``'s (the same prompts through the embedded engine)."""
+    proc = subprocess.Popen(infer_cmd(folder, params, prompts), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(cache_lines(folder)) >= 2 or proc.poll() is not None, wait_s, "two cached records")
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = len(cache_lines(folder))
+    assert 2 <= done < len(reference), f"the run was not interrupted mid-way ({done} records cached)"
+    out = run_infer(folder, params, prompts)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads((folder / "timings.json").read_text())["generated"] == len(reference) - done
+    assert sorted(c["id"] for c in cache_lines(folder)) == sorted(r["id"] for r in reference)  # each once
+    assert_same_records(records(folder), reference, engine)
+
+
+def server_restart_mid_run(folder: Path, params: Path, prompts: Path, reference: list[dict], engine: str,
+                           restart, wait_s: float) -> None:
+    """The infer stage runs; once two records are cached ``restart()`` kills its server with requests in flight and
+    starts another on the same port: the stage takes the server out of rotation, back when it is healthy, and ends
+    with every prompt cached once and ``reference``'s records."""
+    with open(folder / "stage.log", "w") as log:
+        proc = subprocess.Popen(infer_cmd(folder, params, prompts), cwd=ROOT, env=ENV, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: len(cache_lines(folder)) >= 2 or proc.poll() is not None, wait_s, "two cached records")
+            assert proc.poll() is None, "the stage finished before the server was killed"
+            restart()
+            assert proc.wait(timeout=600) == 0, (folder / "stage.log").read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = (folder / "stage.log").read_text()
+    assert "out of rotation" in text and "is back" in text
+    assert sorted(c["id"] for c in cache_lines(folder)) == sorted(r["id"] for r in reference)
+    assert_same_records(records(folder), reference, engine)
 
 
 def port_closed(port: int) -> bool:

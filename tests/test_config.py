@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglepipe import config, sources, toolcalls
+from eaglepipe import config, formats, toolcalls
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -67,9 +67,15 @@ def test_the_project_params_are_valid_and_defaults_fill_what_is_left_out():
     assert minimal.train == config.Train() and minimal.train.step_weight == 0.8
 
 
-def test_value_lists_agree_with_the_code_that_implements_them():
-    assert set(config.FORMATS) == set(sources.FORMATS)
-    assert set(config.TOOL_CALLS) == set(toolcalls.FAMILIES)
+def test_value_lists_are_those_of_the_code_that_implements_them():
+    """Every format the schema names has a converter, every tool-call family but none a parser, and no other; the
+    schema imports no stage code (it would be a dep of every stage) and no model or data library."""
+    assert set(config.FORMATS) == set(formats.CONVERTERS)
+    assert set(config.TOOL_CALLS) == {"none", *toolcalls.PARSERS}
+    code = ("import sys, eaglepipe.config\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'datasets')\n"
+            "             or m.startswith('eaglepipe.') and m not in ('eaglepipe.config', 'eaglepipe.errors', 'eaglepipe.explain')))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
 
 
 def test_speed_knobs_are_not_tracked():
@@ -142,3 +148,12 @@ def test_the_defaults_are_the_shipped_params():
     sources left out validates to the same params as params.yaml itself."""
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     assert config.parse({"prepare": {"sources": raw["prepare"]["sources"]}}) == config.parse(raw)
+
+
+def test_infer_engine_names_the_engines_of_the_table():
+    """A new engine is an entry of engines.ENGINES and a value of infer.engine: the two name the same engines."""
+    from typing import get_args
+
+    from eaglepipe.engines.table import ENGINES
+
+    assert set(get_args(config.Infer.model_fields["engine"].annotation)) == set(ENGINES)

@@ -152,6 +152,7 @@ def reference(tmp_path_factory):
     return project, files
 
 
+@pytest.mark.e2e
 def test_e2e_hidden_at_world_2_equals_world_1_byte_for_byte(reference):
     project, files = reference
     out = run_hidden(project, "world2", 2)
@@ -163,6 +164,7 @@ def test_e2e_hidden_at_world_2_equals_world_1_byte_for_byte(reference):
     assert [t["world"] for t in timings] == [1, 2] and timings[0]["computed_shards"] == timings[1]["computed_shards"]
 
 
+@pytest.mark.e2e
 def test_e2e_two_nodes_by_rendezvous_equal_world_1(reference):
     """The README's command for several nodes, on one machine: two torchrun agents of one process each (two "nodes")
     meet through c10d rendezvous, run as ``PET_*`` variables tell them, and publish the same bytes."""
@@ -181,6 +183,7 @@ def test_e2e_two_nodes_by_rendezvous_equal_world_1(reference):
     assert json.loads((project / "nodes-timings.json").read_text())["world"] == 2
 
 
+@pytest.mark.e2e
 def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
     project, files = reference
     cache = project / "killed-cache"
@@ -220,6 +223,7 @@ def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
 
 
 # ---------------------------------------------------------------------------------------- evaluate, 1 and 2 processes
+@pytest.mark.e2e
 def test_e2e_evaluate_at_world_2_reports_what_world_1_does(tmp_path, target_folder):
     """Ranks share the conversations (MT-bench's two turns decoded on one rank); the metrics, plot rows and decoded
     files (everything but the speeds) are the same bytes at world 2 as at world 1, with an untrained drafter started

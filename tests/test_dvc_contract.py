@@ -12,57 +12,40 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglepipe import config
+from eaglepipe import config, deps
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def module_file(name: str) -> Path | None:
-    base = ROOT / name.replace(".", "/")
-    for cand in (base.with_suffix(".py"), base / "__init__.py"):
-        if cand.exists():
-            return cand
-    return None
-
-
-def imported_files(path: Path, seen: set) -> set:
-    """Project .py files that ``path`` runs, transitively: absolute and relative imports, also inside functions."""
-    if path in seen:
-        return seen
-    seen.add(path)
-    package = path.relative_to(ROOT).parent.as_posix().replace("/", ".")
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parent = ".".join(parts[:len(parts) - node.level + 1])
-                base = f"{parent}.{base}" if base else parent
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
-        for name in names:
-            parts = name.split(".")
-            for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__, a/b/__init__, a/b/c
-                f = module_file(".".join(parts[:i]))
-                if f:
-                    imported_files(f, seen)
-    return seen
 
 
 def stages():
     return yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
 
 
-@pytest.mark.parametrize("name", list(stages()))
-def test_deps_list_exactly_the_code_each_stage_runs(name):
-    stage = stages()[name]
-    script = next(w for w in stage["cmd"].split() if w.startswith("stages/") and w.endswith(".py"))
-    runs = {p.relative_to(ROOT).as_posix() for p in imported_files(ROOT / script, set())}
-    code_deps = {d for d in stage["deps"] if d.endswith(".py")}
-    assert runs == code_deps, f"stage {name}: runs but does not list {sorted(runs - code_deps)}; " \
-                              f"lists but does not run {sorted(code_deps - runs)}"
+def test_deps_list_exactly_the_code_each_stage_runs():
+    """dvc.yaml's code deps are what each stage script imports, transitively (eaglepipe/deps.py derives them)."""
+    assert deps.differences(ROOT / "dvc.yaml") == {}
+
+
+def test_deps_are_derived_from_imports_also_inside_functions(tmp_path):
+    """The import walk follows absolute, relative and function-level imports, and writes them into a dvc.yaml in
+    place of the listed .py deps (the other entries stay)."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from . import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from .c import g\n")
+    (tmp_path / "pkg" / "c.py").write_text("import json\n")
+    (tmp_path / "pkg" / "unused.py").write_text("")
+    (tmp_path / "stages" / "s.py").write_text("import pkg.a\n")
+    dvc_yaml = tmp_path / "dvc.yaml"
+    dvc_yaml.write_text("stages:\n  s:\n    cmd: python stages/s.py\n    deps:\n      - stages/s.py\n"
+                        "      - pkg/unused.py\n      - data/x\n    outs:\n      - out\n")
+    assert deps.differences(dvc_yaml) == {"s": (["pkg/__init__.py", "pkg/a.py", "pkg/b.py", "pkg/c.py"],
+                                                ["pkg/unused.py"])}
+    dvc_yaml.write_text(deps.rewrite(dvc_yaml))
+    assert yaml.safe_load(dvc_yaml.read_text())["stages"]["s"]["deps"] == [
+        "stages/s.py", "pkg/__init__.py", "pkg/a.py", "pkg/b.py", "pkg/c.py", "data/x"]
+    assert deps.differences(dvc_yaml) == {}
 
 
 def params_read(script: Path) -> set:
@@ -158,7 +141,7 @@ def make_repro(project: Path, *args) -> str:
     return out.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     first = make_repro(project)
     plan, _, rest = first.partition("\n\n")
@@ -222,7 +205,7 @@ def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     assert "  infer     to run" in plan and "  prepare " not in plan and "its last run here" in plan
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_online_training_repro_runs_no_hidden_pass(project):
     """train.features: online: dvc repro runs hidden as a no-op (an index saying why, no states), train computes the
     states itself, evaluate decodes with that drafter."""

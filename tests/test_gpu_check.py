@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from test_config import ROOT
@@ -15,6 +16,7 @@ def check(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "bench/gpu_check.py", *args], cwd=ROOT, capture_output=True, text=True)
 
 
+@pytest.mark.e2e
 def test_gpu_check_e2e_runs_the_pipeline_in_a_folder_of_its_own_and_prints_each_stage(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(tiny_params(yaml.safe_load((ROOT / "params.yaml").read_text()))))

@@ -258,8 +258,8 @@ def test_a_conversation_cut_after_turn_2_resumes_at_turn_3(model, tokenizer, tar
 
 
 @pytest.mark.parametrize("template, joined", [(None, True), ("rewrites history", False)])
-def test_e2e_turns_share_a_training_sequence_only_where_the_ids_extend(model, tokenizer, target_folder, tmp_path,
-                                                                       template, joined):
+def test_turns_share_a_training_sequence_only_where_the_ids_extend(model, tokenizer, target_folder, tmp_path,
+                                                                   template, joined):
     """SmolLM's template renders the target's answers back to the ids it generated: merge joins a conversation's
     turns into one sequence with a masked segment per turn. A template that rewrites history (here, every earlier
     answer shown as its length) cannot: each turn is its own sequence. Either way every masked token is an output
@@ -318,7 +318,7 @@ def stage(tmp_path, params, name="out"):
             "--timings", str(tmp_path / "timings.json"), "--cache", str(tmp_path / f"cache-{name}")]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
     """Under sampling, a run interrupted and resumed publishes the very bytes an uninterrupted run publishes."""
@@ -354,7 +354,7 @@ def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
     assert published == (tmp_path / "uninterrupted" / "responses.jsonl").read_bytes()
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_stage_checks_the_limits_before_generating(tmp_path):
     """The real stage on a prompt too long for merge.max_length: one line naming it under fail; left out and counted
     under skip, the other prompts generated."""

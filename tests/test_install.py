@@ -33,7 +33,7 @@ def resolved(python: Path, requirements: Path, tmp_path: Path) -> dict[str, str]
     return {norm(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("venv,requirements", [(".venv", "requirements.txt"), (".venv-vllm", "requirements-vllm.txt")])
 def test_the_venv_holds_what_pip_resolves(venv, requirements, tmp_path):
     python = ROOT / venv / "bin" / "python"

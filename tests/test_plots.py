@@ -44,6 +44,7 @@ def project(tmp_path):
     return tmp_path
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("steps", [2, 5])
 def test_plots_draw_the_steps_and_positions_the_rows_hold(project, steps):
     rows = curve_rows(steps)
@@ -74,6 +75,7 @@ def test_position_rows_number_positions_from_one():
         {"position": 1, "method": "ngram", "acceptance_rate": 0.125}]
 
 
+@pytest.mark.e2e
 def test_page_template_is_accepted_by_dvc_and_replaces_the_cdn(project, tmp_path):
     page = plots_page().page({"lib-a": "var a = '</script>';", "lib-b": "var b = 1;"})
     assert "</script>'" not in page and "<\\/script>'" in page  # an inlined library cannot end its element early

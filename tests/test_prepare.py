@@ -391,6 +391,7 @@ def params_file(tmp_path, sources, on_error="fail"):
     return path
 
 
+@pytest.mark.e2e
 def test_stage_runs_end_to_end_without_heavy_imports(tmp_path):
     a = alpaca_file(tmp_path / "a.jsonl", [f"Question {i}?" for i in range(8)])
     params = params_file(tmp_path, [source("chat", FIXTURES / "sharegpt.jsonl", 3, "sharegpt"), source("a", a, 5)])
@@ -460,7 +461,7 @@ def stage_peak_rss(tmp_path, path, n: int) -> tuple[int, dict]:
     return int(run.stdout.split()[-1]), json.loads(report.read_text())["sources"]["s"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("container", ["json", "jsonl", "jsonl.gz"])
 def test_peak_memory_does_not_grow_with_the_source_file(tmp_path, container):
     """Bound: prepare on a 128 MiB file (gzipped: 128 MiB once decompressed) peaks at less than 1/32 of that size
@@ -529,6 +530,7 @@ def read_prompts_of(path):
     return (m["content"] for _, rec in read_jsonl(path) for m in rec["messages"] if m["role"] == "user")
 
 
+@pytest.mark.e2e
 def test_e2e_the_stage_keeps_every_benchmark_prompt_out_of_the_projects_training_prompts(tmp_path):
     """The prepare stage as dvc.yaml runs it, on the project's sources with MT-bench and HumanEval added as sources
     (formats mtbench and opencodeinstruct): none of their prompts, nor any held-out one, is selected."""

@@ -45,6 +45,7 @@ def test_the_readme_shows_commands():
     assert any(c.startswith("dvc exp run ") and " -S " in c for c in commands)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("command", cheap_commands())
 def test_a_cheap_command_works_in_a_fresh_shell(command):
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}

@@ -188,7 +188,7 @@ def test_3_gpt_oss_harmony_channels(tok, folder, tmp_path):
             derive.spec_from_params("think"), {"harmony": True})
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_4_stage_on_a_non_reasoning_model_under_think_fails_its_gate(tmp_path):
     """The embedded SmolLM2 never writes think tags: under ``target.reasoning: think`` the real stage stops at its
     first check, names the gate, the rate and the records, and publishes nothing."""
@@ -291,6 +291,7 @@ def think_block(tok, template: dict) -> list[int]:
     return ids(tok, ("" if prefilled else "<think>\n") + THOUGHT + "\n</think>\n\n")
 
 
+@pytest.mark.engine
 @TEMPLATES
 def test_1_e2e_seed_run_over_http_every_record_keeps_its_reasoning(tok, served, server, e2e_prompts, answers,
                                                                    tmp_path, template):
@@ -320,6 +321,7 @@ def test_1_e2e_seed_run_over_http_every_record_keeps_its_reasoning(tok, served, 
     assert st["answers"] == st["generate_requests"] == len(E2E_PROMPTS)  # each prompt asked once, no retries
 
 
+@pytest.mark.engine
 @TEMPLATES
 def test_2_e2e_reasoning_dropped_over_http_fails_its_gate_within_the_warmup(tok, served, server, e2e_prompts,
                                                                             answers, tmp_path, template):

@@ -148,6 +148,7 @@ def served(tmp_path_factory, target_folder, tokenizer, model):
     return {"folder": folder, "rows": rows, "plain": plain, "p": p, "sampling": sampling}
 
 
+@pytest.mark.engine
 @needs_vllm
 def test_e2e_vllm_serves_the_drafter_with_evaluates_layers_acceptance_and_outputs(served, target_folder, tokenizer):
     s = served
@@ -160,6 +161,7 @@ def test_e2e_vllm_serves_the_drafter_with_evaluates_layers_acceptance_and_output
     assert m["verification_steps"] == m["evaluate_verification_steps"]
 
 
+@pytest.mark.engine
 @needs_vllm
 def test_e2e_a_checkpoint_vllm_reads_with_other_layers_fails(served, target_folder, tokenizer):
     # the export SGLang alone reads right (its ids, minus one, and no vLLM key): vLLM takes them as HF indices
@@ -176,6 +178,7 @@ def test_e2e_a_checkpoint_vllm_reads_with_other_layers_fails(served, target_fold
     assert port_closed(s["p"].port)
 
 
+@pytest.mark.engine
 @needs_vllm
 def test_e2e_ctrl_c_stops_the_server(served, tmp_path):
     rows = tmp_path / "decoded.jsonl"
@@ -203,6 +206,7 @@ def test_e2e_ctrl_c_stops_the_server(served, tmp_path):
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "vLLM processes outlived Ctrl-C"
 
 
+@pytest.mark.engine
 @needs_vllm
 def test_e2e_make_bench_measures_the_drafter_plain_and_ngram_in_vllm(served, tmp_path):
     """bench/bench_vllm.py on the first two conversations of MT-bench and HumanEval: every method's acceptance

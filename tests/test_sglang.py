@@ -8,7 +8,8 @@ import pytest
 
 from eaglepipe import config, chat, target
 from eaglepipe.engines import Failure, Output, Sampling
-from eaglepipe.engines.server import BadAnswer, ServerError, tokenizer_probes
+from eaglepipe.engines.pool import ServerError, tokenizer_probes
+from eaglepipe.engines.server import BadAnswer
 from eaglepipe.engines.sglang import SGLangEngine, check_answer, sampling_params
 from sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
 
@@ -120,6 +121,7 @@ def run(eng, ps, sampling=SAMPLING):
     return dict(eng.stream(ps, sampling, [f"p{i}" for i in range(len(ps))]))
 
 
+@pytest.mark.engine
 def test_a_clean_run_streams_every_answer_within_the_concurrency(fresh, tokenizer):
     configure(fresh, latency=0.1)
     ps = prompts(tokenizer, 12)
@@ -137,6 +139,7 @@ def test_a_clean_run_streams_every_answer_within_the_concurrency(fresh, tokenize
     assert info["server_info"]["version"]
 
 
+@pytest.mark.engine
 def test_answers_arrive_in_completion_order_not_prompt_order(fresh, tokenizer):
     """A slow first answer does not hold the others back: the driver gets each as soon as it is there."""
     configure(fresh, latency=0.3, fault_rate=1.0, faults="http500", fault_mode="cycle", fault_budget=1)
@@ -146,6 +149,7 @@ def test_answers_arrive_in_completion_order_not_prompt_order(fresh, tokenizer):
     assert [o.meta["attempts"] for _, o in got] == [1, 1, 1, 2]  # the retried one came last, the others first
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("fault", ["http429", "http500", "http503", "http400", "reset", "hang", "malformed",
                                    "truncated", "prefix", "count", "abort", "finish"])
 def test_each_fault_is_retried_and_the_answer_kept(fresh, tokenizer, fault):
@@ -162,6 +166,7 @@ def test_each_fault_is_retried_and_the_answer_kept(fresh, tokenizer, fault):
     assert client.get(kind.get(fault, fault)) == 1, client
 
 
+@pytest.mark.engine
 def test_a_retry_gets_a_fresh_rid(fresh, tokenizer):
     configure(fresh, fault_rate=1.0, faults="http500", fault_mode="cycle", fault_budget=2)
     with engine(fresh, tokenizer, concurrency=1) as eng:
@@ -169,6 +174,7 @@ def test_a_retry_gets_a_fresh_rid(fresh, tokenizer):
     assert out[0].meta["rid"] == "p0#3" and stats(fresh)["rids"][-3:] == ["p0", "p0#2", "p0#3"]
 
 
+@pytest.mark.engine
 def test_a_prompt_that_keeps_failing_becomes_a_failure_with_every_reason(fresh, tokenizer):
     configure(fresh, fail_rids=["p1"])
     with engine(fresh, tokenizer, retries=2) as eng:
@@ -177,6 +183,7 @@ def test_a_prompt_that_keeps_failing_becomes_a_failure_with_every_reason(fresh, 
     assert out[1].reason.startswith("3 attempt(s)") and out[1].reason.count("http500") == 3
 
 
+@pytest.mark.engine
 def test_a_client_error_is_tried_once_more_then_given_up(fresh, tokenizer):
     configure(fresh, fault_rate=1.0, faults="http400", fault_mode="cycle")
     with engine(fresh, tokenizer, retries=5, concurrency=1) as eng:
@@ -184,6 +191,7 @@ def test_a_client_error_is_tried_once_more_then_given_up(fresh, tokenizer):
     assert isinstance(out[0], Failure) and out[0].reason.startswith("2 attempt(s)")
 
 
+@pytest.mark.engine
 def test_the_stop_id_is_kept_whether_or_not_the_server_sends_it(fresh, tokenizer):
     ps = prompts(tokenizer, 2)
     got = []
@@ -196,6 +204,7 @@ def test_the_stop_id_is_kept_whether_or_not_the_server_sends_it(fresh, tokenizer
         assert len(with_stop.output_ids) == 5 and with_stop.finish_reason == without.finish_reason == "stop"
 
 
+@pytest.mark.engine
 def test_batch_shaped_answers_and_the_old_info_endpoints(fresh, tokenizer):
     configure(fresh, batch_arrays=True, old_api=True)
     with engine(fresh, tokenizer) as eng:
@@ -204,6 +213,7 @@ def test_batch_shaped_answers_and_the_old_info_endpoints(fresh, tokenizer):
     assert all(isinstance(o, Output) for o in out.values())
 
 
+@pytest.mark.engine
 def test_a_tokenizer_that_disagrees_stops_before_any_request(fresh, tokenizer):
     configure(fresh, tokenize_skew=True)
     before = stats(fresh)["generate_requests"]
@@ -221,6 +231,7 @@ def test_no_server_at_all_is_an_error_after_the_health_timeout(tokenizer):
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.engine
 def test_a_server_that_goes_away_and_comes_back_gets_the_rest(fresh, tokenizer):
     configure(fresh, latency=0.05)
     ps = prompts(tokenizer, 24)
@@ -236,6 +247,7 @@ def test_a_server_that_goes_away_and_comes_back_gets_the_rest(fresh, tokenizer):
     assert client["server_down"] == client["server_back"] == 1
 
 
+@pytest.mark.engine
 def test_when_no_server_is_left_the_stream_raises(fresh, tokenizer):
     configure(fresh, latency=0.05)
     ps = prompts(tokenizer, 12)
@@ -249,6 +261,7 @@ def test_when_no_server_is_left_the_stream_raises(fresh, tokenizer):
     assert 3 <= len(got) < 12
 
 
+@pytest.mark.engine
 def test_load_spreads_over_several_servers(fresh, tokenizer):
     port = fresh.rsplit(":", 1)[1]
     urls = [fresh, f"http://localhost:{port}"]  # the same server under two names: two entries in rotation
@@ -260,6 +273,7 @@ def test_load_spreads_over_several_servers(fresh, tokenizer):
     assert used == set(urls)
 
 
+@pytest.mark.engine
 def test_stopping_early_cancels_what_is_in_flight_and_aborts_it_on_the_server(fresh, tokenizer):
     configure(fresh, latency=1.0)
     with engine(fresh, tokenizer, concurrency=4) as eng:
@@ -274,6 +288,7 @@ def test_stopping_early_cancels_what_is_in_flight_and_aborts_it_on_the_server(fr
     assert s["inflight"] and set(s["inflight"]) <= set(s["aborted_rids"])  # and was told to stop each one
 
 
+@pytest.mark.engine
 def test_stream_names_each_answer_by_its_prompt_index(fresh, tokenizer):
     ps = prompts(tokenizer, 3)
     with engine(fresh, tokenizer) as eng:

@@ -4,9 +4,6 @@ The compute server generates with the embedded model through HFEngine (batch siz
 clean greedy run must give the records of the embedded engine run with batch_size 1, field for field (meta aside).
 Faults, kill -9 of the stage and a restart of the server must all end with every record present exactly once."""
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,26 +12,13 @@ import pytest
 import yaml
 
 from eaglepipe.records import Prompt, content_id, write_jsonl
-from e2e import assert_same_records, cache_lines, port_closed, wait_for
+from e2e import (PROMPTS, ROOT, assert_same_records, cache_lines, kill_9_then_resume, port_closed, records, run_infer,
+                 server_restart_mid_run)
 from sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
 
-pytestmark = pytest.mark.slow  # the real stage against a real server process
+pytestmark = pytest.mark.engine  # the real stage against a real server process
 
-ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
-             "Say hello in Spanish.", "Name a planet.", "What do bees make?"]
 STAGE_TIMEOUT = 300
-
-
-def make_prompts(questions, source="t") -> list[Prompt]:
-    out = []
-    for q in questions:
-        messages = [{"role": "user", "content": q}]
-        out.append(Prompt(content_id(messages, None), source, messages))
-    return out
-
-
-PROMPTS = make_prompts(QUESTIONS)
 
 
 def write_params(folder: Path, engine: str = "sglang", **sglang) -> Path:
@@ -49,22 +33,8 @@ def write_params(folder: Path, engine: str = "sglang", **sglang) -> Path:
     return path
 
 
-def stage_cmd(folder: Path, params: Path, prompts: Path, name: str) -> list[str]:
-    return [sys.executable, "stages/infer.py", "--params", str(params), "--prompts", str(prompts),
-            "--out", str(folder / name / "out"), "--report", str(folder / name / "report.json"),
-            "--timings", str(folder / name / "timings.json"), "--cache", str(folder / "cache")]
-
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def run_stage(folder: Path, params: Path, prompts: Path, name: str) -> subprocess.CompletedProcess:
-    return subprocess.run(stage_cmd(folder, params, prompts, name), cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=STAGE_TIMEOUT)
-
-
-def records(folder: Path, name: str) -> list[dict]:
-    return [json.loads(line) for line in (folder / name / "out" / "responses.jsonl").read_text().splitlines()]
+def run_stage(folder: Path, params: Path, prompts: Path):
+    return run_infer(folder, params, prompts, STAGE_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -95,45 +65,46 @@ def reference(work):
     """The embedded engine's records (batch_size 1) for PROMPTS."""
     folder = work / "reference"
     folder.mkdir()
-    out = run_stage(folder, write_params(folder, "hf"), work / "prompts.jsonl", "hf")
+    out = run_stage(folder, write_params(folder, "hf"), work / "prompts.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
-    return records(folder, "hf")
+    return records(folder)
 
 
 def test_a_clean_run_gives_the_embedded_engines_records(work, compute_server, reference, tmp_path):
     configure(compute_server, **CLEAN)
-    out = run_stage(tmp_path, write_params(tmp_path, urls=[compute_server]), work / "prompts.jsonl", "sg")
+    out = run_stage(tmp_path, write_params(tmp_path, urls=[compute_server]), work / "prompts.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
-    got = records(tmp_path, "sg")
+    got = records(tmp_path)
     assert_same_records(got, reference, "sglang")
     assert {r["finish_reason"] for r in got} == {"stop", "length"}  # both kinds of ending are covered
     assert all(r["output_ids"][-1] == 2 for r in got if r["finish_reason"] == "stop")  # <|im_end|> kept
-    engine = json.loads((tmp_path / "sg" / "out" / "engine.json").read_text())
+    engine = json.loads((tmp_path / "out" / "engine.json").read_text())
     server = engine["servers"][0]
     assert engine["engine"] == "sglang" and server["url"] == compute_server
     assert server["model_info"]["model_path"] == engine["identity"]["model_path"]
     assert server["server_info"]["tp_size"] == 1 and "internal_states" not in server["server_info"]
-    report = json.loads((tmp_path / "sg" / "report.json").read_text())
+    report = json.loads((tmp_path / "report.json").read_text())
     assert report["completions"] == len(PROMPTS) and report["failures"] == 0
 
 
 def test_faulty_answers_never_reach_the_records(work, compute_server, reference, tmp_path):
     configure(compute_server, **{**CLEAN, "fault_rate": 0.3, "fault_mode": "cycle",
                                  "faults": "prefix,count,abort,finish,malformed,reset,truncated,http500,http503"})
-    out = run_stage(tmp_path, write_params(tmp_path, urls=[compute_server]), work / "prompts.jsonl", "sg")
+    out = run_stage(tmp_path, write_params(tmp_path, urls=[compute_server]), work / "prompts.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert_same_records(records(tmp_path, "sg"), reference, "sglang")
+    assert_same_records(records(tmp_path), reference, "sglang")
     assert sum(stats(compute_server)["faults"].values()) >= 2
 
 
 def test_ten_percent_faults_still_complete_every_prompt(fast_server, tmp_path):
-    prompts = make_prompts([f"Question number {i}: what is {i} plus {i}?" for i in range(200)])
+    questions = [[{"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"}] for i in range(200)]
+    prompts = [Prompt(content_id(messages, None), "t", messages) for messages in questions]
     write_jsonl(tmp_path / "prompts.jsonl", prompts)
     configure(fast_server, **{**CLEAN, "fault_rate": 0.1, "fault_mode": "cycle", "faults": "all", "hang_s": 4})
     params = write_params(tmp_path, urls=[fast_server], concurrency=16, timeout_s=2, retries=6)
-    out = run_stage(tmp_path, params, tmp_path / "prompts.jsonl", "sg")
+    out = run_stage(tmp_path, params, tmp_path / "prompts.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
-    got = records(tmp_path, "sg")
+    got = records(tmp_path)
     assert [r["id"] for r in got] == [p.id for p in prompts]
     assert len(cache_lines(tmp_path)) == 200 and not list((tmp_path / "cache").glob("*/failures.jsonl"))
     faults = stats(fast_server)["faults"]
@@ -144,23 +115,7 @@ def test_ten_percent_faults_still_complete_every_prompt(fast_server, tmp_path):
 def test_kill_9_mid_run_then_resume_keeps_every_record_once(work, compute_server, reference, tmp_path):
     configure(compute_server, **{**CLEAN, "latency": 0.3})
     params = write_params(tmp_path, urls=[compute_server])
-    proc = subprocess.Popen(stage_cmd(tmp_path, params, work / "prompts.jsonl", "sg"), cwd=ROOT, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: len(cache_lines(tmp_path)) >= 2 or proc.poll() is not None, 180, "two cached records")
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    done = len(cache_lines(tmp_path))
-    assert 2 <= done < len(PROMPTS), f"the run was not interrupted mid-way ({done} records cached)"
-    out = run_stage(tmp_path, params, work / "prompts.jsonl", "sg")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads((tmp_path / "sg" / "timings.json").read_text())["generated"] == len(PROMPTS) - done
-    cached = cache_lines(tmp_path)
-    assert sorted(c["id"] for c in cached) == sorted(p.id for p in PROMPTS)  # each once
-    assert_same_records(records(tmp_path, "sg"), reference, "sglang")
+    kill_9_then_resume(tmp_path, params, work / "prompts.jsonl", reference, "sglang", 180)
 
 
 def test_a_server_restart_mid_run_loses_nothing(work, reference, tmp_path):
@@ -169,43 +124,34 @@ def test_a_server_restart_mid_run_loses_nothing(work, reference, tmp_path):
     servers = [start_server(port, tmp_path / "server-1.log")]
     configure(url, **{**CLEAN, "latency": 0.3})
     params = write_params(tmp_path, urls=[url], health_timeout_s=180, retries=6, backoff_s=0.2, backoff_max_s=2)
-    log = open(tmp_path / "stage.log", "w")
-    proc = subprocess.Popen(stage_cmd(tmp_path, params, work / "prompts.jsonl", "sg"), cwd=ROOT, env=ENV,
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: len(cache_lines(tmp_path)) >= 2 or proc.poll() is not None, 180, "two cached records")
+
+    def restart():
         servers[0].kill()  # the server dies with requests in flight ...
         servers[0].wait(timeout=30)
-        assert proc.poll() is None, "the stage finished before the server was killed"
         time.sleep(1.0)  # ... connections are refused for a while ...
         servers.append(start_server(port, tmp_path / "server-2.log", "--startup-delay", 2))  # ... 503 while starting
-        assert proc.wait(timeout=STAGE_TIMEOUT) == 0, (tmp_path / "stage.log").read_text()[-3000:]
+
+    try:
+        server_restart_mid_run(tmp_path, params, work / "prompts.jsonl", reference, "sglang", restart, 180)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
         for s in servers:
             stop_server(s)
-    text = (tmp_path / "stage.log").read_text()
-    assert "out of rotation" in text and "is back" in text
-    assert sorted(c["id"] for c in cache_lines(tmp_path)) == sorted(p.id for p in PROMPTS)
-    assert_same_records(records(tmp_path, "sg"), reference, "sglang")
 
 
 def test_failures_over_the_limit_fail_the_stage_and_keep_the_rest(fast_server, work, tmp_path):
     configure(fast_server, **{**CLEAN, "fail_rids": [PROMPTS[2].id]})
     params = write_params(tmp_path, urls=[fast_server], retries=2)
-    out = run_stage(tmp_path, params, work / "prompts.jsonl", "sg")
+    out = run_stage(tmp_path, params, work / "prompts.jsonl")
     assert out.returncode != 0 and "max_failure_rate" in out.stderr
     failures = [json.loads(line) for path in (tmp_path / "cache").glob("*/failures.jsonl")
                 for line in path.read_text().splitlines()]
     assert [f["id"] for f in failures] == [PROMPTS[2].id] and "http500" in failures[0]["reason"]
     assert sorted(c["id"] for c in cache_lines(tmp_path)) == sorted(p.id for i, p in enumerate(PROMPTS) if i != 2)
     configure(fast_server, **CLEAN)  # the fault is gone: a rerun generates only the failed prompt
-    out = run_stage(tmp_path, params, work / "prompts.jsonl", "sg")
+    out = run_stage(tmp_path, params, work / "prompts.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads((tmp_path / "sg" / "timings.json").read_text())["generated"] == 1
-    assert len(records(tmp_path, "sg")) == len(PROMPTS)
+    assert json.loads((tmp_path / "timings.json").read_text())["generated"] == 1
+    assert len(records(tmp_path)) == len(PROMPTS)
 
 
 @pytest.mark.parametrize("ok", [True, False])
@@ -214,12 +160,12 @@ def test_a_launched_server_is_stopped_at_the_end_and_on_failure(work, tmp_path, 
     launch = {"model_path": "embedded", "tp": 1, "dp": 1, "port": port, "log": str(tmp_path / "launched.log"),
               "command": [sys.executable, "tests/sglang_server.py", "--no-compute"], "stop_timeout_s": 10,
               "extra_args": [] if ok else ["--tokenize-skew"]}
-    out = run_stage(tmp_path, write_params(tmp_path, launch=launch), work / "prompts.jsonl", "sg")
+    out = run_stage(tmp_path, write_params(tmp_path, launch=launch), work / "prompts.jsonl")
     assert port_closed(port), "the launched server outlived the stage"
     assert "serving" in (tmp_path / "launched.log").read_text()
     if ok:
         assert out.returncode == 0, out.stderr[-3000:]
-        engine = json.loads((tmp_path / "sg" / "out" / "engine.json").read_text())
+        engine = json.loads((tmp_path / "out" / "engine.json").read_text())
         assert engine["launched"]["argv"][:2] == ["--model-path", "embedded"]
         assert engine["servers"][0]["url"] == f"http://127.0.0.1:{port}"
     else:

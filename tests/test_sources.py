@@ -191,7 +191,6 @@ def test_the_first_records_of_the_real_sharegpt_file_come_without_reading_the_fi
     assert first[0].messages[0] == {"role": "user", "content": user[0]}
 
 
-@pytest.mark.slow
 def test_prepare_counts_every_rule_on_the_whole_real_sharegpt_file():
     """The whole packaged ShareGPT file (125 MB, cut short after 17,671 conversations; about 5 s), checked against
     counts taken here with another parser."""
@@ -432,8 +431,9 @@ def test_every_field_a_format_reads_can_be_mapped(tmp_path, fmt):
         records = [{"question_id": 1, "category": "writing", "turns": ["One.", "Two."]}]
     else:
         records = [rec for _, _, rec in raw_records(FIXTURES / FIXTURE[fmt])]
-    assert set(config.FORMATS[fmt]) <= {k for rec in records for k in rec}  # the samples hold every field it reads
-    columns = {field: f"the_{field}" for field in config.FORMATS[fmt]}
+    fields = config.FORMATS[fmt]
+    assert set(fields) <= {k for rec in records for k in rec}  # the samples hold every field it reads
+    columns = {field: f"the_{field}" for field in fields}
     path = tmp_path / "renamed.jsonl"
     path.write_text("".join(json.dumps({columns.get(k, k): v for k, v in rec.items()}) + "\n" for rec in records))
     mapped = [p.to_json() for p in read_source(path, fmt, "s", columns)]

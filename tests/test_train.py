@@ -16,7 +16,7 @@ import yaml
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from eaglepipe import config, draft, features, shards, train
+from eaglepipe import config, draft, features, shards, train, ttt
 from eaglepipe.errors import UserError
 from e2e import ranks_of
 
@@ -92,7 +92,7 @@ def data(tmp_path_factory):
 def test_chain_masks_hand_built():
     # prompt x0..x2, generated x3..x7: (t, k) is trained when x[t+1] .. x[t+2+k] were all generated
     mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
-    m = train.chain_masks(mask, 3).int().tolist()
+    m = ttt.chain_masks(mask, 3).int().tolist()
     assert m[0] == [0, 0, 1, 1, 1, 1, 0, 0]  # t=2 (last prompt position, paired with x3) predicts x4; t=5 -> x7
     assert m[1] == [0, 0, 1, 1, 1, 0, 0, 0]  # t=4 at step 1 predicts x7; t=5 would predict x8 (past the end)
     assert m[2] == [0, 0, 1, 1, 0, 0, 0, 0]
@@ -108,7 +108,7 @@ def test_targets_aligned_with_shifted_predictions(tmp_path):
     top = (final @ head.T).argmax(-1)
     shards.write(tmp_path / "s.safetensors", {"aux": torch.zeros(8, 96), "final": final, "top": top.int()})
     sample = train.Sample("s", ids.int(), mask, mask, tmp_path / "s.safetensors", 0)
-    batch = train.collate([sample], train.read_states([sample]), 3, head, torch.ones(32, dtype=torch.bool))
+    batch = ttt.collate([sample], train.read_states([sample]), 3, head, torch.ones(32, dtype=torch.bool))
     assert batch["kept"].tolist() == [batch["masks"][k].sum() for k in range(3)]  # every target in the vocabulary
     seen = []
     for k in range(3):
@@ -133,8 +133,8 @@ def test_all_positions_train_over_the_prompt_with_the_same_vocabulary(data):
         assert torch.equal(e.ids, stored[e.id]["input_ids"]) and torch.equal(e.mask, stored[e.id]["loss_mask"].bool())
         assert all(torch.equal(st[name], stored[e.id][name]) for name in train.STATES)  # read lazily, as stored
     steps, t2d = 3, torch.ones(V, dtype=torch.bool)
-    assert train.collate(every, train.read_states(every), steps, embed, t2d)["masks"].sum() > \
-        train.collate(generated, train.read_states(generated), steps, embed, t2d)["masks"].sum()
+    assert ttt.collate(every, train.read_states(every), steps, embed, t2d)["masks"].sum() > \
+        ttt.collate(generated, train.read_states(generated), steps, embed, t2d)["masks"].sum()
     assert train.token_counts(every) == train.token_counts(generated)  # the draft vocabulary: generated tokens only
     with pytest.raises(ValueError, match="train.positions"):
         train.load_samples(data / "hidden", "train", "prompt")
@@ -151,7 +151,7 @@ def test_ttt_step_equals_cached_inference_chain(data):
     s = samples[0]
     steps = 3
     states = train.read_states([s])
-    batch = train.collate([s], states, steps, embed[model.to_target(torch.arange(64))], model.t2d)
+    batch = ttt.collate([s], states, steps, embed[model.to_target(torch.arange(64))], model.t2d)
     aux = states[0]["aux"]
     captured = {}
     original = model.logits
@@ -162,7 +162,7 @@ def test_ttt_step_equals_cached_inference_chain(data):
 
     model.logits = spy
     with torch.no_grad():
-        train.ttt_forward(model, batch, steps)
+        ttt.ttt_forward(model, batch, steps)
     model.logits = original
     for k in range(steps):
         b, a = torch.nonzero(batch["masks"][k], as_tuple=True)
@@ -218,6 +218,7 @@ def killed_after_first_checkpoint(data, params, folder, world: int = 1) -> Path:
     return checkpoints
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("autocast", ["none", "bfloat16"])
 def test_loss_decreases_and_a_killed_run_resumes_exactly(data, tmp_path, autocast):
     params = config.Train(**{**PARAMS, "autocast": autocast})
@@ -292,6 +293,7 @@ def assert_close_runs(got, want, history, want_history, tol=TOLERANCE):
         assert abs(r["acc"] - w["acc"]) <= 0.02, (r, w)  # one position of about 50 may flip its argmax
 
 
+@pytest.mark.e2e
 def test_e2e_train_at_world_2_matches_world_1(data, tmp_path):
     params = config.Train(**DDP_PARAMS)
     lengths = [s.ids.shape[0] for s in train.load_samples(data / "hidden", "train")]
@@ -316,6 +318,7 @@ def test_e2e_train_at_world_2_matches_world_1(data, tmp_path):
     assert timings["processes"] == 2 and json.loads((tmp_path / "draft.json").read_text())["steps"] == report["steps"]
 
 
+@pytest.mark.e2e
 def test_e2e_a_killed_rank_loses_nothing_and_a_world_2_checkpoint_resumes_at_world_1(data, tmp_path):
     params = config.Train(**DDP_PARAMS)
     (tmp_path / "full").mkdir()

@@ -4,8 +4,6 @@ and kill -9 of the server with a restart, both end with every record present exa
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,19 +11,13 @@ import yaml
 
 from eaglepipe import config
 from eaglepipe.engines import vllm
-from eaglepipe.records import Prompt, content_id, write_jsonl
-from e2e import assert_same_records, cache_lines, port_closed, wait_for
+from eaglepipe.records import write_jsonl
+from e2e import (PROMPTS, ROOT, assert_same_records, kill_9_then_resume, port_closed, records, run_infer,
+                 server_restart_mid_run)
 
-ROOT = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not Path(vllm.python()).exists() and
+pytestmark = [pytest.mark.engine, pytest.mark.skipif(not Path(vllm.python()).exists() and
                                                    not (ROOT / vllm.python()).exists(),
                                                    reason="no .venv-vllm: run make vllm-venv (make test does)")]
-QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
-             "Say hello in Spanish.", "Name a planet.", "What do bees make?"]
-PROMPTS = [Prompt(content_id([{"role": "user", "content": q}], None), "t", [{"role": "user", "content": q}])
-           for q in QUESTIONS]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-TIMEOUT = 600
 
 
 def start(folder, port: int, log: Path) -> vllm.LaunchedServer:
@@ -49,16 +41,6 @@ def params(folder: Path, engine: str, sampled: bool = False, **servers) -> Path:
     return path
 
 
-def cmd(folder: Path, params_file: Path, prompts: Path) -> list[str]:
-    return [sys.executable, "stages/infer.py", "--params", str(params_file), "--prompts", str(prompts),
-            "--out", str(folder / "out"), "--report", str(folder / "report.json"),
-            "--timings", str(folder / "timings.json"), "--cache", str(folder / "cache")]
-
-
-def records(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "out" / "responses.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-e2e")
@@ -70,8 +52,7 @@ def work(tmp_path_factory):
 def reference(work):
     folder = work / "hf"
     folder.mkdir()
-    out = subprocess.run(cmd(folder, params(folder, "hf"), work / "prompts.jsonl"), cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=TIMEOUT)
+    out = run_infer(folder, params(folder, "hf"), work / "prompts.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
     return records(folder)
 
@@ -85,8 +66,7 @@ def server(work, target_folder):
 
 
 def test_e2e_a_clean_run_gives_the_embedded_engines_records(work, server, reference, tmp_path):
-    out = subprocess.run(cmd(tmp_path, params(tmp_path, "vllm", urls=[server.url]), work / "prompts.jsonl"),
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    out = run_infer(tmp_path, params(tmp_path, "vllm", urls=[server.url]), work / "prompts.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_records(records(tmp_path), reference, "vllm")
     engine = json.loads((tmp_path / "out" / "engine.json").read_text())
@@ -100,8 +80,7 @@ def test_e2e_sampled_records_depend_on_the_seeds_only(work, server, tmp_path):
         folder = tmp_path / run
         folder.mkdir()
         p = params(folder, "vllm", sampled=True, urls=[server.url], concurrency=concurrency)
-        out = subprocess.run(cmd(folder, p, work / "prompts.jsonl"), cwd=ROOT, env=ENV, capture_output=True,
-                             text=True, timeout=TIMEOUT)
+        out = run_infer(folder, p, work / "prompts.jsonl")
         assert out.returncode == 0, out.stderr[-3000:]
         outs.append([{k: v for k, v in r.items() if k != "meta"} for r in records(folder)])
     assert len(outs[0]) == 2 * len(PROMPTS) and outs[0] == outs[1]
@@ -110,45 +89,21 @@ def test_e2e_sampled_records_depend_on_the_seeds_only(work, server, tmp_path):
 
 def test_e2e_kill_9_of_the_stage_then_resume_keeps_every_record_once(work, server, reference, tmp_path):
     p = params(tmp_path, "vllm", urls=[server.url])
-    proc = subprocess.Popen(cmd(tmp_path, p, work / "prompts.jsonl"), cwd=ROOT, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: len(cache_lines(tmp_path)) >= 2 or proc.poll() is not None, 300, "two cached records")
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    done = len(cache_lines(tmp_path))
-    assert 2 <= done < len(PROMPTS), f"the run was not interrupted mid-way ({done} records cached)"
-    out = subprocess.run(cmd(tmp_path, p, work / "prompts.jsonl"), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                         timeout=TIMEOUT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads((tmp_path / "timings.json").read_text())["generated"] == len(PROMPTS) - done
-    assert sorted(c["id"] for c in cache_lines(tmp_path)) == sorted(p.id for p in PROMPTS)
-    assert_same_records(records(tmp_path), reference, "vllm")
+    kill_9_then_resume(tmp_path, p, work / "prompts.jsonl", reference, "vllm", 300)
 
 
 def test_e2e_kill_9_of_the_server_then_a_restart_loses_nothing(work, reference, target_folder, tmp_path):
     folder = target_folder.resolve()
     servers = [start(folder, 8022, tmp_path / "server-1.log")]
-    log = open(tmp_path / "stage.log", "w")
-    proc = subprocess.Popen(cmd(tmp_path, params(tmp_path, "vllm", urls=[servers[0].url]), work / "prompts.jsonl"),
-                            cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for(lambda: len(cache_lines(tmp_path)) >= 2 or proc.poll() is not None, 400, "two cached records")
-        assert proc.poll() is None, "the stage finished before the server was killed"
+
+    def restart():
         os.killpg(servers[0].proc.pid, signal.SIGKILL)  # the server and its engine die with a request in flight
         servers[0].proc.wait(timeout=30)
         servers.append(start(folder, 8022, tmp_path / "server-2.log"))
-        assert proc.wait(timeout=TIMEOUT) == 0, (tmp_path / "stage.log").read_text()[-3000:]
+
+    try:
+        server_restart_mid_run(tmp_path, params(tmp_path, "vllm", urls=[servers[0].url]), work / "prompts.jsonl",
+                               reference, "vllm", restart, 400)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
         for s in servers:
             s.stop()
-    text = (tmp_path / "stage.log").read_text()
-    assert "out of rotation" in text and "is back" in text
-    assert sorted(c["id"] for c in cache_lines(tmp_path)) == sorted(p.id for p in PROMPTS)
-    assert_same_records(records(tmp_path), reference, "vllm")

@@ -4,7 +4,7 @@
 
 ``Output.output_ids`` are exactly the ids the engine produced (a stop token is kept when the engine emitted it),
 ``finish_reason`` is one of ``stop | length | abort``, ``meta`` is free-form engine metadata kept in the record.
-Engines are chosen by ``infer.engine`` (``hf``: in-process Hugging Face; ``sglang``: SGLang servers' /generate).
+The engines ``infer.engine`` chooses from: ``engines/table.py``.
 """
 from __future__ import annotations
 
@@ -53,3 +53,4 @@ def seed_for(seed: int, record_id: str) -> int:
     this, so an answer depends on the model, the sampling params, ``infer.seed`` and the record's id (which names
     its prompt and sample index) only: not on its batch mates, the order, a resume or the concurrency."""
     return int(hashlib.sha256(f"{seed}:{record_id}".encode()).hexdigest()[:8], 16)
+

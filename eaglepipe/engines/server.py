@@ -1,27 +1,20 @@
 """What every engine whose target runs on servers does, whatever the server (sglang.py and vllm.py state their
-protocols): one client for one or many servers, checked before the first request and watched while it runs.
-
-Before the first request, for every server in ``urls`` (or the one it launched, ``launch``):
-    /health      waited for (``health_timeout_s``; servers answer 503 or nothing while they start)
-    identity     what the server says it serves (the engine's ``_read_server``): kept for ``describe()`` (the stage
-                 writes it to engine.json) and reduced to ``identity()`` (what decides the ids: model, weights, dtype,
-                 quantization, server version; never urls or concurrency, so a resumed run against a restarted or an
-                 added server reuses the cache). All servers must agree on it.
-    tokenizer    probe strings (the chat template rendered, every special and added token, plain text): the
-                 server's tokenizer must give the local tokenizer's ids, or the run stops saying which probes differ.
+protocols): ``ServerEngine`` sends the prompts to its servers (pool.py: which servers, their checks, which one takes
+a request, a launched one), retries what fails and checks every answer.
 
 Every request carries token ids and every sampling parameter explicit; at most ``concurrency`` requests are in
-flight, each sent to the healthy server with the fewest in flight; every answer is checked (the engine's ``_check``)
-before the driver keeps it.
+flight, each sent to the server the pool chooses; every answer is checked (the engine's ``_check``) before the driver
+keeps it.
 
 Faults: timeouts, refused/reset connections, HTTP 408/429/5xx, malformed JSON and answers that fail a check are
 retried ``retries`` times with exponential backoff and jitter (tenacity), then the prompt is a ``Failure`` with every
 attempt's reason. Another 4xx is retried once (with a fresh request id), then it is a failure. A request given up on
 (a timeout) or left behind when the run stops early (a gate, Ctrl-C) is cancelled on the server, so the servers do not
-go on generating answers nobody will keep. A server that refuses connections or answers 503 is taken out of rotation
-and watched: back within ``health_timeout_s`` it is checked again (identity and tokenizer) and rejoins; a server that
-comes back serving something else stops the run; when no server is left the run stops (everything finished is already
-in the driver's cache).
+go on generating answers nobody will keep. A refused connection or an HTTP 503 takes the server out of rotation
+(pool.py says when it comes back, and when the run stops for want of servers).
+
+The engine modules import from here what they build on: ``ServerEngine``, ``BadAnswer``, ``check_ids``, and the
+pool's ``ServerError`` and ``_Server``.
 """
 from __future__ import annotations
 
@@ -29,40 +22,30 @@ import asyncio
 import logging
 import queue
 import random
-import signal
-import sys
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import aiohttp
-import orjson
+import orjson  # JSON at 256 requests in flight: the client's CPU time matters
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
-from ..errors import UserError
 from . import Failure, Output, Sampling
+from .pool import JSON, ServerError, ServerPool, _Server
 
-_dumps, _loads = orjson.dumps, orjson.loads  # JSON at 256 requests in flight: the client's CPU time matters
+__all__ = ["BadAnswer", "ServerEngine", "ServerError", "_Server", "check_ids"]
 
 log = logging.getLogger(__name__)
-
-JSON = {"Content-Type": "application/json"}
-
-
-class ServerError(UserError, RuntimeError):
-    """The run cannot go on: no server, a server that disagrees with the local tokenizer or with the others."""
 
 
 class BadAnswer(ValueError):
     """An answer that fails a check (retried, then recorded as a failure with this reason)."""
 
 
-class _Unhealthy(ServerError):
-    """A server that did not answer /health in time."""
-
-
 class _Retry(Exception):
+    pass
+
+
+class _Permanent(Exception):
     pass
 
 
@@ -81,77 +64,22 @@ def check_ids(ids: list, finish: str, sampling: Sampling) -> str:
     return "stop" if finish == "length" and ids and ids[-1] in stops else finish
 
 
-class _Permanent(Exception):
-    pass
-
-
-def tokenizer_probes(tokenizer) -> list[str]:
-    """Strings whose ids must be the same on the server and here: the chat template rendered (its special tokens in
-    place), every special and added token, and plain text with unicode, digits, code and odd whitespace."""
-    from .. import chat
-
-    probes = []
-    for turns in ([{"role": "user", "content": "Hi! What is 2+2?"}],
-                  [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Q1"},
-                   {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2 ünï 中文 🤖"}]):
-        try:
-            probes.append(chat.render(tokenizer, turns))
-        except Exception as e:  # a template that refuses a system turn, say
-            log.debug("chat template probe skipped: %s", e)
-    special = list(dict.fromkeys([*tokenizer.all_special_tokens,
-                                  *(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values())]))
-    probes += special[:2048]
-    if special:
-        probes.append("x" + " y".join(special[:64]) + " z")
-    probes += ["<think>\nreasoning\n</think>\n\nanswer", "Hello, world! The year 2024; 3.14159 ≈ π.",
-               "def f(x):\n\treturn x ** 2  # tabs, spaces  \n\n", "  leading and trailing spaces  ", "Ünïcödé 中文 🤖✓"]
-    return list(dict.fromkeys(p for p in probes if p))
-
-
-@dataclass
-class _Server:
-    url: str
-    up: bool = False
-    dead: str | None = None  # why it was given up on
-    inflight: int = 0
-    sent: int = 0
-    model_info: dict = field(default_factory=dict)
-    server_info: dict = field(default_factory=dict)
-    identity: dict = field(default_factory=dict)
-    recovery: asyncio.Task | None = None
-
-
-class ServerEngine:
+class ServerEngine(ServerPool):
     """An engine whose target runs on servers; ``params`` is the engine's section of ``infer`` (config.Servers). Use as
-    a context manager (the stage does, through ``infer.create_engine``): entering launches the server if asked, waits
+    a context manager (the stage does, through ``engines.table.create``): entering launches the server if asked, waits
     for health and checks every server; leaving closes the connections and stops a launched server.
 
-    A subclass states the protocol: ``name``/``title``, ``_launcher``, ``_read_server``, ``_server_tokens``,
-    ``_sampling``, ``_request``, ``_check``, ``_meta`` and ``_abort_request``."""
-    name = title = "server"
+    A subclass states the protocol: what ServerPool asks (``name``/``title``, ``_launcher``, ``_read_server``,
+    ``_server_tokens``) and ``_sampling``, ``_request``, ``_check``, ``_meta`` and ``_abort_request``."""
 
     def __init__(self, params, tokenizer):
-        self.urls = [u.rstrip("/") for u in params.urls]
+        super().__init__(params, tokenizer)
         self.concurrency = params.concurrency
-        self.timeout_s = params.timeout_s
-        self.health_timeout_s = params.health_timeout_s
         self.retries = params.retries
         self.backoff_s = params.backoff_s
         self.backoff_max_s = params.backoff_max_s
-        self.launch = params.launch
-        self.tokenizer = tokenizer
-        self.stats = Counter()
-        self._servers: list[_Server] = []
-        self._identity: dict | None = None
-        self._launched = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._session: aiohttp.ClientSession | None = None
-        self._fatal: ServerError | None = None
-        self._changed: asyncio.Event | None = None
-        self._probes: list[str] = []
-        self._probe_ids: list[list[int]] = []
-        self._old_sigterm = None
         self._aborts: set = set()  # /abort_request calls on their way (awaited at close, never cancelled)
 
     # ---- lifetime -------------------------------------------------------------------------------------------
@@ -166,14 +94,7 @@ class ServerEngine:
         if self._loop is not None:
             return self
         try:
-            if self.launch:
-                self._catch_sigterm()
-                self._launched = self._launcher()
-                self._launched.start()
-                self.urls = [self._launched.url]
-            self._probes = tokenizer_probes(self.tokenizer)
-            self._probe_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in self._probes]
-            self._servers = [_Server(u) for u in dict.fromkeys(self.urls)]
+            self._open()
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name=f"{self.name}-client", daemon=True)
             self._thread.start()
@@ -187,25 +108,14 @@ class ServerEngine:
         loop, self._loop = self._loop, None
         if loop is not None:
             try:
-                asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(timeout=30)
+                asyncio.run_coroutine_threadsafe(self._disconnect(self._aborts), loop).result(timeout=30)
             except Exception as e:  # noqa: BLE001 - closing must go on
                 log.debug("closing the client: %s", e)
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(timeout=10)
             if not self._thread.is_alive():
                 loop.close()
-        if self._launched is not None:
-            self._launched.stop()
-            self._launched = None
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
-
-    def _catch_sigterm(self):
-        """A launched server is stopped on SIGTERM too: turn it into SystemExit so ``close`` runs."""
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+        self._release()
 
     def _call(self, coro):
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -214,14 +124,6 @@ class ServerEngine:
         except BaseException:
             fut.cancel()
             raise
-
-    async def _shutdown(self):
-        pending = [s.recovery for s in self._servers if s.recovery is not None]
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, *self._aborts, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
 
     # ---- the engine interface --------------------------------------------------------------------------------
     def identity(self) -> dict:
@@ -274,151 +176,6 @@ class ServerEngine:
     def _log_stats(self):
         if self.stats:
             log.info("%s client: %s", self.name, ", ".join(f"{k}={v}" for k, v in sorted(self.stats.items())))
-
-    # ---- connecting and checking servers ---------------------------------------------------------------------
-    async def _connect(self):
-        self._changed = asyncio.Event()
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        deadline = time.monotonic() + self.health_timeout_s
-        results = await asyncio.gather(*(self._check_server(s, deadline) for s in self._servers),
-                                       return_exceptions=True)
-        errors = [f"{s.url}: {r}" for s, r in zip(self._servers, results) if isinstance(r, BaseException)]
-        if errors:
-            raise ServerError(f"{self.title} server check failed:\n  " + "\n  ".join(errors))
-        first = self._servers[0].identity
-        differ = [f"{s.url}: {s.identity}" for s in self._servers if s.identity != first]
-        if differ:
-            raise ServerError(f"the servers serve different models: {self._servers[0].url}: {first}; "
-                              + "; ".join(differ))
-        self._identity = first
-        for s in self._servers:
-            s.up = True
-        log.info("%s: %d server(s) ready, %s", self.name, len(self._servers), first)
-
-    async def _check_server(self, server: _Server, deadline: float) -> None:
-        """Wait for /health, read what the server says it serves (``_read_server``), compare tokenizers."""
-        await self._wait_healthy(server, deadline)
-        await self._read_server(server)
-        await self._compare_tokenizer(server)
-
-    async def _wait_healthy(self, server: _Server, deadline: float) -> None:
-        wait, last = 0.25, "no answer yet"
-        while True:
-            if self._launched is not None and self._launched.exited():
-                raise ServerError(f"the launched server exited with code {self._launched.returncode()}; "
-                                  f"the end of {self._launched.log_path}:\n{self._launched.tail()}")
-            try:
-                async with self._session.get(server.url + "/health",
-                                             timeout=aiohttp.ClientTimeout(total=max(5.0, min(30.0, self.timeout_s)))
-                                             ) as r:
-                    await r.read()
-                    if r.status == 200:
-                        return
-                    last = f"/health answered {r.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                last = f"{type(e).__name__}: {e}"
-            if time.monotonic() + wait > deadline:
-                raise _Unhealthy(f"not healthy within health_timeout_s={self.health_timeout_s:g}s ({last})")
-            await asyncio.sleep(wait)
-            wait = min(wait * 1.5, 5.0)
-
-    async def _get_info(self, server: _Server, *paths) -> dict:
-        for path in paths:
-            async with self._session.get(server.url + path, timeout=aiohttp.ClientTimeout(total=60)) as r:
-                raw = await r.read()
-                if r.status == 404:
-                    continue
-                if r.status != 200:
-                    raise ServerError(f"GET {path} answered {r.status}: {raw[:200]!r}")
-                try:
-                    info = _loads(raw)
-                except ValueError:
-                    raise ServerError(f"GET {path} answered malformed JSON: {raw[:200]!r}") from None
-                if not isinstance(info, dict):
-                    raise ServerError(f"GET {path} answered a JSON {type(info).__name__}")
-                return info
-        raise ServerError(f"none of {', '.join(paths)} exists")
-
-    async def _post_json(self, server: _Server, path: str, body, timeout: float = 120):
-        """POST ``body`` to a server; its JSON answer, or a ServerError naming the path."""
-        async with self._session.post(server.url + path, data=_dumps(body), headers=JSON,
-                                      timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-            raw = await r.read()
-            if r.status != 200:
-                raise ServerError(f"POST {path} answered {r.status}: {raw[:200]!r}")
-        try:
-            return _loads(raw)
-        except ValueError:
-            raise ServerError(f"POST {path} answered malformed JSON: {raw[:200]!r}") from None
-
-    async def _compare_tokenizer(self, server: _Server) -> None:
-        tokens = await self._server_tokens(server)
-        if not isinstance(tokens, list) or len(tokens) != len(self._probes):
-            raise ServerError(f"the server tokenized {len(tokens) if isinstance(tokens, list) else tokens!r} "
-                              f"of {len(self._probes)} probes")
-        differ = [(p, theirs, ours) for p, theirs, ours in zip(self._probes, tokens, self._probe_ids)
-                  if theirs != ours]
-        if differ:
-            lines = []
-            for p, theirs, ours in differ[:8]:
-                at = next((i for i, (x, y) in enumerate(zip(theirs, ours)) if x != y), min(len(theirs), len(ours)))
-                lines.append(f"{p[:60]!r}: from position {at}: server {theirs[at:at + 8]} vs local {ours[at:at + 8]} "
-                             f"({len(theirs)} vs {len(ours)} ids)")
-            raise ServerError(f"the server's tokenizer disagrees with the local one ({self.tokenizer.name_or_path}) "
-                              f"on {len(differ)} of {len(self._probes)} probes:\n    " + "\n    ".join(lines))
-
-    # ---- servers leaving and coming back ---------------------------------------------------------------------
-    def _notify(self):
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def _mark_down(self, server: _Server, why: str) -> None:
-        if not server.up:
-            return
-        server.up = False
-        self.stats["server_down"] += 1
-        log.warning("%s: %s out of rotation (%s); waiting up to %gs for it to come back", self.name, server.url, why,
-                    self.health_timeout_s)
-        server.recovery = asyncio.get_running_loop().create_task(self._recover(server))
-        self._notify()
-
-    async def _recover(self, server: _Server) -> None:
-        before = server.identity
-        try:
-            await self._check_server(server, time.monotonic() + self.health_timeout_s)
-        except _Unhealthy as e:
-            server.dead = str(e)
-            log.error("%s: giving up on %s: %s", self.name, server.url, e)
-        except ServerError as e:
-            self._fatal = ServerError(f"{server.url} came back changed: {e}")
-        except Exception as e:  # noqa: BLE001
-            server.dead = f"{type(e).__name__}: {e}"
-        else:
-            if server.identity != before:
-                self._fatal = ServerError(f"{server.url} came back serving {server.identity}, not {before}: "
-                                          "records would mix; stopping (the cache keeps what was generated)")
-            else:
-                server.up = True
-                self.stats["server_back"] += 1
-                log.warning("%s: %s is back", self.name, server.url)
-        finally:
-            server.recovery = None
-            self._notify()
-
-    async def _acquire(self) -> _Server:
-        while True:
-            if self._fatal is not None:
-                raise self._fatal
-            best = None
-            for s in self._servers:
-                if s.up and (best is None or (s.inflight, s.sent) < (best.inflight, best.sent)):
-                    best = s
-            if best is not None:
-                return best
-            if all(s.dead for s in self._servers):
-                raise ServerError(f"no {self.title} server left: "
-                                  + "; ".join(f"{s.url}: {s.dead}" for s in self._servers))
-            await self._changed.wait()
 
     # ---- requests --------------------------------------------------------------------------------------------
     async def _produce(self, prompts, sampling: Sampling, rids, put) -> None:
@@ -477,7 +234,7 @@ class ServerEngine:
         server.inflight += 1
         server.sent += 1
         path, body = self._request(prompt_ids, params, rid)
-        body = _dumps(body)
+        body = orjson.dumps(body)
         start = time.perf_counter()
         try:
             async with self._session.post(server.url + path, data=body, headers=JSON,
@@ -507,7 +264,7 @@ class ServerEngine:
             seen = sum(1 for r in reasons if r.startswith("http4xx"))  # 4xx: once more with a fresh rid, then give up
             raise retry("http4xx", message, permanent=seen >= 1)
         try:
-            answer = _loads(raw)
+            answer = orjson.loads(raw)
         except ValueError:
             raise retry("malformed", f"JSON from {server.url}: {raw[:80]!r}") from None
         try:
@@ -525,7 +282,7 @@ class ServerEngine:
 
         async def abort():
             try:
-                async with self._session.post(server.url + path, data=_dumps(body),
+                async with self._session.post(server.url + path, data=orjson.dumps(body),
                                               headers=JSON, timeout=aiohttp.ClientTimeout(total=5)) as r:
                     await r.read()
             except Exception:  # noqa: BLE001
@@ -536,21 +293,7 @@ class ServerEngine:
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 
-
-    # ---- the protocol (each engine's module) -----------------------------------------------------------------
-    def _launcher(self):
-        """The LaunchedServer (engines/launch.py) for ``params.launch``."""
-        raise NotImplementedError
-
-    async def _read_server(self, server: _Server) -> None:
-        """Read what ``server`` serves into ``model_info``, ``server_info`` and ``identity``; ServerError if it
-        cannot serve this run."""
-        raise NotImplementedError
-
-    async def _server_tokens(self, server: _Server) -> list:
-        """The server's ids for each of ``self._probes`` (no special tokens added)."""
-        raise NotImplementedError
-
+    # ---- the protocol of requests (each engine's module) -----------------------------------------------------
     def _sampling(self, sampling: Sampling, record_id: str) -> dict:
         raise NotImplementedError
 

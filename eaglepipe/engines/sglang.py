@@ -1,5 +1,5 @@
-"""SGLang engine (``infer.engine: sglang``): the target runs on SGLang servers; the client (server.py: servers,
-checks, retries, failover) sends token ids to their native ``POST /generate``.
+"""SGLang engine (``infer.engine: sglang``): the target runs on SGLang servers; the client (server.py: requests,
+retries; pool.py: the servers, their checks, failover) sends token ids to their native ``POST /generate``.
 
 Why the native API with ``input_ids``: ids in, ids out, nothing re-tokenised and nothing parsed out of text (the
 OpenAI-compatible endpoints split reasoning only with ``--reasoning-parser`` and drop it silently without one).

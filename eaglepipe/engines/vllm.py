@@ -1,6 +1,7 @@
-"""vLLM engine (``infer.engine: vllm``): the target runs on vLLM servers; the client (server.py: servers, checks,
-retries, failover) sends token ids to vLLM's token-in token-out ``POST /inference/v1/generate``, which the server
-opens with ``--enable-scale-out`` (a launched server gets it; a running one needs it).
+"""vLLM engine (``infer.engine: vllm``): the target runs on vLLM servers; the client (server.py: requests,
+retries; pool.py: the servers, their checks, failover) sends token ids to vLLM's token-in token-out
+``POST /inference/v1/generate``, which the server opens with ``--enable-scale-out`` (a launched server gets it; a
+running one needs it).
 
 Why that API: ids in, ids out (``output_mode: tokens``), nothing re-tokenised and nothing parsed out of text, like
 SGLang's native ``/generate``; the OpenAI-style endpoints return text.

@@ -1,0 +1,38 @@
+"""Target families: what the pipeline knows about a target from its transformers config.
+
+``text_config`` is the one place a target's language-model config is read from (a composite multimodal config nests
+it; a text-only config is its own): every width, layer count, norm or context length is read through it.
+``FAMILIES`` is the table of families by ``model_type``, one entry each; ``of`` returns a config's entry, or
+``OTHER`` for a type the table does not name (served on the checks of compat.py alone). A new family is one entry
+here, with a tiny random target of it in tests/test_families.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the pipeline knows about one family of targets."""
+    name: str
+    llama_layer: bool  # its decoder layer is the Llama layer over the same weights (train.init: target is exact)
+
+
+OTHER = Family("other", llama_layer=False)
+FAMILIES = {kind: family for family in (
+    Family("llama", llama_layer=True),
+    Family("mistral", llama_layer=True),
+    Family("qwen2", llama_layer=False),      # q/k/v biases
+    Family("qwen3", llama_layer=False),      # q_norm/k_norm
+    Family("qwen3_moe", llama_layer=False),  # q_norm/k_norm, routed experts
+) for kind in (family.name,)}
+
+
+def text_config(config):
+    """The language model's config inside ``config`` (itself for a text-only model)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def of(config) -> Family:
+    """The family of a target's config (its language model's ``model_type``)."""
+    return FAMILIES.get(text_config(config).model_type, OTHER)
