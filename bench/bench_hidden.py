@@ -60,7 +60,7 @@ def main(sequences, samples, repeats, batch_tokens, model, threads):
     items, what = load_samples(sequences, samples, 0)
     tokens = sum(len(s[1]) for s in items)
     runs = {
-        "hidden": lambda: hidden.extract_shard(model, items, layers, batch_tokens, torch.bfloat16),
+        "hidden": lambda: hidden.extract_shard(model, items, layers, batch_tokens, "bfloat16"),
         "bare_forward": lambda: bare(model, items, batch_tokens, base_only=False),
         "bare_decoder_stack": lambda: bare(model, items, batch_tokens, base_only=True),
     }

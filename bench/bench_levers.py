@@ -40,6 +40,7 @@ def sharegpt(n: int, max_turns: int | None = None, **overrides) -> dict:
 POINTS = {
     "default": ("params.yaml as it is", {}),
     "default-1": ("params.yaml, 1 answer per prompt", {"infer.samples": 1}),
+    "default-hidden-fp8": ("params.yaml, the hidden states stored in FP8", {"hidden.dtype": "float8_e4m3fn"}),
     "default-1-greedy": ("params.yaml, 1 greedy answer per prompt (temperature 0, as evaluate decodes)",
                          {"infer.samples": 1, "infer.temperature": 0.0}),
     "default-long": ("params.yaml with answers of up to 256 tokens", {"infer.max_new_tokens": 256}),
@@ -78,7 +79,7 @@ def main(params, decoded, points, fresh, list_points):
         return
     base = yaml.safe_load(Path(params).read_text())
     cfg = config.load(params)
-    folder = target.resolve(cfg.target.model)
+    folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     tokenizer, model = target.load_tokenizer(folder), target.load_model(folder)
     p = cfg.evaluate
     sets = decoded_sets(decoded, [name for name in config.BENCHMARKS if name != "heldout"])

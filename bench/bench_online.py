@@ -29,7 +29,7 @@ from harness import acceptances, decoded_sets, ngram, print_table
 def main(params, sequences, decoded, epochs):
     cfg = config.load(params)
     p = cfg.train.model_copy(update={"epochs": epochs or cfg.train.epochs})
-    folder = target.resolve(cfg.target.model)
+    folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     rt = runtime.Runtime()
     states_model = runtime.load_target(folder, cfg.hidden.compute_dtype, rt)
     runs = {}

@@ -43,7 +43,7 @@ def main(params, hidden_folder, decoded, points, list_points):
             click.echo(f"{name}: {overrides}")
         return
     cfg = config.load(params)
-    folder = target.resolve(cfg.target.model)
+    folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     tokenizer, model = target.load_tokenizer(folder), target.load_model(folder)
     sets, stops, p = decoded_sets(decoded), target.stop_ids(folder, tokenizer), cfg.evaluate
     rows = []

@@ -28,7 +28,7 @@ from harness import acceptances, decoded_sets, ngram, print_table
 @click.option("--half-prompts", is_flag=True, help="Add a size: one answer to half of the prompts.")
 def main(params, hidden_folder, decoded, answers, half_prompts):
     cfg = config.load(params)
-    folder = target.resolve(cfg.target.model)
+    folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     tokenizer, model = target.load_tokenizer(folder), target.load_model(folder)
     p = cfg.evaluate
     sets = decoded_sets(decoded)

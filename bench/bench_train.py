@@ -46,7 +46,7 @@ def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
 @click.option("--epochs", default=None, type=int, help="Epochs on each side [default: params train.epochs].")
 def main(hidden_folder, params, epochs):
     cfg = config.load(params)
-    folder = target.resolve(cfg.target.model)
+    folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     p = cfg.train.model_copy(update={"epochs": epochs or cfg.train.epochs})
     if p.threads:  # as train.run does
         torch.set_num_threads(p.threads)

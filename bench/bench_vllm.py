@@ -168,7 +168,7 @@ def main(params, draft, max_new_tokens, concurrency, only, limit, out):
     cfg = config.load(params)
     if not (Path(draft) / "config.json").exists():
         sys.exit(f"no drafter at {draft}: run make repro first (or give --draft)")
-    folder = target.resolve(cfg.target.model)
+    folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     result = run(cfg, folder, target.load_tokenizer(folder), Path(draft).resolve(),
                  max_new_tokens or cfg.evaluate.max_new_tokens, concurrency, limit, only)
     write_json(out, result)

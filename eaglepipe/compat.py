@@ -2,11 +2,11 @@
 anything): a text-only decoder-only causal LM that transformers loads (``AutoModelForCausalLM``, any family: Llama,
 Qwen2/3, their MoE variants, ...) with at least 4 decoder layers, RMS norms, a ``silu`` gated MLP, rotary position
 embeddings over the whole head, and safetensors weights holding ``model.embed_tokens``, ``model.norm`` and
-``lm_head`` (or tied embeddings), stored as floats. These are what the EAGLE-3 drafter needs: it is the Llama layer
-SGLang and vLLM build (``draft.py``), with the target's widths, heads, norm epsilon, activation and RoPE, fed with
-the target's embedding and trained against its head; the stages read the target's states as Hugging Face
-``hidden_states`` (``features.py``). Anything else stops the stage in its first seconds with ``UnsupportedTarget``
-naming the reason.
+``lm_head`` (or tied embeddings), stored as floats (FP8 checkpoints keep them so; their layers: quant.py). These are
+what the EAGLE-3 drafter needs: it is the Llama layer SGLang and vLLM build (``draft.py``), with the target's
+widths, heads, norm epsilon, activation and RoPE, fed with the target's embedding and trained against its head; the
+stages read the target's states as Hugging Face ``hidden_states`` (``features.py``). Anything else stops the stage
+in its first seconds with ``UnsupportedTarget`` naming the reason.
 """
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ def weights(folder: Path) -> dict[str, tuple[str, str, tuple]]:
 def check(folder: Path):
     """The target's (text) transformers config, once every requirement of the module docstring holds; otherwise
     ``UnsupportedTarget`` naming the first that does not. Reads config.json and the safetensors headers only."""
-    from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -60,7 +59,7 @@ def check(folder: Path):
         raise UnsupportedTarget(f"target {folder}: {reason}")
 
     try:
-        config = AutoConfig.from_pretrained(folder)
+        config = families.load_config(folder)
     except (OSError, ValueError, KeyError) as e:  # no config.json, an unknown model_type
         refuse(f"transformers cannot read its config.json ({str(e).splitlines()[0][:200]})")
     kind = config.model_type

@@ -78,12 +78,15 @@ class Target(Section):
         "none", description="none | think | harmony | {start, end} (docs/reasoning-and-tools.md)")
     tool_calls: Literal[TOOL_CALLS] = Field("none", description="tool-call family parsed out of the content "
                                             "(eaglepipe/toolcalls.py)")
+    trust_remote_code: bool = Field(False, description="run the Python files the target folder's auto_map names "
+                                    "(its own config, model or tokenizer classes); off, such a target is refused "
+                                    "(eaglepipe/remote.py)")
 
 
 # ----------------------------------------------------------------------------------------------------------- prepare
-FORMATS = {"sharegpt": ("conversations", "system", "tools"), "openai": ("messages", "tools"), "glaive": ("system", "chat"),
-           "opencodeinstruct": ("input",), "magicoder": ("problem", "instruction"), "alpaca": ("instruction", "input"),
-           "mtbench": ("turns",)}
+FORMATS = {"sharegpt": ("conversations", "system", "tools"), "openai": ("messages", "tools"),
+           "glaive": ("system", "chat"), "opencodeinstruct": ("input",), "magicoder": ("problem", "instruction"),
+           "alpaca": ("instruction", "input"), "mtbench": ("turns",)}
 """Each prompt-source format and the record fields its converter reads (``columns`` may rename them);
 eaglepipe/formats.py has a converter for each."""
 PACKAGE_PATH = re.compile(r"pkg:(?P<package>[A-Za-z_][A-Za-z0-9_]*)/(?P<file>[^/].*)")
@@ -239,7 +242,9 @@ class Merge(Section):
 class Hidden(Section):
     layers: Union[Literal["auto"], list[int]] = Field(
         "auto", description="auto = [2, L // 2, L - 3], or three explicit ids (convention: eaglepipe/features.py)")
-    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="storage dtype of aux and final")
+    dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
+        "bfloat16", description="storage dtype of aux and final; float8_e4m3fn stores a float32 scale per token and "
+        "layer beside them, about half bf16's bytes (eaglepipe/features.py)")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the dtype the target computes the states in: auto = bfloat16 on CUDA, float32 on the CPU "
         "(eaglepipe/runtime.py; pin one so that the dtype does not follow the device)")

@@ -1,5 +1,6 @@
 """Target families: what the pipeline knows about a target from its transformers config.
 
+``load_config`` is the one reader of a target folder's config (it trusts remote code where remote.py does);
 ``text_config`` is the one place a target's language-model config is read from (a composite multimodal config nests
 it; a text-only config is its own): every width, layer count, norm or context length is read through it.
 ``FAMILIES`` is the table of families by ``model_type``, one entry each; ``of`` returns a config's entry, or
@@ -9,6 +10,9 @@ here, with a tiny random target of it in tests/test_families.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from . import remote
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,13 @@ FAMILIES = {kind: family for family in (
     Family("qwen3", llama_layer=False),      # q_norm/k_norm
     Family("qwen3_moe", llama_layer=False),  # q_norm/k_norm, routed experts
 ) for kind in (family.name,)}
+
+
+def load_config(folder: Path):
+    """The transformers config of the target in ``folder``."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, trust_remote_code=remote.trusted(folder))
 
 
 def text_config(config):

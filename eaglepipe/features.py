@@ -10,10 +10,12 @@ Layout (a sharded dataset, format: ``shards.py``):
         input_ids  int32 [T]      exactly the merged sequence ids
         loss_mask  uint8 [T]      exactly the merged loss mask (1 on the target's output tokens)
         offsets    int64 [n + 1]  sample i is rows offsets[i]:offsets[i+1]
-        aux        bf16  [T, 3H]  the hidden states of ``layers`` (low, mid, high), concatenated in that order;
+        aux        dtype [T, 3H]  the hidden states of ``layers`` (low, mid, high), concatenated in that order;
                                   row t = state at position t
-        final      bf16  [T, H]   the final *normed* hidden state (the input of lm_head); the target's logits at
+        final      dtype [T, H]   the final *normed* hidden state (the input of lm_head); the target's logits at
                                   position t are ``final[t] @ lm_head.weight.T`` (recompute them at train time)
+        aux_scale, final_scale  float32 [T, 3], [T, 1]  with ``dtype: float8_e4m3fn`` only: each token's scale per
+                                  layer (``encode``); a state is its values times their scale (``decode``)
         top        int32 [T]      the target's greedy next token at position t: the argmax of its ``lm_head`` over
                                   the full vocabulary, from the unrounded final state (from the bf16 ``final`` the
                                   argmax differs at some positions; acc_k is scored on this)
@@ -32,9 +34,18 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import torch
+
 from . import shards
 
 LAYER_CONVENTION = "hf_hidden_states"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float8_e4m3fn": torch.float8_e4m3fn}
+"""``hidden.dtype``: how ``aux`` and ``final`` are stored."""
+SCALED = ("float8_e4m3fn",)
+"""The dtypes stored with a scale per token and layer (``encode``)."""
+FP8_MAX = 448.0  # the largest float8_e4m3fn value
+SCALES = ("aux_scale", "final_scale")
 
 
 def layer_ids(value, num_layers: int) -> list[int]:
@@ -63,9 +74,38 @@ def layer_ids(value, num_layers: int) -> list[int]:
     return ids
 
 
+def encode(x: torch.Tensor, dtype: str, parts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` [n, parts * H] as stored in ``dtype``: (values, None), or under FP8 (values, scale float32 [n, parts]):
+    each token's part divided by its scale, its absolute maximum over FP8_MAX, so that part's largest value is
+    stored exactly and the others to 3 significant bits."""
+    if dtype not in SCALED:
+        return x.to(DTYPES[dtype]), None
+    n, width = x.shape
+    split = x.float().reshape(n, parts, width // parts)
+    scale = split.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    return (split / scale[..., None]).to(DTYPES[dtype]).reshape(n, width), scale
+
+
+def decode(rows: dict) -> dict:
+    """Stored ``rows`` with their states as values: under FP8 ``aux`` and ``final`` times their scales, in float32
+    (the scales dropped); otherwise as stored."""
+    out = {k: v for k, v in rows.items() if k not in SCALES}
+    for name in ("aux", "final"):
+        scale = rows.get(f"{name}_scale")
+        if scale is not None:
+            n, width = rows[name].shape
+            out[name] = (rows[name].float().reshape(n, scale.shape[1], -1) * scale[..., None]).reshape(n, width)
+    return out
+
+
+def bytes_per_token(hidden_size: int, dtype: str) -> int:
+    """Bytes of stored state per token: ``aux`` and ``final`` (4 states of ``hidden_size``), their scales."""
+    return 4 * hidden_size * torch.tensor([], dtype=DTYPES[dtype]).element_size() + (16 if dtype in SCALED else 0)
+
+
 def read(folder, split: str) -> Iterator[dict]:
     """Yield one dict per sample of ``split``, in stored order (the order of ``data/sequences``):
-    ``id`` str, ``input_ids`` int32 [n], ``loss_mask`` uint8 [n], ``aux`` bf16 [n, 3H], ``final`` bf16 [n, H],
+    ``id`` str, ``input_ids`` int32 [n], ``loss_mask`` uint8 [n], ``aux`` [n, 3H], ``final`` [n, H] (``decode``d),
     ``top`` int32 [n], each read from its shard's rows."""
     for entry, i, rows in shards.samples(folder, split):
-        yield {"id": entry["ids"][i], **rows}
+        yield {"id": entry["ids"][i], **decode(rows)}

@@ -18,7 +18,8 @@ shard's samples are sorted by length and batched with right padding up to ``hidd
 longest) per forward pass, no attention mask needed (causal attention never looks at the padding on the right). The base
 model runs without ``lm_head`` and keeps only the selected hidden states; the head then runs on the real rows only, in
 blocks, for ``top``. A shard is named by the hash of its keys and written atomically: one that exists is finished.
-Storage is 8·H bytes of hidden state per token in bf16 (3·H aux + H final), plus 9 bytes of ids, mask and ``top``.
+Storage is 8·H bytes of hidden state per token in bf16 (3·H aux + H final), 4·H + 16 in FP8 (a float32 scale per
+token and layer: ``features.encode``), plus 9 bytes of ids, mask and ``top``.
 
 Publish: ``data/hidden`` gets the shards its sequences use as hard links to the store's files (a copy where the
 filesystem cannot link; DVC does not cache the folder, so the states take their disk once:
@@ -57,16 +58,15 @@ from .records import write_json, write_jsonl
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str = "") -> str:
     """Fingerprint of everything that decides a sequence's states (the store's name): the params but
-    ``shard_tokens``, the layers, the code (this module and the shard format's), the model (files and compute dtype)
-    and library versions. Not the sequences: the store holds states by content."""
+    ``shard_tokens``, the layers, the code (this module, the storage's and the shard format's), the model (files and
+    compute dtype) and library versions. Not the sequences: the store holds states by content."""
     import transformers
 
-    code = code_hash([__file__, sequences.__file__, shards.__file__])
+    code = code_hash([__file__, features.__file__, sequences.__file__, shards.__file__])
     blob = json.dumps({"params": {k: v for k, v in params.items() if k != "shard_tokens"}, "layers": layers,
                        "code": code, "model": model_fp, "model_dtype": model_dtype, "torch": torch.__version__,
                        "transformers": transformers.__version__}, sort_keys=True, default=str)
@@ -134,12 +134,12 @@ def greedy(model, states: torch.Tensor, rows: int = 512) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dtype: torch.dtype,
+def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dtype: str,
                   pad_id: int = 0) -> tuple[dict, list[dict]]:
-    """The tensors of one shard (``features.py``) for ``samples`` = [(id, input_ids, loss_mask)], in the given
-    order, and the samples left out of it [{id, tokens, reason}]. A batch that fails (out of memory, a bad id) is
-    retried in two halves, down to one sample; a sample that fails alone is left out with its reason, so a poison
-    sequence never takes its batch mates down."""
+    """The tensors of one shard (``features.py``; the states stored in ``dtype``, a ``hidden.dtype``) for ``samples``
+    = [(id, input_ids, loss_mask)], in the given order, and the samples left out of it [{id, tokens, reason}]. A
+    batch that fails (out of memory, a bad id) is retried in two halves, down to one sample; a sample that fails
+    alone is left out with its reason, so a poison sequence never takes its batch mates down."""
     lengths = [len(s[1]) for s in samples]
     rows, failed = {}, []
 
@@ -163,17 +163,21 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
             return
         for row, i in enumerate(batch):
             n = lengths[i]
-            rows[i] = (a[row, :n].to("cpu", dtype), f[row, :n].to("cpu", dtype), greedy(model, f[row, :n]).cpu())
+            stored = [*features.encode(a[row, :n], dtype, 3), *features.encode(f[row, :n], dtype, 1)]
+            rows[i] = [None if x is None else x.cpu() for x in stored] + [greedy(model, f[row, :n]).cpu()]
 
     for batch in plan_batches(lengths, batch_tokens):
         run_batch(batch)
     kept = [i for i in range(len(samples)) if i in rows]
     packed = sequences.pack([(samples[i][1], samples[i][2]) for i in kept])
-    H = families.text_config(model.config).hidden_size
+    H, kind = families.text_config(model.config).hidden_size, features.DTYPES[dtype]
     stack = lambda part, width, kind: torch.cat([rows[i][part] for i in kept]) if kept \
         else torch.empty((0, width) if width else 0, dtype=kind)  # noqa: E731
-    return {**packed, "aux": stack(0, 3 * H, dtype), "final": stack(1, H, dtype),
-            "top": stack(2, 0, torch.int32).to(torch.int32)}, failed
+    tensors = {**packed, "aux": stack(0, 3 * H, kind), "final": stack(2, H, kind),
+               "top": stack(4, 0, torch.int32).to(torch.int32)}
+    if dtype in features.SCALED:
+        tensors |= {"aux_scale": stack(1, 3, torch.float32), "final_scale": stack(3, 1, torch.float32)}
+    return tensors, failed
 
 
 SKIPPED = "train.features is online: train computes the states itself, hidden extracts nothing"
@@ -261,11 +265,12 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
     computed_tokens, seconds = sum(r[0] for r in ranks), max(r[1] for r in ranks)
     total_bytes = sum((store / f).stat().st_size for f in used)
     tokens = sum(index[split]["tokens"] for split in seqs)
-    H, bytes_el = cfg.hidden_size, torch.tensor([], dtype=DTYPES[params.dtype]).element_size()
+    H = cfg.hidden_size
     return {"layers": layers, "hidden_size": H, "samples": sum(index[s]["samples"] for s in seqs),
             "tokens": tokens, "train_tokens": index.get("train", {}).get("tokens", 0),
             "valid_tokens": index.get("valid", {}).get("tokens", 0),
-            "hidden_bytes_per_token": 4 * H * bytes_el, "bytes_per_token": round(total_bytes / max(tokens, 1), 2),
+            "hidden_bytes_per_token": features.bytes_per_token(H, params.dtype),
+            "bytes_per_token": round(total_bytes / max(tokens, 1), 2),
             "bytes": total_bytes, "left_out": len(failures),
             "run": {"fingerprint": store.name, "world": rt.world, "computed_tokens": computed_tokens,
                     "computed_shards": len(missing), "reused_shards": len([f for f in used if f in before]),
@@ -301,7 +306,7 @@ def _compute(store: Path, missing: list, seqs: dict, model, layers: list, params
     for keys in missing[rt.rank::rt.world]:
         start = time.perf_counter()
         tensors, left_out = extract_shard(model, [(k, *by_key[k]) for k in keys], layers, params.batch_tokens,
-                                          DTYPES[params.dtype])
+                                          params.dtype)
         gone = {f["id"] for f in left_out}
         meta = {"content": json.dumps({  # one key: safetensors writes several in no fixed order
             "keys": [k for k in keys if k not in gone],

@@ -15,8 +15,8 @@ tokens, run ``train.epochs`` times.
 
 Bytes per token stored by hidden (features.py): ``aux`` 3·H and ``final`` H in ``hidden.dtype``, plus 9 bytes of
 ``input_ids`` (int32), ``loss_mask`` (uint8) and ``top`` (int32); shard headers and offsets are not counted, and
-sequences stored once per content can make the measured figure a little lower. FP8 is the planned scheme, not built:
-float8_e4m3fn values plus one float32 scale per token for each of the 4 states. Online training stores nothing.
+sequences stored once per content can make the measured figure a little lower. ``hidden.dtype: float8_e4m3fn``
+stores 1-byte values plus one float32 scale per token for each of the 4 states. Online training stores nothing.
 
 Time: tokens / (tokens/s) per stage, from ``--generate-tokens-per-s`` / ``--hidden-tokens-per-s`` /
 ``--train-tokens-per-s``, else this machine's last run of the params' own target (metrics/timings/*.json, under the
@@ -30,12 +30,9 @@ from pathlib import Path
 import click
 import yaml
 
-from . import config, target
+from . import config, features, target
 
 IDS_MASK_TOP = 4 + 1 + 4  # input_ids int32, loss_mask uint8, top int32: bytes per token
-STATES = 4  # aux holds three layers' states, final one
-ELEMENT = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
-FP8_SCALE = 4  # float32, per token per state
 TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")
 
 
@@ -54,9 +51,8 @@ def text_config(path) -> dict:
 
 
 def bytes_per_token(hidden_size: int, dtype: str) -> float:
-    """Bytes hidden stores per token for a target of width ``hidden_size`` (``float8_e4m3fn``: the planned scheme)."""
-    scales = STATES * FP8_SCALE if dtype == "float8_e4m3fn" else 0
-    return STATES * hidden_size * ELEMENT[dtype] + scales + IDS_MASK_TOP
+    """Bytes hidden stores per token for a target of width ``hidden_size`` in ``dtype``."""
+    return features.bytes_per_token(hidden_size, dtype) + IDS_MASK_TOP
 
 
 def load_params(path, sets: tuple[str, ...]) -> config.Params:
@@ -154,7 +150,7 @@ def report(cfg: dict, params, samples: int, p, a, seq, speeds: dict) -> list[str
         row(f"tokens to train, {params.train.epochs} epochs", per_epoch * params.train.epochs, "train.epochs"), "",
         f"{'offline states, ' + params.hidden.dtype:<34}{size(tokens * bf):>18}  {bf:,.0f} bytes/token",
         f"{'offline states, float8_e4m3fn':<34}{size(tokens * fp8):>18}  {fp8:,.0f} bytes/token, x{fp8 / bf:.2f} "
-        "(planned scheme, not built: 1-byte values + a float32 scale per token per state)",
+        "(hidden.dtype: float8_e4m3fn)",
         f"{'online (train.features: online)':<34}{'0 B':>18}  the target runs inside the trainer instead", "",
         f"{'time: infer':<34}{duration(generate, speeds['infer'])}",
         f"{'time: hidden (offline only)':<34}{duration(tokens, speeds['hidden'])}",
@@ -186,7 +182,7 @@ def main(target_arg, params_path, sets, samples, prompt_tokens, answer_tokens, g
         path = Path(target_arg)
     else:
         try:
-            path = target.resolve(target_arg or params.target.model) / "config.json"
+            path = target.resolve(target_arg or params.target.model, params.target.trust_remote_code) / "config.json"
         except FileNotFoundError as e:
             raise click.ClickException(str(e)) from None
     cfg = text_config(path) | {"path": target_arg or f"{params.target.model} ({path})"}

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import quant, remote
 from .errors import UserError
 
 
@@ -155,8 +156,10 @@ def load_target(folder, dtype: str, rt: Runtime, device_map=None):
     if device_map is not None and rt.world > 1:
         raise UserError(f"runtime.device_map spreads one target over this node's devices, but this job runs "
                         f"{rt.world} processes: run one (NPROC=1), or leave device_map null (a target per rank)")
+    quant.loadable(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, compute_dtype(dtype, rt.device)),
-                                                 device_map=rt.device if device_map is None else device_map)
+                                                 device_map=rt.device if device_map is None else device_map,
+                                                 trust_remote_code=remote.trusted(folder))
     return model.eval().requires_grad_(False)
 
 

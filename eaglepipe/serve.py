@@ -30,7 +30,7 @@ import time
 import urllib.request
 from collections import defaultdict
 
-from . import config, families
+from . import config, families, remote
 from .config import CACHE
 from .engines import Failure, Sampling
 from .engines.vllm import VLLMEngine
@@ -101,7 +101,7 @@ class Served:
 
     def __init__(self, folder, tokenizer, p: config.Serve, speculative: dict | None = None, run: str = "plain",
                  concurrency: int = 1):
-        flags = ["--dtype", p.dtype, *p.extra_args]
+        flags = ["--dtype", p.dtype, *p.extra_args, *(["--trust-remote-code"] if remote.trusted(folder) else [])]
         if speculative is not None:
             flags += ["--speculative-config", json.dumps(speculative), "--per-request-spec-decode-metrics", "summary"]
         launch = config.Launch(model_path=str(folder), host=p.host, port=p.port, extra_args=flags,
@@ -230,9 +230,7 @@ def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve,
     """Both runs (``evaluate.num_steps`` draft tokens per step, ``evaluate.max_new_tokens`` per prompt, as evaluate
     decoded ``rows``) and their comparison (``compare``)."""
     sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stop_ids)))
-    from transformers import AutoConfig
-
-    num_layers = families.text_config(AutoConfig.from_pretrained(folder)).num_hidden_layers
+    num_layers = families.text_config(families.load_config(folder)).num_hidden_layers
     plain = decode(folder, tokenizer, p, rows, sampling)
     eagle = decode(folder, tokenizer, p, rows, sampling, eagle3(draft, num_steps), "eagle")
     return compare(rows, plain, eagle, p.tolerance, num_layers)

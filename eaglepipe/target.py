@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from . import compat, families
+from . import compat, families, quant, remote
 from .config import CACHE
 from .hashing import file_hash
 
@@ -37,10 +37,12 @@ def embedded_gguf() -> Path:
     return path
 
 
-def resolve(model: str) -> Path:
-    """Return a Hugging Face model folder for ``model``, converting a GGUF file once if needed."""
+def resolve(model: str, trust_remote_code: bool = False) -> Path:
+    """Return a Hugging Face model folder for ``model``, converting a GGUF file once if needed; a folder that needs
+    remote code is refused unless ``trust_remote_code`` (``target.trust_remote_code``, remote.py)."""
     gguf = embedded_gguf() if model == EMBEDDED else Path(model)
     if gguf.is_dir():
+        remote.admit(gguf, trust_remote_code)
         return gguf
     if gguf.suffix != ".gguf" or not gguf.exists():
         raise FileNotFoundError(f"target.model={model!r} is neither 'embedded', a model folder, nor a .gguf file")
@@ -66,23 +68,23 @@ def resolve(model: str) -> Path:
 
 
 def fingerprint(folder: Path) -> str:
-    """Hash of what defines the model's behaviour: config, tokenizer and generation files, and the weight files'
-    names and sizes (hashing hundreds of GB of weights is not practical; a changed checkpoint changes its config
+    """Hash of what defines the model's behaviour: config, tokenizer, generation and remote code files, and the weight
+    files' names and sizes (hashing hundreds of GB of weights is not practical; a changed checkpoint changes its config
     or its sizes in practice)."""
     h = hashlib.sha256()
     for p in sorted(folder.iterdir()):
-        if p.suffix in (".json", ".jinja", ".model", ".txt") or p.name.startswith("tokenizer"):
+        if p.suffix in (".json", ".jinja", ".model", ".txt", ".py") or p.name.startswith("tokenizer"):
             h.update(p.name.encode() + b"\0" + p.read_bytes())
         elif p.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
             h.update(f"{p.name}\0{p.stat().st_size}".encode())
     return h.hexdigest()[:16]
 
 
-def checked(model: str) -> Path:
+def checked(model: str, trust_remote_code: bool = False) -> Path:
     """The model folder of ``target.model`` (``resolve``), once ``compat.check`` has found it one the pipeline serves:
     a stage that computes with the target calls this first, so a target it cannot serve stops it in its first
     seconds, before anything is loaded."""
-    folder = resolve(model)
+    folder = resolve(model, trust_remote_code)
     compat.check(folder)
     return folder
 
@@ -90,24 +92,23 @@ def checked(model: str) -> Path:
 def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=remote.trusted(folder))
 
 
 def load_model(folder: Path, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    quant.loadable(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype),
+                                                 trust_remote_code=remote.trusted(folder))
     model.eval()
     return model
 
 
 def context_length(folder: Path) -> int | None:
     """The longest sequence the target takes (``max_position_embeddings`` of its text config), if it says."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(folder)
-    return getattr(families.text_config(cfg), "max_position_embeddings", None)
+    return getattr(families.text_config(families.load_config(folder)), "max_position_embeddings", None)
 
 
 def stop_ids(folder: Path, tokenizer) -> list[int]:

@@ -43,18 +43,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from . import draft, families, features, hidden, records, runtime, sequences, shards, ttt, uncertainty
+from . import draft, families, features, hidden, quant, records, runtime, sequences, shards, ttt, uncertainty
 from .errors import UserError
 from .hashing import code_hash
 from .ttt import TTT, chain_masks, collate, ttt_forward
 from .compat import EMBED, HEAD, LAYERS, NORM, weights as stored_weights
 
 log = logging.getLogger(__name__)
-WINDOW = 64
-
-
-STATES = ("aux", "final", "top")  # what a batch reads from the shards: [n, 3H] and [n, H] as stored, and the target's
-# argmax over the full vocabulary at t (hidden's ``top``), int32 [n]
+WINDOW = 64  # samples sorted by length together (plan_batches)
+STATES = ("aux", "final", "top")  # a batch's states: [n, 3H], [n, H] (decoded: features.py), hidden's ``top`` [n]
 
 
 @dataclass
@@ -78,13 +75,14 @@ class Stored:
             raise UserError(f"{self.folder} holds no hidden states ({index['skipped']}): rerun hidden with "
                             "train.features: offline, or train online")
         self.layers, self.splits = index["layers"], [s for s in shards.SPLITS if s in index]
+        self.names = STATES + (features.SCALES if index.get("dtype") in features.SCALED else ())
 
     def identity(self) -> dict:
         """What decides these states (for the checkpoint fingerprint)."""
         return {"data": shards.dataset_hash(self.folder)}
 
     def states(self, samples: list[Sample]) -> list[dict]:
-        return read_states(samples)
+        return read_states(samples, self.names)
 
 
 class Online:
@@ -100,29 +98,33 @@ class Online:
 
     def identity(self) -> dict:
         return {"data": shards.dataset_hash(self.folder), "hidden": self.params.tracked(), "layers": self.layers,
-                "model_dtype": str(self.model.dtype), "code": code_hash([hidden.__file__, sequences.__file__])}
+                "model_dtype": str(self.model.dtype),
+                "code": code_hash([hidden.__file__, features.__file__, sequences.__file__])}
 
     def states(self, samples: list[Sample]) -> list[dict]:
         tensors, failed = hidden.extract_shard(self.model, [(s.id, s.ids, s.mask) for s in samples], self.layers,
-                                               self.params.batch_tokens, hidden.DTYPES[self.params.dtype])
+                                               self.params.batch_tokens, self.params.dtype)
         if failed:
             raise UserError(f"{self.folder}: the target cannot run {failed[0]['id']} ({failed[0]['reason']}); online "
                             "training has no way to leave a sequence out (hidden leaves it out: train offline)")
         off = tensors["offsets"].tolist()
-        return [{name: tensors[name][off[i]:off[i + 1]] for name in STATES} for i in range(len(samples))]
+        names = [n for n in (*STATES, *features.SCALES) if n in tensors]
+        return [features.decode({name: tensors[name][off[i]:off[i + 1]] for name in names})
+                for i in range(len(samples))]
 
 
-def read_states(samples: list[Sample]) -> list[dict]:
-    """``STATES`` of each sample, in order, reading each shard file once."""
+def read_states(samples: list[Sample], names=STATES) -> list[dict]:
+    """``STATES`` of each sample (stored as ``names``: with their scales under FP8), decoded, in order, reading each
+    shard file once."""
     by_file = {}
     for i, s in enumerate(samples):
         by_file.setdefault(s.file, []).append(i)
     out = [None] * len(samples)
     for file, which in by_file.items():
-        rows = shards.read_rows(file, STATES, [(samples[i].start, samples[i].start + len(samples[i].ids))
-                                               for i in which])
+        rows = shards.read_rows(file, names, [(samples[i].start, samples[i].start + len(samples[i].ids))
+                                              for i in which])
         for i, r in zip(which, rows):
-            out[i] = r
+            out[i] = features.decode(r)
     return out
 
 
@@ -131,12 +133,15 @@ def target_tensors(folder, layer: int) -> dict:
     """From the target's safetensors files (the model is not loaded; the headers tell which file holds what):
     ``embed`` (input embedding), ``head`` (output head; the embedding when tied), ``norm`` (final norm), float32, and
     for ``draft.init_from_target``: ``layer`` {name: weight as stored} of decoder layer ``layer``'s weights among
-    ``draft.LAYER_WEIGHTS``, ``layer_names`` every weight name of that layer, ``layer_index`` and ``model_type``."""
+    ``draft.LAYER_WEIGHTS``, ``layer_names`` every weight name of that layer, ``layer_index`` and ``model_type``.
+    A weight stored in FP8 blocks with its scales is read dequantized to float32 (quant.py)."""
     folder = Path(folder)
     stored = stored_weights(folder)
     prefix = f"{LAYERS}{layer}."
-    layer_names = sorted(n[len(prefix):] for n in stored if n.startswith(prefix))
+    layer_names = sorted(n[len(prefix):] for n in stored if n.startswith(prefix)
+                         and not (n.endswith(quant.SCALE) and n[:-len(quant.SCALE)] in stored))
     wanted = {"embed": EMBED, "head": HEAD, "norm": NORM, **{w: prefix + w for w in draft.LAYER_WEIGHTS}}
+    wanted |= {key + quant.SCALE: name + quant.SCALE for key, name in wanted.items() if name + quant.SCALE in stored}
     missing = [wanted[k] for k in ("embed", "norm") if wanted[k] not in stored]
     if missing or not layer_names:
         raise KeyError(f"{folder}: no {missing or prefix + '*'} in the safetensors files (compat.check names what a "
@@ -149,13 +154,13 @@ def target_tensors(folder, layer: int) -> dict:
     for file, names in by_file.items():
         with safe_open(str(folder / file), framework="pt") as f:
             found.update({key: f.get_tensor(name) for key, name in names.items()})
+    block = (quant.method(folder) or {}).get("weight_block_size", [128, 128])
+    for key in [k for k in found if k + quant.SCALE in found]:
+        found[key] = quant.dequantize(found[key], found.pop(key + quant.SCALE), block)
     head = found.get("head", found["embed"])
     return {"embed": found["embed"].float(), "head": head.float(), "norm": found["norm"].float(),
             "layer": {w: found[w] for w in draft.LAYER_WEIGHTS if w in found}, "layer_names": layer_names,
             "layer_index": layer, "model_type": json.loads((folder / "config.json").read_text()).get("model_type")}
-
-
-POSITIONS = ("generated", "all")
 
 
 def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[Sample]:
@@ -165,8 +170,6 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
     learns the target's distribution from about three times as many positions of the same data. A prompt is
     trained once: further answers to it (``infer.samples``) train on their own tokens only. ``keep(id)``, when
     given, picks the samples to load (bench/bench_scale.py trains on parts of the data)."""
-    if positions not in POSITIONS:
-        raise ValueError(f"train.positions must be one of {POSITIONS}, not {positions!r}")
     folder, samples, prompts = Path(folder), [], set()
     for entry, spans, t in shards.columns(folder, split, ("input_ids", "loss_mask")):
         for sid, (start, end) in zip(entry["ids"], spans):
@@ -269,7 +272,7 @@ def fingerprint(feats, params, target_fp: str) -> str:
     """Hash of the features' inputs (``feats.identity()``: the shards' bytes, and online the hidden params), the
     train params, the code that reads and trains, and the target."""
     code = code_hash([__file__, ttt.__file__, draft.__file__, features.__file__, shards.__file__, records.__file__,
-                      runtime.__file__])
+                      quant.__file__, runtime.__file__])
     blob = json.dumps({"features": feats.identity(), "code": code, "params": params.tracked(),
                        "target": target_fp, "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -295,8 +298,6 @@ def setup(feats, target_folder, p, keep=None):
     """(drafter initialised with the seed, train samples, valid samples, target head rows of the draft vocabulary
     (bf16 under ``train.autocast: bfloat16``), loss-masked token counts of the train split) for ``feats`` (a
     ``Stored`` or ``Online``, or hidden's folder)."""
-    from transformers import AutoConfig
-
     feats = features_of(feats)
     tgt = target_tensors(target_folder, feats.layers[2])
     train_set = load_samples(feats.folder, "train", p.positions, keep)
@@ -305,7 +306,7 @@ def setup(feats, target_folder, p, keep=None):
         raise UserError(f"{feats.folder}: no training sample has a position to train (two generated tokens)")
     runtime.seed(p.seed)
     counts = token_counts(train_set)
-    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), p.draft_vocab_size,
+    cfg = draft.DraftConfig.from_target(families.load_config(target_folder), p.draft_vocab_size,
                                         feats.layers)
     model = draft.Eagle3Draft(cfg, tgt["embed"])
     model.set_vocab(*draft.build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))

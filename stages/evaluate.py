@@ -35,7 +35,7 @@ def main(params, prompts, draft_folder, report, positions, decoded, timings):
     p = cfg.evaluate
     if p.threads:
         torch.set_num_threads(p.threads)
-    folder = target.checked(cfg.target.model)
+    folder = target.checked(cfg.target.model, cfg.target.trust_remote_code)
     tokenizer = target.load_tokenizer(folder)
     conversations, selection = benchmarks.select(p.benchmarks, prompts, p.limit)
     spec = derive.spec_from_params(cfg.target.reasoning)

@@ -20,7 +20,7 @@ from eaglepipe import cli, hidden, runtime, target
 @cli.stage
 def main(params, seq_folder, out, report, timings, cache):
     cfg = cli.params(params)
-    folder = target.checked(cfg.target.model)
+    folder = target.checked(cfg.target.model, cfg.target.trust_remote_code)
     with runtime.start(cfg.runtime.device) as rt:
         if cfg.train.features == "online":
             if rt.is_main:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from eaglepipe import cli, derive, infer, runtime, target
+from eaglepipe import cli, derive, infer, remote, runtime, target
 from eaglepipe.engines import Sampling, table
 from eaglepipe.errors import UserError
 from eaglepipe.gates import Gates
@@ -27,7 +27,7 @@ def main(params, prompts, out, report, timings, cache):
     p = cfg.infer
     spec = derive.spec_from_params(cfg.target.reasoning, cfg.target.tool_calls)
     prompt_list = read_prompts(prompts)
-    folder = target.resolve(cfg.target.model)
+    folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     tokenizer = target.load_tokenizer(folder)
     sampling = Sampling.from_params(p, target.stop_ids(folder, tokenizer))
     with runtime.start(cfg.runtime.device) as rt, table.create(p, folder, tokenizer, rt) as engine:
@@ -45,7 +45,8 @@ def main(params, prompts, out, report, timings, cache):
         except UserError as e:
             raise UserError(f"{e}. Nothing was published; the records are in {work}") from None
         write_jsonl(Path(out) / "responses.jsonl", responses)
-        write_json(Path(out) / "engine.json", {"fingerprint": fp, **engine.describe()})
+        code = {"remote_code": remote.hashes(folder)} if remote.trusted(folder) else {}
+        write_json(Path(out) / "engine.json", {"fingerprint": fp, **engine.describe(), **code})
     cli.publish(rep, report, timings)
     logging.info("wrote %d records to %s: %s", len(responses), out, rep["finish_reason"])
 

@@ -35,7 +35,8 @@ def main(responses, n, seed, source, max_chars, params, report):
     tokenizer = spec = None
     if Path(params).exists():
         cfg = yaml.safe_load(Path(params).read_text())
-        tokenizer = target.load_tokenizer(target.resolve(cfg["target"]["model"]))
+        folder = target.resolve(cfg["target"]["model"], cfg["target"].get("trust_remote_code", False))
+        tokenizer = target.load_tokenizer(folder)
         spec = derive.spec_from_params(cfg["target"]["reasoning"], cfg["target"].get("tool_calls", "none"))
     rep = json.loads(Path(report).read_text()) if report and Path(report).exists() else None
     click.echo(insp.render(Path(responses), n, seed, tokenizer, spec, max_chars, source, rep))

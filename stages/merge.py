@@ -17,7 +17,7 @@ from eaglepipe import cli, derive, merge, target
 def main(params, responses, out, report, timings):
     cfg = cli.params(params)
     spec = derive.spec_from_params(cfg.target.reasoning, cfg.target.tool_calls)
-    folder = target.resolve(cfg.target.model)
+    folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     tokenizer = target.load_tokenizer(folder)
     end_of_turn = target.end_of_turn_id(folder, tokenizer)
     cli.publish(merge.run(Path(responses), Path(out), tokenizer, spec, end_of_turn, cfg.merge), report, timings)

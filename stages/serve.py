@@ -24,7 +24,7 @@ def main(params, decoded, draft_folder, report, timings):
     if not Path(decoded).is_file():
         raise UserError(f"{decoded} does not exist: the serve check replays what evaluate decoded, so "
                         "evaluate.benchmarks must include the benchmark it names (dvc.yaml: heldout)")
-    folder = target.resolve(cfg.target.model)
+    folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     tokenizer = target.load_tokenizer(folder)
     rows = serve.load_decoded(decoded)
     metrics = serve.check(folder.resolve(), tokenizer, draft_folder, rows, target.stop_ids(folder, tokenizer),

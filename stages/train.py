@@ -30,7 +30,7 @@ from eaglepipe.records import write_json
 @cli.stage
 def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkpoints):
     cfg = cli.params(params)
-    folder = target.checked(cfg.target.model)
+    folder = target.checked(cfg.target.model, cfg.target.trust_remote_code)
     with runtime.start(cfg.runtime.device) as rt:
         if cfg.train.features == "online":
             model = runtime.load_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)

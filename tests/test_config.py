@@ -36,7 +36,8 @@ def with_(**sections) -> dict:
     ({"target": {"reasoning": {"start": "<r>"}}}, "target.reasoning.end is missing"),
     ({"target": {"tool_calls": "openai"}}, "target.tool_calls = 'openai': input should be 'none', 'hermes'"),
     ({"hidden": {"layers": [2, 15.5, 27]}}, "hidden.layers[1] = 15.5: input should be a valid integer"),
-    ({"hidden": {"dtype": "fp8"}}, "hidden.dtype = 'fp8': input should be 'bfloat16', 'float16' or 'float32'"),
+    ({"hidden": {"dtype": "fp8"}},
+     "hidden.dtype = 'fp8': input should be 'bfloat16', 'float16', 'float32' or 'float8_e4m3fn'"),
     ({"train": {"betas": [0.9]}}, "train.betas[1] is missing"),
     ({"train": {"autocast": True}}, "train.autocast = True: input should be 'bfloat16' or 'none'"),
     ({"evaluate": {"ngram": {"maximum": 3}}}, "unknown key evaluate.ngram.maximum (did you mean max?)"),
@@ -72,9 +73,10 @@ def test_value_lists_are_those_of_the_code_that_implements_them():
     schema imports no stage code (it would be a dep of every stage) and no model or data library."""
     assert set(config.FORMATS) == set(formats.CONVERTERS)
     assert set(config.TOOL_CALLS) == {"none", *toolcalls.PARSERS}
+    own = ("eaglepipe.config", "eaglepipe.errors", "eaglepipe.explain")
     code = ("import sys, eaglepipe.config\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'datasets')\n"
-            "             or m.startswith('eaglepipe.') and m not in ('eaglepipe.config', 'eaglepipe.errors', 'eaglepipe.explain')))")
+            f"             or m.startswith('eaglepipe.') and m not in {own}))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
 
 

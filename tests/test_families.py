@@ -1,8 +1,9 @@
 """families: tiny random targets of four decoder-only families, built here (Qwen3 with QK-norm, Qwen2 with q/k/v
-biases, a Qwen3-MoE, a 4-layer Llama), each through hidden, train and evaluate (lossless); the drafter's init is
-exact for the Llama target only, measured against the target's own layer on its own states, and logged as not exact
-for the others; a target the pipeline cannot serve is refused in seconds, naming why, by each stage before it loads
-anything."""
+biases, a Qwen3-MoE, a 4-layer Llama, and that Llama with its layers stored as FP8 blocks), each through hidden,
+train and evaluate (lossless); the drafter's init is exact for the Llama targets only, measured against the target's
+own layer on its own states, and logged as not exact for the others; a target the pipeline cannot serve is refused
+in seconds, naming why, by each stage before it loads anything."""
+import json
 import logging
 import subprocess
 import sys
@@ -11,13 +12,14 @@ import time
 import pytest
 import torch
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_config import ROOT, STAGE_ARGS, with_
 from transformers import (AutoModelForCausalLM, GemmaConfig, GlmConfig, LlamaConfig, Qwen2Config, Qwen2VLConfig,
                           Qwen3Config, Qwen3MoeConfig, T5Config)
 
-from eaglepipe import (benchmarks, compat, config, draft, evaluate, features, hidden, reasoning, sequences, speculative,
-                       target, train)
+from eaglepipe import (benchmarks, compat, config, draft, evaluate, features, hidden, quant, reasoning, sequences,
+                       speculative, target, train)
+from eaglepipe.errors import UserError
 
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 256}
@@ -27,7 +29,9 @@ FAMILIES = {  # config class, its own keys; vocab and special ids are the embedd
     "qwen3_moe": (Qwen3MoeConfig, {"num_hidden_layers": 4, "head_dim": 16, "num_experts": 4,
                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "llama": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 16}),
+    "llama_fp8": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 16}),  # its layers' projections in FP8 blocks
 }
+BLOCK = [16, 32]  # weight_block_size of llama_fp8: rows, columns
 TRAIN = config.Train(seed=0, draft_vocab_size=256, ttt_steps=2, epochs=1, batch_tokens=128, lr=1e-3, warmup_steps=1,
                      threads=0, positions="all", autocast="none", init="target")
 HIDDEN = config.Hidden(layers="auto", dtype="bfloat16", batch_tokens=64, shard_tokens=1000)
@@ -51,6 +55,27 @@ def build_target(folder, family, tokenizer):
                 p.normal_(0, 0.1)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if family.endswith("_fp8"):
+        to_fp8(folder, lambda name: ".layers." in name and name.endswith("proj.weight"))
+
+
+def to_fp8(folder, which):
+    """Store the weights ``which(name)`` picks as DeepSeek-V3's FP8 checkpoints do: float8_e4m3fn values and a
+    float32 ``weight_scale_inv`` per block of ``BLOCK`` (its absolute maximum over 448); ``quantization_config``
+    in config.json."""
+    block = BLOCK
+    weights = load_file(str(folder / "model.safetensors"))
+    for name in [n for n in weights if which(n)]:
+        w = weights[name].float()
+        (rows, cols), (b0, b1) = w.shape, block
+        scale = w.reshape(rows // b0, b0, cols // b1, b1).abs().amax(dim=(1, 3)) / 448
+        full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+        weights[name], weights[name + quant.SCALE] = (w / full).to(torch.float8_e4m3fn), scale
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": block}
+    (folder / "config.json").write_text(json.dumps(cfg))
 
 
 def deviation(model, drafter, ids, layers) -> float:
@@ -159,7 +184,7 @@ def test_the_init_is_exact_for_the_llama_layer_only_and_logged_once_per_run(ran)
     family, dev, (setup_line, run_line, online_line) = ran["family"], ran["deviation"], ran["init_log"]
     assert setup_line == run_line == online_line  # one line per run (setup here, then train.run's, offline and online)
     print(f"{family}: {setup_line} (step-0 deviation from the target layer {dev:.1e})")
-    if family == "llama":
+    if family in ("llama", "llama_fp8"):  # FP8: the layer as the target runs it, dequantized (quant.py)
         assert setup_line.startswith("drafter init: exact: the midlayer is target layer 3 (llama)") and dev < 1e-5
         return
     assert setup_line.startswith("drafter init: not exact: the midlayer starts from target layer 3") and dev > 1e-2
@@ -263,3 +288,33 @@ def test_each_stage_refuses_it_in_seconds_before_loading_anything(tmp_path):
             "distinct layers, and layer 0's (the embeddings) is one several SGLang and vLLM models cannot capture"], err
     assert time.monotonic() - start < 60
     assert not (tmp_path / "o").exists()
+
+
+def test_fp8_weights_are_read_as_transformers_dequantizes_them(tmp_path, tokenizer):
+    """train reads an FP8 layer in float32, equal to the weights of the target transformers loads here (dequantized
+    on a machine without FP8 kernels); an FP8 embedding (which FP8 checkpoints do not have) is refused."""
+    build_target(tmp_path, "llama_fp8", tokenizer)
+    compat.check(tmp_path)
+    read = train.target_tensors(tmp_path, 3)
+    layer = target.load_model(tmp_path).model.layers[3]
+    for name in draft.LAYER_WEIGHTS:
+        assert torch.equal(read["layer"][name], layer.get_parameter(name)), name
+    assert read["layer"]["mlp.up_proj.weight"].dtype == torch.float32
+    assert not any(n.endswith(quant.SCALE) for n in read["layer_names"])
+    to_fp8(tmp_path, lambda name: name == compat.EMBED)
+    with pytest.raises(compat.UnsupportedTarget, match="model.embed_tokens.weight is stored as F8_E4M3, not as"):
+        compat.check(tmp_path)
+
+
+def test_a_quantization_this_machine_cannot_load_is_refused_in_seconds(tmp_path):
+    """compressed-tensors (Kimi-K2.5's INT4 experts) needs its package, not installed here: the in-process loaders
+    refuse the target before reading a weight, naming the engines that serve it."""
+    if quant.importlib.util.find_spec("compressed_tensors") is not None:
+        pytest.skip("compressed-tensors is installed: transformers loads such targets here")
+    small(LlamaConfig).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="compressed-tensors-quantized, .* compressed_tensors package, not installed "
+                                        "here: generate with infer.engine: sglang or vllm"):
+        target.load_model(tmp_path)

@@ -1,7 +1,7 @@
-"""The shell commands of the README and of every docs/*.md page work as written, in a fresh shell without the venv
-activated, from the repository root: each command a page shows is either run here (the cheap ones) or named below as
-one that runs the pipeline or the tests. Every relative link of those pages points at a file that exists (and at a
-heading of it, for a #fragment)."""
+"""The shell commands of the README, recipes/README.md and every docs/*.md page work as written, in a fresh shell
+without the venv activated, from the repository root: each command a page shows is either run here (the cheap ones)
+or named below as one that runs the pipeline or the tests. Every relative link of those pages points at a file that
+exists (and at a heading of it, for a #fragment)."""
 import os
 import re
 import subprocess
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Commands that run stages, tests, benchmarks or experiments (minutes to hours), need a GPU or a server, or change git
 # or DVC's config: shown, not run here.
 EXPENSIVE = re.compile(r"^(\w+=\S+ )*(make (repro|test|test-fast|plots|inspect|prepare|infer|merge|hidden|train|"

@@ -6,6 +6,10 @@ stage's code includes the engines'.
 """
 from __future__ import annotations
 
+import shlex
+
+from .. import remote
+
 
 def _hf(params, folder, tokenizer, rt):
     """in-process Hugging Face: the target on runtime.device, in infer.dtype (engines/hf.py)."""
@@ -22,14 +26,14 @@ def _sglang(params, folder, tokenizer, rt):
     """SGLang servers' native /generate, token ids in and out (engines/sglang.py)."""
     from .sglang import SGLangEngine
 
-    return SGLangEngine(params.sglang, tokenizer)
+    return SGLangEngine(servers(params.sglang, folder), tokenizer)
 
 
 def _vllm(params, folder, tokenizer, rt):
     """vLLM servers' token-in token-out /inference/v1/generate (engines/vllm.py)."""
     from .vllm import VLLMEngine
 
-    return VLLMEngine(params.vllm, tokenizer)
+    return VLLMEngine(servers(params.vllm, folder), tokenizer)
 
 
 ENGINES = {"hf": _hf, "sglang": _sglang, "vllm": _vllm}
@@ -38,5 +42,15 @@ ENGINES = {"hf": _hf, "sglang": _sglang, "vllm": _vllm}
 def create(params, folder, tokenizer, rt):
     """The engine ``params.engine`` names (``params``: the ``infer`` section, config.Infer), as a context manager:
     ``with create(...) as engine:``. Leaving it releases what the engine holds (connections, a server it launched),
-    also on errors."""
+    also on errors. A server launched for a target whose remote code is trusted gets ``--trust-remote-code``."""
     return ENGINES[params.engine](params, folder, tokenizer, rt)
+
+
+def servers(section, folder):
+    """An ``infer.<engine>`` section (config.Servers) as the engine gets it: its launch, if any, with
+    ``--trust-remote-code`` when ``folder``'s remote code is trusted (remote.py)."""
+    if section.launch is None or not remote.trusted(folder):
+        return section
+    extra = section.launch.extra_args
+    extra = [*(shlex.split(extra) if isinstance(extra, str) else extra), "--trust-remote-code"]
+    return section.model_copy(update={"launch": section.launch.model_copy(update={"extra_args": extra})})

@@ -1,0 +1,49 @@
+"""Quantized targets: which ones the in-process engine loads here, and the weights train reads from them, in floats.
+
+A target folder whose config.json has a ``quantization_config`` is loaded by transformers' quantizer for its
+``quant_method``. ``loadable`` refuses, before anything is loaded, a method whose package is not installed
+(``NEEDS``; compressed-tensors' packed INT4 experts of Kimi-K2.5, for one), naming the engines that serve it.
+FP8 block-quantized checkpoints (``quant_method: fp8`` with ``weight_block_size``, DeepSeek-V3's format) need
+nothing more: on a GPU transformers runs them with FP8 kernels, elsewhere it dequantizes them on loading.
+
+``dequantize`` is what train applies to a weight stored that way (float8 values and a ``<name>_scale_inv`` of one
+scale per block): ``value * scale`` blockwise in float32, the values transformers' dequantizing load computes, so a
+drafter started from such a layer is the layer the in-process target runs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from .errors import UserError
+
+NEEDS = {"compressed-tensors": "compressed_tensors", "gptq": "gptqmodel", "awq": "awq",
+         "bitsandbytes": "bitsandbytes"}
+"""quant_method -> the package transformers' quantizer for it imports (methods not named here need none)."""
+SCALE = "_scale_inv"
+"""A weight ``w``'s block scales are stored as ``w`` + SCALE."""
+
+
+def method(folder) -> dict | None:
+    """The target's ``quantization_config`` (None: stored as floats)."""
+    return json.loads((Path(folder) / "config.json").read_text()).get("quantization_config")
+
+
+def loadable(folder) -> None:
+    """Raise a UserError, in seconds, when transformers cannot load the quantized target in ``folder`` here."""
+    qc = method(folder)
+    package = NEEDS.get((qc or {}).get("quant_method"))
+    if package and importlib.util.find_spec(package) is None:
+        raise UserError(f"target {folder}: its weights are {qc['quant_method']}-quantized, which the in-process engine "
+                        f"loads only with the {package} package, not installed here: generate with infer.engine: "
+                        "sglang or vllm, which serve such checkpoints; hidden, evaluate and online training run the "
+                        "target in-process")
+
+
+def dequantize(weight, scale, block: list[int]):
+    """``weight`` [out, in] (float8) times its scales ``scale`` [ceil(out / block[0]), ceil(in / block[1])], one per
+    block, in float32 (``block``: ``weight_block_size``)."""
+    out_, in_ = weight.shape
+    full = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:out_, :in_]
+    return weight.float() * full
