@@ -16,7 +16,8 @@ Alignment (position t, TTT step k = 0..K-1, ids x, loss mask m):
     misses in the accuracy), as in the official code.
 Attention at step k (official EAGLE-3): position t attends to the step-0 keys of positions <= t and to its own keys
 of steps 1..k -- what a KV-cached chain at inference sees. Only positions with some loss ("active": m[t+1] & m[t+2])
-run queries, the MLP and the head; every position provides step-0 keys and values.
+run queries, the MLP and the head; every position provides step-0 keys and values. Past ``CHUNK`` queries the
+scores are computed in blocks of queries and recomputed in backward, so a step's memory grows linearly with length.
 
 Loss: sum_k w^k * soft cross-entropy (w = ``train.step_weight``)(target distribution over the draft vocabulary,
 drafter), averaged per step over its positions. acc_k: share of the step's positions where the drafter's argmax (mapped
@@ -29,6 +30,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from . import draft
 
@@ -79,6 +81,41 @@ def collate(samples: list, states: list[dict], steps: int, head_draft: torch.Ten
     return batch
 
 
+CHUNK = 512
+"""Queries per block of ``attention`` beyond which the blocks are recomputed in backward instead of stored."""
+
+
+def _attend(q, k0, v0, act, own_k, own_v):
+    """Softmax attention of queries ``q`` [B, heads, A, d] at positions ``act`` [B, A] over the step-0 keys and
+    values ``k0``, ``v0`` [B, heads, T, d] up to their own position, and over their own keys of steps 1..k
+    ``own_k``, ``own_v`` [B, heads, A, k, d] (None at step 0)."""
+    T = k0.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    future = torch.arange(T, device=q.device)[None, None, None, :] > act[:, None, :, None]
+    scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))     # [B, heads, A, T]
+    if own_k is None:
+        return torch.softmax(scores, -1) @ v0
+    own = (q[..., None, :] * own_k).sum(-1) * scale                                    # [B, heads, A, k]
+    p = torch.softmax(torch.cat((scores, own), -1), -1)
+    return p[..., :T] @ v0 + (p[..., T:, None] * own_v).sum(-2)
+
+
+def attention(q, k0, v0, act, own_k, own_v):
+    """``_attend`` in blocks of ``CHUNK`` queries, each block's scores (CHUNK x T per head) recomputed in backward
+    rather than kept (``torch.utils.checkpoint``): the memory of a step grows linearly with the sequence, not with
+    its square. Up to ``CHUNK`` queries it is ``_attend`` itself; in blocks it is the same values within float
+    rounding (tests/test_train.py)."""
+    A, chunk = q.shape[-2], CHUNK
+    if A <= chunk:
+        return _attend(q, k0, v0, act, own_k, own_v)
+    blocks = []
+    for i in range(0, A, chunk):
+        part = slice(i, i + chunk)
+        own = (own_k[:, :, part], own_v[:, :, part]) if own_k is not None else (None, None)
+        blocks.append(checkpoint(_attend, q[:, :, part], k0, v0, act[:, part], *own, use_reentrant=False))
+    return torch.cat(blocks, 2)
+
+
 def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: float = 1.0, per_row: bool = False):
     """(loss, stats [steps, 4] = loss sum, loss positions, correct, positions) for one batch, and with ``per_row``
     the correct and positions of each row [steps, B, 2] third; step k's loss is
@@ -91,12 +128,10 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: 
     dev = ids.device
     rows = torch.arange(B, device=dev)[:, None]
     layer, attn = model.midlayer, model.midlayer.self_attn
-    scale = 1.0 / math.sqrt(attn.head_dim)
 
     g = model.project(batch["aux"])                                            # [B, T, H]
     x0 = layer.attn_input(model.embed(torch.cat((ids[:, 1:], torch.zeros_like(ids[:, :1])), 1)), g)
     k0, v0 = attn.keys_values(x0, *model.rope(torch.arange(T, device=dev)[None].expand(B, T)))  # step-0 keys
-    future = torch.arange(T, device=dev)[None, None, None, :] > act[:, None, :, None]  # keys after the query's position
     h, x = g[rows, act], x0[rows, act]
     diag_k, diag_v, total, stats, rows_hit = [], [], 0.0, [], []
     for k in range(steps):
@@ -104,16 +139,11 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: 
         if k:
             x = layer.attn_input(model.embed(ids[rows, (act + 1 + k).clamp(max=T - 1)]), h)
         q = attn.queries(x, cos, sin)                                          # [B, heads, A, d]
-        scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))
         if k:
             kk, vk = attn.keys_values(x, cos, sin)
             diag_k.append(kk)
             diag_v.append(vk)
-            own = (q[..., None, :] * torch.stack(diag_k, -2)).sum(-1) * scale  # [B, heads, A, k]
-            p = torch.softmax(torch.cat((scores, own), -1), -1)
-            out = p[..., :T] @ v0 + (p[..., T:, None] * torch.stack(diag_v, -2)).sum(-2)
-        else:
-            out = torch.softmax(scores, -1) @ v0
+        out = attention(q, k0, v0, act, torch.stack(diag_k, -2) if k else None, torch.stack(diag_v, -2) if k else None)
         h = layer.finish(attn.merge(out), h)
 
         b, a = torch.nonzero(masks[k], as_tuple=True)

@@ -173,6 +173,32 @@ def test_ttt_step_equals_cached_inference_chain(data):
             torch.testing.assert_close(original(captured[k][row]), logits[0, -1], rtol=1e-4, atol=1e-4)
 
 
+def test_attention_in_blocks_gives_the_loss_and_gradients_of_one_block(data, monkeypatch):
+    """ttt.attention past CHUNK queries (blocks recomputed in backward, the bounded-memory form of long sequences)
+    gives the loss, statistics and every gradient of the whole score matrix at once, within float rounding."""
+    embed = train.target_tensors(data / "target", LAYERS - 3)["embed"]
+    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(data / "target"), 64, [2, 4, 5])
+    samples, steps = train.load_samples(data / "hidden", "train", "all")[:3], 3
+    results = []
+    for chunk in (10 ** 6, 7):
+        monkeypatch.setattr(ttt, "CHUNK", chunk)
+        torch.manual_seed(0)
+        model = draft.Eagle3Draft(cfg, embed)
+        model.set_vocab(*draft.build_vocab(Counter(range(64)), 64, V))
+        batch = ttt.collate(samples, train.read_states(samples), steps, embed[model.to_target(torch.arange(64))],
+                            model.t2d)
+        assert batch["act"].shape[1] > 2 * chunk or chunk > 1000  # several blocks, one of them partial
+        loss, stats = ttt.ttt_forward(model, batch, steps)
+        loss.backward()
+        results.append((loss.detach(), stats, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, stats_a, grads_a), (loss_b, stats_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a)
+    torch.testing.assert_close(stats_b, stats_a)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 3
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def stage(data, params, folder, world: int = 1, name: str = "draft") -> subprocess.Popen:
     """Start the train stage as dvc.yaml runs it (``python -m eaglepipe.runtime stages/train.py``: torchrun for a
     world above 1, 1 thread per process) on ``data``'s hidden states, its checkpoints in ``folder/checkpoints``."""
