@@ -65,6 +65,12 @@ POINTS = {
 }
 
 
+def accuracy(valid: dict) -> str:
+    """Validation accuracy at each TTT step with its standard error (train's report)."""
+    steps = sorted(int(k.rsplit("_", 1)[1]) for k in valid if k.startswith("acc_") and not k.startswith("acc_se"))
+    return ", ".join(f"{valid[f'acc_{k}']:.3f} ± {valid[f'acc_se_{k}']:.3f}" for k in steps)
+
+
 @click.command(help=__doc__)
 @click.option("--params", default="params.yaml", show_default=True)
 @click.option("--decoded", default="data/decoded", show_default=True, help="What evaluate decoded, per benchmark.")
@@ -98,13 +104,13 @@ def main(params, decoded, points, fresh, list_points):
             trained = json.loads((work / "metrics/train.json").read_text())
             lengths = acceptances(model, speculative.EagleDrafter(evaluate.load_drafter(work / "models/draft", model)),
                                   sets, stops, p)
-        rows.append((what, trained["train_samples"], trained["train_tokens"], trained["valid"]["acc_0"], minutes,
+        rows.append((what, trained["train_samples"], trained["train_tokens"], trained["valid"], minutes,
                      lengths))
         print(f"{name}: {rows[-1][1:]}", flush=True)
-    print_table(sets, ["training data", "samples", "tokens", "valid acc_0"], [f"minutes ({', '.join(STAGES)})"],
-                [([what, samples, tokens, f"{acc:.3f}"], lengths,
+    print_table(sets, ["training data", "samples", "tokens", "valid acc per TTT step ± se"], [f"minutes ({', '.join(STAGES)})"],
+                [([what, samples, tokens, accuracy(valid)], lengths,
                   [f"{sum(minutes.values()):.1f} (" + ", ".join(f"{m:.1f}" for m in minutes.values()) + ")"])
-                 for what, samples, tokens, acc, minutes, lengths in rows], ngram(sets, stops, p))
+                 for what, samples, tokens, valid, minutes, lengths in rows], ngram(sets, stops, p))
 
 
 if __name__ == "__main__":

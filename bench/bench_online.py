@@ -60,7 +60,7 @@ def main(params, sequences, decoded, epochs):
                 [([name, f"{seconds[name]:.0f}" + (f" (hidden {hidden_s:.0f} + train {runs[name][2]:.0f})"
                                                    if name == "offline" else ""), f"{tokens / seconds[name]:.0f}"],
                   lengths[name], []) for name in runs], ngram(sets, stops, e))
-    gap = max(abs(lengths["online"][b] - lengths["offline"][b]) for b in sets)
+    gap = max(abs(lengths["online"][b].length - lengths["offline"][b].length) for b in sets)
     print(f"\nonline / offline tokens/s: {seconds['offline'] / seconds['online']:.2f}; "
           f"largest acceptance difference: {gap:.3f}")
 

@@ -48,7 +48,7 @@ def main(params, hidden_folder, decoded, answers, half_prompts):
         rows.append((name, report["train_samples"], report["train_tokens"], report["valid"]["acc_0"], lengths,
                      seconds))
         print(f"{name}: {rows[-1][1]} samples, {rows[-1][2]} tokens, valid acc_0 {rows[-1][3]}, acceptance length "
-              f"{ {b: round(v, 3) for b, v in lengths.items()} }, trained in {seconds:.0f} s", flush=True)
+              f"{ {b: str(v) for b, v in lengths.items()} }, trained in {seconds:.0f} s", flush=True)
     print_table(sets, ["training data", "samples", "tokens", "valid acc_0"], ["train s"],
                 [([name, samples, tokens, f"{acc:.3f}"], lengths, [f"{seconds:.0f}"])
                  for name, samples, tokens, acc, lengths, seconds in rows], ngram(sets, stops, p))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from eaglepipe import config, speculative
+from eaglepipe import config, speculative, uncertainty
 from eaglepipe.records import read_jsonl
 
 STAGES = ["prepare", "infer", "merge", "hidden", "train", "evaluate"]
@@ -21,40 +21,76 @@ def decoded_sets(decoded, names=config.BENCHMARKS) -> dict[str, list[tuple[list[
             for name in names if (Path(decoded) / f"{name}.jsonl").exists()}
 
 
-def acceptance(model, drafter, prompts, stops, p) -> float:
-    """Acceptance length of ``drafter`` over ``prompts`` with the evaluate params ``p`` (greedy chains)."""
-    stats = speculative.Stats()
+class Turns:
+    """One method's acceptance on one set of turns, kept per turn: its length and the standard error over turns
+    (uncertainty.py; a turn is the cluster, so MT-bench's two turns of a question count as two)."""
+
+    def __init__(self):
+        self.emitted, self.steps = [], []
+
+    def add(self, stats: speculative.Stats) -> None:
+        self.emitted.append(stats.emitted)
+        self.steps.append(stats.steps)
+
+    @property
+    def length(self) -> float:
+        return sum(self.emitted) / sum(self.steps) if sum(self.steps) else 0.0
+
+    def __str__(self) -> str:
+        se = uncertainty.ratio_se(self.emitted, self.steps)
+        return f"{self.length:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+
+    __repr__ = __str__
+
+    def against(self, first: "Turns") -> str:
+        """This length minus ``first``'s (measured on the same turns) with its paired standard error, starred where
+        the difference exceeds twice it."""
+        d = self.length - first.length
+        se = uncertainty.difference_se((self.emitted, self.steps), (first.emitted, first.steps))
+        return f"Δ {d:+.3f} ± {se:.3f}" + ("*" if abs(d) > 2 * se else "") if se is not None else f"Δ {d:+.3f}"
+
+
+def acceptance(model, drafter, prompts, stops, p) -> Turns:
+    """Acceptance of ``drafter`` on each of ``prompts`` with the evaluate params ``p`` (greedy chains)."""
+    turns = Turns()
     for ids, _ in prompts:
+        stats = speculative.Stats()
         speculative.speculative(model, drafter, ids, p.max_new_tokens, stops, p.num_steps, stats)
-    return stats.acceptance_length
+        turns.add(stats)
+    return turns
 
 
-def acceptances(model, drafter, sets: dict, stops, p) -> dict[str, float]:
+def acceptances(model, drafter, sets: dict, stops, p) -> dict[str, Turns]:
     return {name: acceptance(model, drafter, prompts, stops, p) for name, prompts in sets.items()}
 
 
-def ngram(sets: dict, stops, p) -> dict[str, float]:
-    """The n-gram baseline's acceptance length on each set, with the evaluate params ``p``, replayed from the plain
-    greedy outputs (``speculative.replay``)."""
+def ngram(sets: dict, stops, p) -> dict[str, Turns]:
+    """The n-gram baseline's acceptance on each set, with the evaluate params ``p``, replayed from the plain greedy
+    outputs (``speculative.replay``)."""
     lengths = {}
-    for name, turns in sets.items():
-        stats = speculative.Stats()
-        for ids, output in turns:
+    for name, prompts in sets.items():
+        lengths[name] = Turns()
+        for ids, output in prompts:
+            stats = speculative.Stats()
             speculative.replay(speculative.NgramDrafter(p.ngram.max, p.ngram.min), ids, output, p.max_new_tokens,
                                stops, p.num_steps, stats)
-        lengths[name] = stats.acceptance_length
+            lengths[name].add(stats)
     return lengths
 
 
 def print_table(sets: dict, before: list[str], after: list[str], rows, baseline: dict) -> None:
-    """Acceptance lengths as a markdown table: a row per (cells before, {set: length}, cells after) in ``rows``, the
-    n-gram baseline's row last; the heading says how many turns each set holds."""
-    print(f"\nacceptance length on the turns evaluate decoded ({', '.join(f'{b} {len(v)}' for b, v in sets.items())})")
+    """Acceptance lengths as a markdown table: a row per (cells before, {set: Turns}, cells after) in ``rows``, the
+    n-gram baseline's row last, each length with its standard error and, after the first row, its difference from
+    the first row's; the heading says how many turns each set holds."""
+    print(f"\nacceptance length ± its standard error over turns, on the turns evaluate decoded "
+          f"({', '.join(f'{b} {len(v)}' for b, v in sets.items())}); Δ: against the first row on the same turns, "
+          "paired, * where it exceeds twice its standard error")
     print("| " + " | ".join([*before, *sets, *after]) + " |")
     print("|---|" + "---:|" * (len(before) - 1 + len(sets) + len(after)))
-    for cells, lengths, tail in rows + [(["n-gram baseline (no training)"] + [""] * (len(before) - 1), baseline,
-                                         [""] * len(after))]:
-        print("| " + " | ".join([*map(str, cells), *(f"{lengths[b]:.3f}" for b in sets), *map(str, tail)]) + " |")
+    rows = rows + [(["n-gram baseline (no training)"] + [""] * (len(before) - 1), baseline, [""] * len(after))]
+    for i, (cells, lengths, tail) in enumerate(rows):
+        measured = [str(lengths[b]) + (f" ({lengths[b].against(rows[0][1][b])})" if i else "") for b in sets]
+        print("| " + " | ".join([*map(str, cells), *measured, *map(str, tail)]) + " |")
 
 
 def named(items: list, name: str, key: str) -> dict:
