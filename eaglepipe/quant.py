@@ -41,6 +41,15 @@ def loadable(folder) -> None:
                         "target in-process")
 
 
+def block_size(folder) -> list[int]:
+    """``weight_block_size`` of the FP8 target in ``folder``: the rows and columns one scale covers."""
+    block = (method(folder) or {}).get("weight_block_size")
+    if block is None:
+        raise UserError(f"target {folder}: its weights carry {SCALE} block scales, but config.json's "
+                        "quantization_config names no weight_block_size")
+    return block
+
+
 def dequantize(weight, scale, block: list[int]):
     """``weight`` [out, in] (float8) times its scales ``scale`` [ceil(out / block[0]), ceil(in / block[1])], one per
     block, in float32 (``block``: ``weight_block_size``)."""

@@ -154,9 +154,8 @@ def target_tensors(folder, layer: int) -> dict:
     for file, names in by_file.items():
         with safe_open(str(folder / file), framework="pt") as f:
             found.update({key: f.get_tensor(name) for key, name in names.items()})
-    block = (quant.method(folder) or {}).get("weight_block_size", [128, 128])
     for key in [k for k in found if k + quant.SCALE in found]:
-        found[key] = quant.dequantize(found[key], found.pop(key + quant.SCALE), block)
+        found[key] = quant.dequantize(found[key], found.pop(key + quant.SCALE), quant.block_size(folder))
     head = found.get("head", found["embed"])
     return {"embed": found["embed"].float(), "head": head.float(), "norm": found["norm"].float(),
             "layer": {w: found[w] for w in draft.LAYER_WEIGHTS if w in found}, "layer_names": layer_names,
