@@ -153,7 +153,8 @@ class Gates(Section):
 
 
 class Launch(Section):
-    model_path: str = Field(min_length=1, description="the model the server serves")
+    model_path: Union[str, None] = Field(None, min_length=1, description="the model the server serves [default: "
+                                         "the target's folder]")
     tp: int = Field(1, ge=1, description="tensor-parallel size")
     dp: int = Field(1, ge=1, description="data-parallel replicas")
     host: str = Field("127.0.0.1", description="address the server listens on")
@@ -180,7 +181,7 @@ class Servers(Section):
 
 
 class Infer(Section):
-    engine: Literal["hf", "sglang", "vllm"] = Field("hf", description="hf (in-process Hugging Face) | sglang "
+    engine: Literal["hf", "sglang", "vllm"] = Field("vllm", description="hf (in-process Hugging Face) | sglang "
                                                     "(servers' native /generate) | vllm (servers' token-in "
                                                     "token-out /inference/v1/generate): eaglepipe/engines, ENGINES")
     batch_size: int = speed(64, "hf engine: prompts per batch (rows leave it as they finish); an answer does not "
@@ -191,8 +192,9 @@ class Infer(Section):
                          "than one needs temperature > 0")
     max_new_tokens: int = Field(128, ge=1, description="longest answer, in tokens")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="hf engine: the dtype the target computes in, on runtime.device (auto = bfloat16 on "
-        "CUDA, float32 on the CPU; pin one so that the answers do not follow the device); servers ignore it")
+        "auto", description="the dtype the target computes in, the hf engine's and a launched server's (--dtype): "
+        "auto = bfloat16 on CUDA, float32 on the CPU (runtime.device); pin one so that the answers do not follow "
+        "the device; start running servers with the same")
     turns: Literal["last", "all"] = Field("last", description="last: answer each prompt's last turn, the dataset's "
                                           "earlier answers as context | all: answer every assistant turn in order, "
                                           "each in the context of the target's own earlier answers (record ids "
@@ -210,7 +212,9 @@ class Infer(Section):
                                     ge=0, le=1)
     gates: Gates = Field(Gates(), description="checked while infer runs; a breach stops it and publishes nothing")
     sglang: Servers = speed(Servers(), "infer.engine: sglang (docs/engines.md); other engines ignore it")
-    vllm: Servers = speed(Servers(), "infer.engine: vllm (docs/engines.md); other engines ignore it")
+    vllm: Servers = speed(Servers(concurrency=64, launch=Launch(extra_args=["--enforce-eager"])),
+                          "infer.engine: vllm (docs/engines.md); other engines ignore it. The default starts one "
+                          "from .venv-vllm serving the target, eager (no compile wait on a CPU)")
 
     @model_validator(mode="after")
     def _servers_for_the_engine(self):

@@ -31,7 +31,8 @@ def with_(**sections) -> dict:
     ({"infer": {"top_p": 1.5}}, "infer.top_p = 1.5: input should be less than or equal to 1"),
     ({"infer": {"samples": 3, "temperature": 0}}, "infer: samples: 3 answers per prompt need temperature > 0"),
     ({"infer": {"gates": {"max_truncted": 0.5}}}, "unknown key infer.gates.max_truncted (did you mean max_truncated?)"),
-    ({"infer": {"sglang": {"launch": {"tp": 8}}}}, "infer.sglang.launch.model_path is missing"),
+    ({"infer": {"engine": "sglang"}}, "infer: engine sglang needs sglang.urls (running servers) or sglang.launch"),
+    ({"infer": {"vllm": {"launch": {"tp": 0}}}}, "infer.vllm.launch.tp = 0: input should be greater than or equal to 1"),
     ({"target": {"reasoning": "thnk"}}, "target.reasoning = 'thnk': input should be 'none', 'think' or 'harmony'"),
     ({"target": {"reasoning": {"start": "<r>"}}}, "target.reasoning.end is missing"),
     ({"target": {"tool_calls": "openai"}}, "target.tool_calls = 'openai': input should be 'none', 'hermes'"),
@@ -159,3 +160,22 @@ def test_infer_engine_names_the_engines_of_the_table():
     from eaglepipe.engines.table import ENGINES
 
     assert set(get_args(config.Infer.model_fields["engine"].annotation)) == set(ENGINES)
+
+
+def test_a_launched_server_serves_the_target_in_infers_dtype(tmp_path):
+    """The shipped infer.vllm.launch names no model: the server serves the target's folder, in infer.dtype (auto
+    resolved as the hf engine resolves it), with the flags given first; a running server's section is left as it is."""
+    import torch
+
+    from eaglepipe import runtime
+    from eaglepipe.engines.table import servers
+
+    infer = config.load(ROOT / "params.yaml").infer
+    assert infer.engine == "vllm" and infer.vllm.launch.model_path is None
+    launch = servers(infer.vllm, tmp_path, runtime.compute_dtype(infer.dtype, torch.device("cpu"))).launch
+    assert launch.model_path == str(tmp_path) and launch.extra_args == [*infer.vllm.launch.extra_args, "--dtype",
+                                                                        "float32"]
+    given = config.Servers(launch=config.Launch(model_path="/models/m", extra_args="--foo 1"))
+    assert servers(given, tmp_path, "bfloat16").launch.extra_args == ["--foo", "1", "--dtype", "bfloat16"]
+    running = config.Servers(urls=["http://h:8000"])
+    assert servers(running, tmp_path, "bfloat16") is running

@@ -305,7 +305,7 @@ def test_torn_last_line_and_duplicates_are_dropped_and_counted(tmp_path):
 
 def write_params(tmp_path, **infer_overrides):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["infer"].update({"batch_size": 1, "max_new_tokens": 24, "samples": 1, "temperature": 0.0, **infer_overrides})
+    params["infer"].update({"engine": "hf", "batch_size": 1, "max_new_tokens": 24, "samples": 1, "temperature": 0.0, **infer_overrides})
     params["infer"]["gates"].update(GATES)
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))

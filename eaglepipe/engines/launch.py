@@ -2,12 +2,12 @@
 ``infer.vllm.launch`` and for the serve check. The ``launch`` params (config.Launch):
 
     launch:
-      model_path: /models/Kimi-K2.5   # the model served (required)
+      model_path: /models/Kimi-K2.5   # the model served; default the target's folder
       tp: 8                           # tensor-parallel size
       dp: 1                           # data-parallel replicas
       host: 127.0.0.1                 # --host
       port: 30000                     # --port; the client talks to http://host:port
-      extra_args: [--trust-remote-code, --mem-fraction-static, "0.9"]   # a list, or one string split like a shell
+      extra_args: [--mem-fraction-static, "0.9"]   # a list, or one string split like a shell
       command: null                   # what to run instead of the engine's launcher
       log: null                       # the server's output; default .cache/<engine>/server-<port>.log
       stop_timeout_s: 60              # SIGTERM, then SIGKILL after this long

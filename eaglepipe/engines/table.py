@@ -24,16 +24,18 @@ def _hf(params, folder, tokenizer, rt):
 
 def _sglang(params, folder, tokenizer, rt):
     """SGLang servers' native /generate, token ids in and out (engines/sglang.py)."""
+    from .. import runtime
     from .sglang import SGLangEngine
 
-    return SGLangEngine(servers(params.sglang, folder), tokenizer)
+    return SGLangEngine(servers(params.sglang, folder, runtime.compute_dtype(params.dtype, rt.device)), tokenizer)
 
 
 def _vllm(params, folder, tokenizer, rt):
     """vLLM servers' token-in token-out /inference/v1/generate (engines/vllm.py)."""
+    from .. import runtime
     from .vllm import VLLMEngine
 
-    return VLLMEngine(servers(params.vllm, folder), tokenizer)
+    return VLLMEngine(servers(params.vllm, folder, runtime.compute_dtype(params.dtype, rt.device)), tokenizer)
 
 
 ENGINES = {"hf": _hf, "sglang": _sglang, "vllm": _vllm}
@@ -42,15 +44,22 @@ ENGINES = {"hf": _hf, "sglang": _sglang, "vllm": _vllm}
 def create(params, folder, tokenizer, rt):
     """The engine ``params.engine`` names (``params``: the ``infer`` section, config.Infer), as a context manager:
     ``with create(...) as engine:``. Leaving it releases what the engine holds (connections, a server it launched),
-    also on errors. A server launched for a target whose remote code is trusted gets ``--trust-remote-code``."""
+    also on errors. A launched server is started as ``servers`` says."""
     return ENGINES[params.engine](params, folder, tokenizer, rt)
 
 
-def servers(section, folder):
-    """An ``infer.<engine>`` section (config.Servers) as the engine gets it: its launch, if any, with
-    ``--trust-remote-code`` when ``folder``'s remote code is trusted (remote.py)."""
-    if section.launch is None or not remote.trusted(folder):
+def servers(section, folder, dtype: str = "auto"):
+    """An ``infer.<engine>`` section (config.Servers) as the engine gets it. Its launch, if any, serves ``folder`` (the
+    target's) unless it names another model, with ``--dtype`` when ``dtype`` (infer.dtype, auto resolved by
+    runtime.compute_dtype) is not auto and ``--trust-remote-code`` when ``folder``'s remote code is trusted
+    (remote.py)."""
+    launch = section.launch
+    if launch is None:
         return section
-    extra = section.launch.extra_args
-    extra = [*(shlex.split(extra) if isinstance(extra, str) else extra), "--trust-remote-code"]
-    return section.model_copy(update={"launch": section.launch.model_copy(update={"extra_args": extra})})
+    given = shlex.split(launch.extra_args) if isinstance(launch.extra_args, str) else list(launch.extra_args)
+    extra = [*given, *(["--dtype", dtype] if dtype != "auto" else []),
+             *(["--trust-remote-code"] if remote.trusted(folder) else [])]
+    model = launch.model_path or str(folder)
+    if extra == given and model == launch.model_path:
+        return section
+    return section.model_copy(update={"launch": launch.model_copy(update={"extra_args": extra, "model_path": model})})
