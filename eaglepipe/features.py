@@ -45,7 +45,14 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 SCALED = ("float8_e4m3fn",)
 """The dtypes stored with a scale per token and layer (``encode``)."""
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
+STATES = ("aux", "final", "top")
+"""A sample's states as train reads them (decoded: ``decode``)."""
 SCALES = ("aux_scale", "final_scale")
+
+
+def columns(dtype: str) -> tuple[str, ...]:
+    """The tensors a sample's ``STATES`` are stored as in ``dtype``: with their ``SCALES`` under FP8."""
+    return STATES + (SCALES if dtype in SCALED else ())
 
 
 def layer_ids(value, num_layers: int) -> list[int]:

@@ -51,12 +51,11 @@ from .compat import EMBED, HEAD, LAYERS, NORM, weights as stored_weights
 
 log = logging.getLogger(__name__)
 WINDOW = 64  # samples sorted by length together (plan_batches)
-STATES = ("aux", "final", "top")  # a batch's states: [n, 3H], [n, H] (decoded: features.py), hidden's ``top`` [n]
 
 
 @dataclass
 class Sample:
-    """A sample's ids and masks; its ``STATES`` stay in the shard ``file``, rows ``start:start + n``."""
+    """A sample's ids and masks; its ``features.STATES`` stay in the shard ``file``, rows ``start:start + n``."""
     id: str
     ids: torch.Tensor    # int32 [n], as stored
     mask: torch.Tensor   # bool [n], the loss mask (tokens the target generated)
@@ -75,7 +74,7 @@ class Stored:
             raise UserError(f"{self.folder} holds no hidden states ({index['skipped']}): rerun hidden with "
                             "train.features: offline, or train online")
         self.layers, self.splits = index["layers"], [s for s in shards.SPLITS if s in index]
-        self.names = STATES + (features.SCALES if index.get("dtype") in features.SCALED else ())
+        self.names = features.columns(index.get("dtype"))
 
     def identity(self) -> dict:
         """What decides these states (for the checkpoint fingerprint)."""
@@ -108,14 +107,14 @@ class Online:
             raise UserError(f"{self.folder}: the target cannot run {failed[0]['id']} ({failed[0]['reason']}); online "
                             "training has no way to leave a sequence out (hidden leaves it out: train offline)")
         off = tensors["offsets"].tolist()
-        names = [n for n in (*STATES, *features.SCALES) if n in tensors]
+        names = features.columns(self.params.dtype)
         return [features.decode({name: tensors[name][off[i]:off[i + 1]] for name in names})
                 for i in range(len(samples))]
 
 
-def read_states(samples: list[Sample], names=STATES) -> list[dict]:
-    """``STATES`` of each sample (stored as ``names``: with their scales under FP8), decoded, in order, reading each
-    shard file once."""
+def read_states(samples: list[Sample], names=features.STATES) -> list[dict]:
+    """``features.STATES`` of each sample (stored as ``names``: with their scales under FP8), decoded, in order,
+    reading each shard file once."""
     by_file = {}
     for i, s in enumerate(samples):
         by_file.setdefault(s.file, []).append(i)

@@ -49,11 +49,11 @@ def chain_masks(mask: torch.Tensor, steps: int) -> torch.Tensor:
 
 @torch.no_grad()
 def collate(samples: list, states: list[dict], steps: int, head_draft: torch.Tensor, t2d: torch.Tensor) -> dict:
-    """One batch on ``head_draft``'s device, from the samples and their ``STATES``: ids [B, T], aux [B, T, 3H] float32,
-    target probabilities over the draft vocabulary [B, T, Vd] float32 (the logits computed in ``head_draft``'s
-    dtype), target argmax ``top`` [B, T], active positions ``act`` [B, A] (padding rows point at 0), the per-step
-    chain masks ``masks`` [steps, B, A] and ``kept`` [steps], the number of loss positions of each step (chain
-    positions whose target argmax is in the draft vocabulary: ``t2d``)."""
+    """One batch on ``head_draft``'s device, from the samples and their ``features.STATES``: ids [B, T], aux [B, T, 3H]
+    float32, target probabilities over the draft vocabulary [B, T, Vd] float32 (the logits computed in ``head_draft``'s
+    dtype), target argmax ``top`` [B, T], active positions ``act`` [B, A] (padding rows point at 0), the per-step chain
+    masks ``masks`` [steps, B, A] and ``kept`` [steps], the number of loss positions of each step (chain positions whose
+    target argmax is in the draft vocabulary: ``t2d``)."""
     B, T = len(samples), max(s.ids.shape[0] for s in samples)
     ids = torch.zeros(B, T, dtype=torch.int64)
     top = torch.zeros(B, T, dtype=torch.int64)

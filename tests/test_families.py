@@ -162,7 +162,7 @@ def test_online_training_computes_the_stored_states_and_trains_the_same_drafter(
     assert o["report"]["features"] == "online" and ran["train"]["features"] == "offline"
     assert sorted(o["computed"]) == sorted(o["stored"])
     for sid, st in o["stored"].items():
-        for name in train.STATES:
+        for name in features.STATES:
             computed, stored = o["computed"][sid][name], st[name]
             if moe and stored.is_floating_point():
                 step = stored.float().abs() * 2 ** -7 + 1e-30  # one rounding step of bf16 (8 significant bits)

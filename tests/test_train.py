@@ -131,7 +131,7 @@ def test_all_positions_train_over_the_prompt_with_the_same_vocabulary(data):
     for g, e, st in zip(generated, every, train.read_states(every)):
         assert torch.equal(g.chain, g.mask) and torch.equal(e.mask, g.mask) and e.chain.all()
         assert torch.equal(e.ids, stored[e.id]["input_ids"]) and torch.equal(e.mask, stored[e.id]["loss_mask"].bool())
-        assert all(torch.equal(st[name], stored[e.id][name]) for name in train.STATES)  # read lazily, as stored
+        assert all(torch.equal(st[name], stored[e.id][name]) for name in features.STATES)  # read lazily, as stored
     steps, t2d = 3, torch.ones(V, dtype=torch.bool)
     assert ttt.collate(every, train.read_states(every), steps, embed, t2d)["masks"].sum() > \
         ttt.collate(generated, train.read_states(generated), steps, embed, t2d)["masks"].sum()
