@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import quant, remote
+from . import target
 from .errors import UserError
 
 
@@ -151,16 +151,11 @@ def load_target(folder, dtype: str, rt: Runtime, device_map=None):
     """The target model in ``dtype`` (a name, or ``auto``: ``compute_dtype``), frozen, loaded straight onto ``rt``'s
     device, or spread over the node's GPUs by accelerate's ``device_map`` (``runtime.device_map``: one process holds
     the whole target then)."""
-    from transformers import AutoModelForCausalLM
-
     if device_map is not None and rt.world > 1:
         raise UserError(f"runtime.device_map spreads one target over this node's devices, but this job runs "
                         f"{rt.world} processes: run one (NPROC=1), or leave device_map null (a target per rank)")
-    quant.loadable(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, compute_dtype(dtype, rt.device)),
-                                                 device_map=rt.device if device_map is None else device_map,
-                                                 trust_remote_code=remote.trusted(folder))
-    return model.eval().requires_grad_(False)
+    model = target.load_model(folder, compute_dtype(dtype, rt.device), rt.device if device_map is None else device_map)
+    return model.requires_grad_(False)
 
 
 def seed(value: int) -> None:

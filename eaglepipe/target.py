@@ -95,15 +95,16 @@ def load_tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=remote.trusted(folder))
 
 
-def load_model(folder: Path, dtype: str = "float32"):
+def load_model(folder: Path, dtype: str = "float32", device_map=None):
+    """The target in ``dtype`` (a torch dtype's name), in eval mode, on the CPU or where ``device_map`` (a device, or
+    accelerate's map) puts it; a checkpoint it cannot load is refused first (quant.loadable)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     quant.loadable(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype),
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=device_map,
                                                  trust_remote_code=remote.trusted(folder))
-    model.eval()
-    return model
+    return model.eval()
 
 
 def context_length(folder: Path) -> int | None:
