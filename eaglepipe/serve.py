@@ -30,9 +30,10 @@ import time
 import urllib.request
 from collections import defaultdict
 
-from . import config, families, remote
+from . import config, families
 from .config import CACHE
 from .engines import Failure, Sampling
+from .engines.launch import servers
 from .engines.vllm import VLLMEngine
 from .errors import UserError
 from .records import read_jsonl
@@ -101,14 +102,14 @@ class Served:
 
     def __init__(self, folder, tokenizer, p: config.Serve, speculative: dict | None = None, run: str = "plain",
                  concurrency: int = 1):
-        flags = ["--dtype", p.dtype, *p.extra_args, *(["--trust-remote-code"] if remote.trusted(folder) else [])]
+        flags = list(p.extra_args)
         if speculative is not None:
             flags += ["--speculative-config", json.dumps(speculative), "--per-request-spec-decode-metrics", "summary"]
-        launch = config.Launch(model_path=str(folder), host=p.host, port=p.port, extra_args=flags,
+        launch = config.Launch(host=p.host, port=p.port, extra_args=flags,
                                log=str(CACHE / "vllm" / f"serve-{run}.log"))
-        servers = config.Servers(launch=launch, concurrency=concurrency, health_timeout_s=p.health_timeout_s,
-                                 retries=2, timeout_s=600.0)
-        self.engine, self.run, self.speculative = VLLMEngine(servers, tokenizer, p.python), run, speculative
+        section = servers(config.Servers(launch=launch, concurrency=concurrency, retries=2, timeout_s=600.0,
+                                         health_timeout_s=p.health_timeout_s), folder, p.dtype)
+        self.engine, self.run, self.speculative = VLLMEngine(section, tokenizer, p.python), run, speculative
         self.warm, self.log = False, ""
         log.info("starting vLLM (%s), log %s", run, launch.log)
 

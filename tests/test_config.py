@@ -168,7 +168,7 @@ def test_a_launched_server_serves_the_target_in_infers_dtype(tmp_path):
     import torch
 
     from eaglepipe import runtime
-    from eaglepipe.engines.table import servers
+    from eaglepipe.engines.launch import servers
 
     infer = config.load(ROOT / "params.yaml").infer
     assert infer.engine == "vllm" and infer.vllm.launch.model_path is None

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from eaglepipe import config, remote, serve, target
-from eaglepipe.engines import table
+from eaglepipe.engines import launch
 from eaglepipe.engines.sglang import SGLangEngine
 from eaglepipe.errors import UserError
 from e2e import PROMPTS, ROOT, run_infer
@@ -74,9 +74,9 @@ def test_code_from_elsewhere_or_missing_is_refused(custom):
 
 def test_launched_servers_trust_remote_code_only_for_a_trusted_target(custom, target_folder, tokenizer):
     section = config.Servers(launch=config.Launch(model_path="m", extra_args="--foo 1"))
-    assert table.servers(section, target_folder) is section
+    assert launch.servers(section, target_folder) is section
     target.resolve(str(custom), trust_remote_code=True)
-    argv = SGLangEngine(table.servers(section, custom), tokenizer)._launcher().argv()
+    argv = SGLangEngine(launch.servers(section, custom), tokenizer)._launcher().argv()
     assert argv[-3:] == ["--foo", "1", "--trust-remote-code"]
     assert "--trust-remote-code" in serve.Served(custom, tokenizer, config.Serve()).engine.launch.extra_args
     assert "--trust-remote-code" not in serve.Served(target_folder, tokenizer, config.Serve()).engine.launch.extra_args

@@ -1,5 +1,6 @@
 """A server the pipeline starts itself and always stops: SGLang for ``infer.sglang.launch``, vLLM for
-``infer.vllm.launch`` and for the serve check. The ``launch`` params (config.Launch):
+``infer.vllm.launch`` and for the serve check, its arguments completed by ``servers`` (the model, --dtype,
+--trust-remote-code). The ``launch`` params (config.Launch):
 
     launch:
       model_path: /models/Kimi-K2.5   # the model served; default the target's folder
@@ -27,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import remote
 from ..config import CACHE
 
 
@@ -106,3 +108,20 @@ class LaunchedServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def servers(section, folder, dtype: str = "auto"):
+    """An ``infer.<engine>`` section (config.Servers) as the engine gets it. Its launch, if any, serves ``folder`` (the
+    target's) unless it names another model, with ``--dtype`` when ``dtype`` (infer.dtype, auto resolved by
+    runtime.compute_dtype) is not auto and ``--trust-remote-code`` when ``folder``'s remote code is trusted
+    (remote.py)."""
+    launch = section.launch
+    if launch is None:
+        return section
+    given = shlex.split(launch.extra_args) if isinstance(launch.extra_args, str) else list(launch.extra_args)
+    extra = [*given, *(["--dtype", dtype] if dtype != "auto" else []),
+             *(["--trust-remote-code"] if remote.trusted(folder) else [])]
+    model = launch.model_path or str(folder)
+    if extra == given and model == launch.model_path:
+        return section
+    return section.model_copy(update={"launch": launch.model_copy(update={"extra_args": extra, "model_path": model})})

@@ -6,9 +6,7 @@ stage's code includes the engines'.
 """
 from __future__ import annotations
 
-import shlex
-
-from .. import remote
+from .launch import servers
 
 
 def _hf(params, folder, tokenizer, rt):
@@ -46,20 +44,3 @@ def create(params, folder, tokenizer, rt):
     ``with create(...) as engine:``. Leaving it releases what the engine holds (connections, a server it launched),
     also on errors. A launched server is started as ``servers`` says."""
     return ENGINES[params.engine](params, folder, tokenizer, rt)
-
-
-def servers(section, folder, dtype: str = "auto"):
-    """An ``infer.<engine>`` section (config.Servers) as the engine gets it. Its launch, if any, serves ``folder`` (the
-    target's) unless it names another model, with ``--dtype`` when ``dtype`` (infer.dtype, auto resolved by
-    runtime.compute_dtype) is not auto and ``--trust-remote-code`` when ``folder``'s remote code is trusted
-    (remote.py)."""
-    launch = section.launch
-    if launch is None:
-        return section
-    given = shlex.split(launch.extra_args) if isinstance(launch.extra_args, str) else list(launch.extra_args)
-    extra = [*given, *(["--dtype", dtype] if dtype != "auto" else []),
-             *(["--trust-remote-code"] if remote.trusted(folder) else [])]
-    model = launch.model_path or str(folder)
-    if extra == given and model == launch.model_path:
-        return section
-    return section.model_copy(update={"launch": launch.model_copy(update={"extra_args": extra, "model_path": model})})
