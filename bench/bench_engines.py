@@ -2,11 +2,12 @@
 here), on the same prompts with the same sampling, so a user on a CPU machine knows which engine to pick.
 
     python bench/bench_engines.py [--n 48] [--max-new-tokens 128] [--temperature 0.8] [--threads 2]
+                                  [--vllm-threads 1 --vllm-threads 2] [--no-hf]
 
 Both run the whole infer loop (infer.run: checks, cache, gates) on a fresh cache; both count the output ids of the
-records. The hf engine uses ``--threads`` torch threads and batches of ``--batch-size``; the vLLM server gets
-``OMP_NUM_THREADS=--threads`` (vLLM otherwise keeps one core for itself) and ``--concurrency`` requests in flight.
-Prints both throughputs and their ratio (vLLM / hf).
+records. The hf engine uses ``--threads`` torch threads and batches of ``--batch-size``; a vLLM server is started per
+``--vllm-threads`` value (default ``--threads``) with that ``OMP_NUM_THREADS`` (0: left unset, so vLLM keeps one core
+for itself), ``--concurrency`` requests in flight. Prints each throughput and its ratio to the first.
 """
 import os
 import tempfile
@@ -42,7 +43,10 @@ def timed(prompts, engine, tokenizer, sampling) -> tuple[int, float]:
 @click.option("--threads", default=2, show_default=True)
 @click.option("--batch-size", default=64, show_default=True, help="hf engine.")
 @click.option("--concurrency", default=64, show_default=True, help="vLLM.")
-def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurrency):
+@click.option("--vllm-threads", type=int, multiple=True, help="OMP_NUM_THREADS of a vLLM server, one run per value "
+              "(0: unset) [default: --threads].")
+@click.option("--no-hf", is_flag=True, help="Time vLLM only.")
+def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurrency, vllm_threads, no_hf):
     folder = target.resolve("embedded").resolve()
     tokenizer = target.load_tokenizer(folder)
     ps = read_prompts(prompts)[:n]
@@ -51,24 +55,29 @@ def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurren
     for p in ps[:1]:
         chat.prompt_ids(tokenizer, p.messages, p.tools)  # the template compiled before any clock runs
 
-    torch.set_num_threads(threads)
-    model = target.load_model(folder)
-    hf_tokens, hf_s = timed(ps, HFEngine(model, tokenizer.pad_token_id, batch_size), tokenizer, sampling)
-    del model
+    runs = []
+    if not no_hf:
+        torch.set_num_threads(threads)
+        model = target.load_model(folder)
+        runs.append((f"hf engine (batch {batch_size}, {threads} threads)",
+                     *timed(ps, HFEngine(model, tokenizer.pad_token_id, batch_size), tokenizer, sampling)))
+        del model
+    for omp in vllm_threads or (threads,):
+        os.environ.pop("OMP_NUM_THREADS", None)
+        if omp:
+            os.environ["OMP_NUM_THREADS"] = str(omp)  # the launched server inherits it
+        launch = config.Launch(model_path=str(folder), port=8031, extra_args=["--dtype", "float32", "--enforce-eager"],
+                               log=str(config.CACHE / "vllm" / "bench-engines.log"))
+        servers = config.Servers(launch=launch, concurrency=concurrency, health_timeout_s=900.0, timeout_s=1800.0)
+        with VLLMEngine(servers, tokenizer) as engine:
+            runs.append((f"vLLM (concurrency {concurrency}, OMP_NUM_THREADS {omp or 'unset'})",
+                         *timed(ps, engine, tokenizer, sampling)))
 
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # the launched server inherits it
-    launch = config.Launch(model_path=str(folder), port=8031, extra_args=["--dtype", "float32", "--enforce-eager"],
-                           log=str(config.CACHE / "vllm" / "bench-engines.log"))
-    servers = config.Servers(launch=launch, concurrency=concurrency, health_timeout_s=900.0, timeout_s=1800.0)
-    with VLLMEngine(servers, tokenizer) as engine:
-        vllm_tokens, vllm_s = timed(ps, engine, tokenizer, sampling)
-
-    print(f"prompts {len(ps)}, max_new_tokens {max_new_tokens}, temperature {temperature}, threads {threads}")
-    print(f"hf engine (batch {batch_size}):        {hf_tokens} tokens in {hf_s:.1f} s = "
-          f"{hf_tokens / hf_s:.1f} tokens/s")
-    print(f"vLLM (concurrency {concurrency}):      {vllm_tokens} tokens in {vllm_s:.1f} s = "
-          f"{vllm_tokens / vllm_s:.1f} tokens/s")
-    print(f"ratio (vLLM / hf): {(vllm_tokens / vllm_s) / (hf_tokens / hf_s):.2f}")
+    print(f"prompts {len(ps)}, max_new_tokens {max_new_tokens}, temperature {temperature}")
+    first = runs[0][1] / runs[0][2]
+    for name, tokens, seconds in runs:
+        print(f"{name:48s} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s, "
+              f"x{tokens / seconds / first:.2f} of the first")
 
 
 if __name__ == "__main__":
