@@ -1,8 +1,10 @@
 """Which targets the pipeline serves (``check``, called by the hidden, train and evaluate stages before they load
-anything): a text-only decoder-only causal LM that transformers loads (``AutoModelForCausalLM``, any family: Llama,
-Qwen2/3, their MoE variants, ...) with at least 4 decoder layers, RMS norms, a ``silu`` gated MLP, rotary position
-embeddings over the whole head, and safetensors weights holding ``model.embed_tokens``, ``model.norm`` and
-``lm_head`` (or tied embeddings), stored as floats (FP8 checkpoints keep them so; their layers: quant.py). These are
+anything): a decoder-only causal LM that transformers loads (``AutoModelForCausalLM``, any family: Llama, Qwen2/3,
+their MoE variants, ...), or a composite (multimodal) model of ``families.COMPOSITES`` served text-only through its
+language model (``AutoModelForImageTextToText``), with at least 4 decoder layers, RMS norms, a ``silu`` gated MLP,
+rotary position embeddings over the whole head, and safetensors weights holding the embedding, the final norm and
+the head (or tied embeddings) under the names ``names`` finds, stored as floats (FP8 checkpoints keep them so; their
+layers: quant.py). These are
 what the EAGLE-3 drafter needs: it is the Llama layer SGLang and vLLM build (``draft.py``), with the target's
 widths, heads, norm epsilon, activation and RoPE, fed with the target's embedding and trained against its head; the
 stages read the target's states as Hugging Face ``hidden_states`` (``features.py``). Anything else stops the stage
@@ -11,13 +13,35 @@ in its first seconds with ``UnsupportedTarget`` naming the reason.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import families
 from .errors import UserError
 
-EMBED, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"  # the weights train reads
-LAYERS = "model.layers."  # the prefix of the decoder layers' weights
+
+
+@dataclass(frozen=True)
+class Names:
+    """The names of the weights train reads: the embedding, the final norm, the head, and the decoder layers' prefix."""
+    embed: str
+    norm: str
+    head: str
+    layers: str
+
+
+PREFIXES = (("model.", "lm_head.weight"),  # a text-only checkpoint
+            ("model.language_model.", "lm_head.weight"),  # transformers' composites (Qwen3-VL, Kimi-K2.5 as saved)
+            ("language_model.model.", "language_model.lm_head.weight"))  # Kimi-K2.5 as published
+"""Where a checkpoint keeps its language model (its ``embed_tokens``, ``norm``, ``layers``) and its head."""
+
+
+def names(stored) -> Names:
+    """The ``Names`` of a checkpoint whose tensor names are ``stored``: the first of ``PREFIXES`` it holds an
+    embedding under (the text-only names when none)."""
+    prefix, head = next(((p, h) for p, h in PREFIXES if p + "embed_tokens.weight" in stored), PREFIXES[0])
+    return Names(prefix + "embed_tokens.weight", prefix + "norm.weight", head, prefix + "layers.")
+
 MIN_LAYERS = 4
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors dtype names of the weights train reads as they are
 
@@ -51,7 +75,8 @@ def check(folder: Path):
     """The target's (text) transformers config, once every requirement of the module docstring holds; otherwise
     ``UnsupportedTarget`` naming the first that does not. Reads config.json and the safetensors headers only."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
 
     folder = Path(folder)
 
@@ -65,44 +90,48 @@ def check(folder: Path):
     kind = config.model_type
     if getattr(config, "is_encoder_decoder", False):
         refuse(f"{kind} is an encoder-decoder model; EAGLE-3 drafts for decoder-only targets")
-    if families.text_config(config) is not config:
-        refuse(f"{kind} nests its language model in a composite (multimodal) config; only text-only targets are "
-               "served")
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    composite = families.composite(config)
+    if composite and kind not in families.COMPOSITES:
+        refuse(f"{kind} nests its language model in a composite (multimodal) config; of those, only "
+               f"{', '.join(families.COMPOSITES)} are served (text-only)")
+    if type(config) not in (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if composite else MODEL_FOR_CAUSAL_LM_MAPPING):
         refuse(f"transformers has no causal LM for model_type {kind} (AutoModelForCausalLM): not a decoder-only LM")
+    text = families.text_config(config)
     for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "rms_norm_eps",
                   "hidden_act", "max_position_embeddings", "vocab_size", "rope_parameters"):
-        if getattr(config, field, None) is None:
-            refuse(f"its {kind} config has no {field}, which the drafter's Llama config takes from the target")
-    L = config.num_hidden_layers
+        if getattr(text, field, None) is None:
+            refuse(f"its {text.model_type} config has no {field}, which the drafter's Llama config takes from the "
+                   "target")
+    L = text.num_hidden_layers
     if L < MIN_LAYERS:
         refuse(f"it has {L} decoder layers, fewer than {MIN_LAYERS}: EAGLE-3 reads the inputs of three distinct "
                "layers, and layer 0's (the embeddings) is one several SGLang and vLLM models cannot capture")
-    if config.hidden_act != "silu":
-        refuse(f"its MLP activation is {config.hidden_act}; the drafter's Llama layer in SGLang and vLLM has silu only")
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if text.hidden_act != "silu":
+        refuse(f"its MLP activation is {text.hidden_act}; the drafter's Llama layer in SGLang and vLLM has silu only")
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if heads % kv_heads or head_dim % 2:
         refuse(f"{heads} attention heads over {kv_heads} KV heads of size {head_dim}: the drafter's grouped-query "
                "attention needs a whole number of query heads per KV head and an even head size (RoPE)")
-    rope = dict(config.rope_parameters)
-    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    rope = dict(text.rope_parameters)
+    partial = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None))
     if partial not in (None, 1, 1.0):
         refuse(f"its RoPE rotates {partial} of each head; the drafter's Llama attention rotates the whole head")
-    if "mrope_section" in rope or rope.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS) \
-            or "rope_theta" not in rope:
+    if "mrope_section" in rope and not composite or \
+            rope.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS) or "rope_theta" not in rope:
         refuse(f"its RoPE {rope} is not one the drafter's Llama attention computes")
     stored = weights(folder)
+    n = names(stored)
     tied = getattr(config, "tie_word_embeddings", False)
-    for name in (EMBED, NORM) + (() if tied and HEAD not in stored else (HEAD,)):
+    for name in (n.embed, n.norm) + (() if tied and n.head not in stored else (n.head,)):
         if name not in stored:
             refuse(f"its weights have no {name} (the Hugging Face Llama-style names train reads)")
         if stored[name][1] not in FLOAT_DTYPES:
             refuse(f"its {name} is stored as {stored[name][1]}, not as floats (train reads it as it is)")
-    if not any(name.startswith(LAYERS) for name in stored):
-        refuse(f"its weights have no {LAYERS}* (the decoder layers, one of which the drafter starts from)")
-    if stored[EMBED][2] != (config.vocab_size, config.hidden_size):
-        refuse(f"its {EMBED} is {list(stored[EMBED][2])}, not [vocab_size, hidden_size] "
-               f"[{config.vocab_size}, {config.hidden_size}]")
-    return config
+    if not any(name.startswith(n.layers) for name in stored):
+        refuse(f"its weights have no {n.layers}* (the decoder layers, one of which the drafter starts from)")
+    if stored[n.embed][2] != (text.vocab_size, text.hidden_size):
+        refuse(f"its {n.embed} is {list(stored[n.embed][2])}, not [vocab_size, hidden_size] "
+               f"[{text.vocab_size}, {text.hidden_size}]")
+    return text

@@ -98,6 +98,7 @@ from . import families
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+MROPE = ("mrope_section", "mrope_interleaved")  # a multimodal target's RoPE keys: text positions make them 1-D RoPE
 
 
 @dataclass
@@ -117,13 +118,16 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, config, draft_vocab_size: int, aux_layers: list) -> "DraftConfig":
-        """The drafter's config from the target's (a transformers config): same widths, heads and RoPE."""
+        """The drafter's config from the target's (a transformers config): same widths, heads and RoPE; of an M-RoPE
+        (a composite's language model) the 1-D RoPE its text positions make, so the engines give the drafter plain
+        positions."""
         c = families.text_config(config)
+        rope = {k: v for k, v in c.rope_parameters.items() if k not in MROPE}
         return cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                    num_attention_heads=c.num_attention_heads,
                    num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                   rms_norm_eps=float(c.rms_norm_eps), rope_parameters=dict(c.rope_parameters),
+                   rms_norm_eps=float(c.rms_norm_eps), rope_parameters=rope,
                    max_position_embeddings=c.max_position_embeddings, hidden_act=c.hidden_act,
                    vocab_size=c.vocab_size, draft_vocab_size=int(draft_vocab_size), aux_layers=list(aux_layers))
 

@@ -5,7 +5,9 @@
 it; a text-only config is its own): every width, layer count, norm or context length is read through it.
 ``FAMILIES`` is the table of families by ``model_type``, one entry each; ``of`` returns a config's entry, or
 ``OTHER`` for a type the table does not name (served on the checks of compat.py alone). A new family is one entry
-here, with a tiny random target of it in tests/test_families.py.
+here, with a tiny random target of it in tests/test_families.py. ``COMPOSITES`` names the composite (multimodal)
+configs served text-only, through their language model: its weights under the wrapper's prefix (compat.names), the
+model loaded as transformers loads image-text-to-text models (target.load_model), prompts of text alone.
 """
 from __future__ import annotations
 
@@ -29,7 +31,12 @@ FAMILIES = {kind: family for family in (
     Family("qwen2", llama_layer=False),      # q/k/v biases
     Family("qwen3", llama_layer=False),      # q_norm/k_norm
     Family("qwen3_moe", llama_layer=False),  # q_norm/k_norm, routed experts
+    Family("qwen3_vl_text", llama_layer=False),      # Qwen3-VL's language model: Qwen3's layer, M-RoPE
+    Family("qwen3_vl_moe_text", llama_layer=False),  # Qwen3-VL-MoE's
 ) for kind in (family.name,)}
+COMPOSITES = ("qwen3_vl", "qwen3_vl_moe")
+"""Composite ``model_type``s served text-only: with text positions alone their M-RoPE is the 1-D RoPE of their
+language model, and vLLM serves an EAGLE-3 drafter for them (``Eagle3Qwen3vlForCausalLM`` is its Llama drafter)."""
 
 
 def load_config(folder: Path):
@@ -42,6 +49,11 @@ def load_config(folder: Path):
 def text_config(config):
     """The language model's config inside ``config`` (itself for a text-only model)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def composite(config) -> bool:
+    """Whether ``config`` nests its language model's config (a multimodal wrapper)."""
+    return text_config(config) is not config
 
 
 def of(config) -> Family:

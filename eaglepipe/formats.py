@@ -59,6 +59,10 @@ OTHER_ASSISTANTS = ("chatgpt", "bing", "bard", "model")
 """Assistant role names that name another chatbot (ShareGPT keeps the one that answered)."""
 
 
+MEDIA = ("image", "image_url", "input_image", "video", "video_url", "audio", "input_audio")
+"""Content part types that are not text (OpenAI's and Hugging Face's multi-part messages): refused."""
+
+
 def _text(rec: dict, name: str, required: bool = True, where: str = "") -> str:
     """A string field; missing, non-string or blank raises (unless not required and absent or empty).
     ``where`` prefixes the field name in errors (e.g. ``conversations[2]``)."""
@@ -68,6 +72,11 @@ def _text(rec: dict, name: str, required: bool = True, where: str = "") -> str:
             raise BadRecord("missing_field", field, "is missing")
         return ""
     value = rec[name]
+    media = [part.get("type") for part in value if isinstance(part, dict) and part.get("type") in MEDIA] \
+        if isinstance(value, list) else []
+    if media:
+        raise BadRecord("media", field, f"carries {', '.join(sorted(set(media)))} parts: prompts are text only "
+                        "(a multimodal target is served through its language model)")
     if not isinstance(value, str):
         raise BadRecord("wrong_type", field, f"should be a string, got {type(value).__name__}")
     if required and not value.strip():

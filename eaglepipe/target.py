@@ -97,13 +97,16 @@ def load_tokenizer(folder: Path):
 
 def load_model(folder: Path, dtype: str = "float32", device_map=None):
     """The target in ``dtype`` (a torch dtype's name), in eval mode, on the CPU or where ``device_map`` (a device, or
-    accelerate's map) puts it; a checkpoint it cannot load is refused first (quant.loadable)."""
+    accelerate's map) puts it; a checkpoint it cannot load is refused first (quant.loadable). A composite target
+    (families.COMPOSITES) loads as transformers loads image-text-to-text models: its forward on token ids alone is
+    its language model's."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     quant.loadable(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=device_map,
-                                                 trust_remote_code=remote.trusted(folder))
+    auto = AutoModelForImageTextToText if families.composite(families.load_config(folder)) else AutoModelForCausalLM
+    model = auto.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=device_map,
+                                 trust_remote_code=remote.trusted(folder))
     return model.eval()
 
 

@@ -47,7 +47,7 @@ from . import draft, families, features, hidden, quant, records, runtime, sequen
 from .errors import UserError
 from .hashing import code_hash
 from .ttt import TTT, chain_masks, collate, ttt_forward
-from .compat import EMBED, HEAD, LAYERS, NORM, weights as stored_weights
+from .compat import names as weight_names, weights as stored_weights
 
 log = logging.getLogger(__name__)
 WINDOW = 64  # samples sorted by length together (plan_batches)
@@ -132,14 +132,16 @@ def target_tensors(folder, layer: int) -> dict:
     """From the target's safetensors files (the model is not loaded; the headers tell which file holds what):
     ``embed`` (input embedding), ``head`` (output head; the embedding when tied), ``norm`` (final norm), float32, and
     for ``draft.init_from_target``: ``layer`` {name: weight as stored} of decoder layer ``layer``'s weights among
-    ``draft.LAYER_WEIGHTS``, ``layer_names`` every weight name of that layer, ``layer_index`` and ``model_type``.
+    ``draft.LAYER_WEIGHTS``, ``layer_names`` every weight name of that layer, ``layer_index`` and ``model_type`` (its
+    language model's). Names as compat.names finds them (a composite's under its wrapper's prefix).
     A weight stored in FP8 blocks with its scales is read dequantized to float32 (quant.py)."""
     folder = Path(folder)
     stored = stored_weights(folder)
-    prefix = f"{LAYERS}{layer}."
+    n = weight_names(stored)
+    prefix = f"{n.layers}{layer}."
     layer_names = sorted(n[len(prefix):] for n in stored if n.startswith(prefix)
                          and not (n.endswith(quant.SCALE) and n[:-len(quant.SCALE)] in stored))
-    wanted = {"embed": EMBED, "head": HEAD, "norm": NORM, **{w: prefix + w for w in draft.LAYER_WEIGHTS}}
+    wanted = {"embed": n.embed, "head": n.head, "norm": n.norm, **{w: prefix + w for w in draft.LAYER_WEIGHTS}}
     wanted |= {key + quant.SCALE: name + quant.SCALE for key, name in wanted.items() if name + quant.SCALE in stored}
     missing = [wanted[k] for k in ("embed", "norm") if wanted[k] not in stored]
     if missing or not layer_names:
@@ -158,7 +160,7 @@ def target_tensors(folder, layer: int) -> dict:
     head = found.get("head", found["embed"])
     return {"embed": found["embed"].float(), "head": head.float(), "norm": found["norm"].float(),
             "layer": {w: found[w] for w in draft.LAYER_WEIGHTS if w in found}, "layer_names": layer_names,
-            "layer_index": layer, "model_type": json.loads((folder / "config.json").read_text()).get("model_type")}
+            "layer_index": layer, "model_type": families.text_config(families.load_config(folder)).model_type}
 
 
 def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[Sample]:

@@ -162,7 +162,7 @@ def test_infer_engine_names_the_engines_of_the_table():
     assert set(get_args(config.Infer.model_fields["engine"].annotation)) == set(ENGINES)
 
 
-def test_a_launched_server_serves_the_target_in_infers_dtype(tmp_path):
+def test_a_launched_server_serves_the_target_in_infers_dtype(target_folder):
     """The shipped infer.vllm.launch names no model: the server serves the target's folder, in infer.dtype (auto
     resolved as the hf engine resolves it), with the flags given first; a running server's section is left as it is."""
     import torch
@@ -172,10 +172,10 @@ def test_a_launched_server_serves_the_target_in_infers_dtype(tmp_path):
 
     infer = config.load(ROOT / "params.yaml").infer
     assert infer.engine == "vllm" and infer.vllm.launch.model_path is None
-    launch = servers(infer.vllm, tmp_path, runtime.compute_dtype(infer.dtype, torch.device("cpu"))).launch
-    assert launch.model_path == str(tmp_path) and launch.extra_args == [*infer.vllm.launch.extra_args, "--dtype",
+    launch = servers(infer.vllm, target_folder, runtime.compute_dtype(infer.dtype, torch.device("cpu"))).launch
+    assert launch.model_path == str(target_folder) and launch.extra_args == [*infer.vllm.launch.extra_args, "--dtype",
                                                                         "float32"]
     given = config.Servers(launch=config.Launch(model_path="/models/m", extra_args="--foo 1"))
-    assert servers(given, tmp_path, "bfloat16").launch.extra_args == ["--foo", "1", "--dtype", "bfloat16"]
+    assert servers(given, target_folder, "bfloat16").launch.extra_args == ["--foo", "1", "--dtype", "bfloat16"]
     running = config.Servers(urls=["http://h:8000"])
-    assert servers(running, tmp_path, "bfloat16") is running
+    assert servers(running, target_folder, "bfloat16") is running

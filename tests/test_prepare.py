@@ -231,6 +231,8 @@ BAD_LINES = {  # reason: (format, bad line, field named in the error)
                                  b'"content": "", "tool_calls": [{"function": {"arguments": {}}}]}, '
                                  b'{"role": "tool", "content": "t"}]}', "messages[1].tool_calls"),
     "not_object": ("magicoder", b'["problem"]', None),
+    "media": ("openai", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, '
+                        b'{"type": "text", "text": "what is it?"}]}]}', "messages[0].content"),
 }
 
 
