@@ -20,7 +20,6 @@ from . import families
 from .errors import UserError
 
 
-
 @dataclass(frozen=True)
 class Names:
     """The names of the weights train reads: the embedding, the final norm, the head, and the decoder layers' prefix."""
@@ -41,6 +40,7 @@ def names(stored) -> Names:
     embedding under (the text-only names when none)."""
     prefix, head = next(((p, h) for p, h in PREFIXES if p + "embed_tokens.weight" in stored), PREFIXES[0])
     return Names(prefix + "embed_tokens.weight", prefix + "norm.weight", head, prefix + "layers.")
+
 
 MIN_LAYERS = 4
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors dtype names of the weights train reads as they are

@@ -31,7 +31,6 @@ import os
 import subprocess
 from pathlib import Path
 
-from .. import families
 from ..errors import UserError
 from . import Sampling, seed_for
 from .launch import LaunchedServer
@@ -75,19 +74,18 @@ def launched(cfg, interpreter: str | None = None) -> LaunchedServer:
     if cfg.command is None and not Path(interpreter).exists():
         raise ServerError(f"no vLLM at {interpreter}: run 'make vllm-venv' (or set the launch command)")
     env = {k: v for k, v in cpu_env(interpreter).items() if k not in os.environ}
-    if cfg.command is None and (Path(cfg.model_path) / "config.json").exists() and \
-            families.composite(families.load_config(cfg.model_path)):
-        why = _no_torchvision(interpreter, env)
-        if why:
-            raise UserError(f"the vLLM of {interpreter} cannot serve the composite target {cfg.model_path}: vLLM's "
-                            f"modules of multimodal models import torchvision, which fails there ({why}); the CPU "
-                            "build's environment has none that works (the registry's torchvision wheels are CUDA "
-                            "builds). Serve it from a vLLM whose torchvision imports (serve.python, "
-                            "infer.vllm.launch.command), a GPU host's; or regenerate with infer.engine: hf")
-    return LaunchedServer(cfg, "vllm", [interpreter, "-m", "vllm.entrypoints.openai.api_server"],
-                          ["--model", cfg.model_path, "--tensor-parallel-size", str(cfg.tp),
-                           "--data-parallel-size", str(cfg.dp), "--enable-scale-out",
-                           *(CPU_FLAGS if cpu_build(interpreter) else [])], env)
+    server = LaunchedServer(cfg, "vllm", [interpreter, "-m", "vllm.entrypoints.openai.api_server"],
+                            ["--model", cfg.model_path, "--tensor-parallel-size", str(cfg.tp),
+                             "--data-parallel-size", str(cfg.dp), "--enable-scale-out",
+                             *(CPU_FLAGS if cpu_build(interpreter) else [])], env)
+    why = cfg.command is None and "--language-model-only" in server.extra_args and _no_torchvision(interpreter, env)
+    if why:  # launch.servers asks for the language model only of a composite target
+        raise UserError(f"the vLLM of {interpreter} cannot serve the composite target {cfg.model_path}: vLLM's "
+                        f"modules of multimodal models import torchvision, which fails there ({why}); the CPU "
+                        "build's environment has none that works (the registry's torchvision wheels are CUDA "
+                        "builds). Serve it from a vLLM whose torchvision imports (serve.python, "
+                        "infer.vllm.launch.command), a GPU host's; or regenerate with infer.engine: hf")
+    return server
 
 
 def _no_torchvision(interpreter: str, env: dict) -> str | None:
