@@ -95,7 +95,9 @@ def check(folder: Path):
         refuse(f"{kind} nests its language model in a composite (multimodal) config; of those, only "
                f"{', '.join(families.COMPOSITES)} are served (text-only)")
     if type(config) not in (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if composite else MODEL_FOR_CAUSAL_LM_MAPPING):
-        refuse(f"transformers has no causal LM for model_type {kind} (AutoModelForCausalLM): not a decoder-only LM")
+        refuse(f"transformers has no image-text-to-text model for model_type {kind} (AutoModelForImageTextToText), "
+               "which serves a composite's language model" if composite else
+               f"transformers has no causal LM for model_type {kind} (AutoModelForCausalLM): not a decoder-only LM")
     text = families.text_config(config)
     for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "rms_norm_eps",
                   "hidden_act", "max_position_embeddings", "vocab_size", "rope_parameters"):

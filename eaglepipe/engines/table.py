@@ -7,6 +7,8 @@ stage's code includes the engines'.
 from __future__ import annotations
 
 from .launch import servers
+from .sglang import SGLangEngine
+from .vllm import VLLMEngine
 
 
 def _hf(params, folder, tokenizer, rt):
@@ -20,23 +22,19 @@ def _hf(params, folder, tokenizer, rt):
     return nullcontext(HFEngine(model, tokenizer.pad_token_id, params.batch_size, params.batch_tokens))
 
 
-def _sglang(params, folder, tokenizer, rt):
-    """SGLang servers' native /generate, token ids in and out (engines/sglang.py)."""
-    from .. import runtime
-    from .sglang import SGLangEngine
+def _server(engine):
+    """A server engine (``engine``: SGLangEngine, SGLang's native /generate; VLLMEngine, vLLM's token-in token-out
+    /inference/v1/generate) over the servers of ``infer.<engine.name>``, a launched one completed by ``servers`` with
+    infer.dtype resolved as the hf engine resolves it (runtime.compute_dtype)."""
+    def build(params, folder, tokenizer, rt):
+        from .. import runtime
 
-    return SGLangEngine(servers(params.sglang, folder, runtime.compute_dtype(params.dtype, rt.device)), tokenizer)
-
-
-def _vllm(params, folder, tokenizer, rt):
-    """vLLM servers' token-in token-out /inference/v1/generate (engines/vllm.py)."""
-    from .. import runtime
-    from .vllm import VLLMEngine
-
-    return VLLMEngine(servers(params.vllm, folder, runtime.compute_dtype(params.dtype, rt.device)), tokenizer)
+        section = getattr(params, engine.name)
+        return engine(servers(section, folder, runtime.compute_dtype(params.dtype, rt.device)), tokenizer)
+    return build
 
 
-ENGINES = {"hf": _hf, "sglang": _sglang, "vllm": _vllm}
+ENGINES = {"hf": _hf, "sglang": _server(SGLangEngine), "vllm": _server(VLLMEngine)}
 
 
 def create(params, folder, tokenizer, rt):
