@@ -22,6 +22,7 @@ class Family:
     """What the pipeline knows about one family of targets."""
     name: str
     llama_layer: bool  # its decoder layer is the Llama layer over the same weights (train.init: target is exact)
+    mla: bool = False  # multi-head latent attention (DeepSeek's): engines page its KV cache in their own blocks
 
 
 OTHER = Family("other", llama_layer=False)
@@ -33,6 +34,7 @@ FAMILIES = {kind: family for family in (
     Family("qwen3_moe", llama_layer=False),  # q_norm/k_norm, routed experts
     Family("qwen3_vl_text", llama_layer=False),      # Qwen3-VL's language model: Qwen3's layer, M-RoPE
     Family("qwen3_vl_moe_text", llama_layer=False),  # Qwen3-VL-MoE's
+    Family("deepseek_v3", llama_layer=False, mla=True),  # Kimi-K2's too: routed and shared experts, YaRN RoPE
 ) for kind in (family.name,)}
 COMPOSITES = ("qwen3_vl", "qwen3_vl_moe")
 """Composite ``model_type``s served text-only: with text positions alone their M-RoPE is the 1-D RoPE of their

