@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter: config, module, draft vocabulary, export in SGLang's ``LlamaForCausalLMEagle3`` layout.
+"""The EAGLE-3 drafter: config, module, draft vocabulary, export in the layout SGLang and vLLM load.
 
 Architecture (one decoder layer over the target's features, as in SafeAILab/EAGLE ``traineagle3/cnets.py`` and
 SGLang ``models/llama_eagle3.py``)::
@@ -6,6 +6,7 @@ SGLang ``models/llama_eagle3.py``)::
     g  = fc(aux)                                    aux = cat(low, mid, high) [.., 3H] -> g [.., H]
     x  = cat(input_layernorm(embed(token)), hidden_norm(h))       [.., 2H]   (h = g at step 0)
     a  = h + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))   q/k/v take 2H inputs; RoPE; GQA
+                                            (the qwen3 drafter: RMS norms q_norm, k_norm on each head before RoPE)
     h' = a + mlp(post_attention_layernorm(a))                     pre-norm output, fed back as h
     draft_logits = lm_head(norm(h'))                               [.., draft_vocab_size]
 
@@ -44,15 +45,15 @@ init of every weight; one log line per run says which): fc passes the high aux s
 lm_head = the target's rows of the draft vocabulary, norm = the target's final norm, and the midlayer starts from the
 target's decoder layer that consumes the high state, each part where the target's weights for it are there with the
 drafter's shapes and stored as floats: the attention (q/k/v on the hidden-state half, the embedding half zero; o_proj;
-hidden_norm = its input norm) and the MLP (post-attention norm, gate/up/down). A part that does not fit starts fresh:
+hidden_norm = its input norm; the qwen3 drafter's q_norm/k_norm) and the MLP (post-attention norm, gate/up/down). A part that does not fit starts fresh:
 the attention from the seeded default init, the MLP from seeded gate/up and a zero down_proj (it adds nothing until
 training grows it). The init is *exact*, step 0 computing exactly that target layer over the target's states (within
 the target's sliding window, if it has one: the drafter attends to every position), when both parts fit, no weight
-of the layer is left over and the family's layer is the Llama layer (``families.Family.llama_layer``: another family
-with the same weight names may compute something else from them). Otherwise the log says not exact and names what it
+of the layer is left over and the family's layer is the drafter's (``families.Family.layer``: another family with
+the same weight names may compute something else from them). Otherwise the log says not exact and names what it
 dropped or started fresh, e.g.:
-    Qwen3, Qwen3-MoE: q_norm/k_norm (RMS norms on each head's q and k) have no place in the Llama layer: dropped,
-        the projections copied.
+    Qwen3, Qwen3-MoE under the llama drafter: q_norm/k_norm (RMS norms on each head's q and k) have no place in the
+        Llama layer: dropped, the projections copied (the qwen3 drafter, their default, copies them).
     Qwen2: the q/k/v biases are dropped (a bias cannot be folded into a projection of normed inputs).
     MoE (experts and a router instead of a dense ``mlp.*``): the MLP starts fresh, at the drafter's size, the target
         config's ``intermediate_size`` (Qwen3-MoE's dense MLP size, not ``moe_intermediate_size``, one expert's).
@@ -62,12 +63,14 @@ with the lowest unused ids when the data has fewer distinct ids. ``d2t`` int64 [
 d2t[draft_id]; ``t2d`` bool [V]: whether a target id is in the draft vocabulary.
 
 Checkpoint (``save``/``load``): ``config.json`` + ``model.safetensors`` with exactly ``fc.weight``,
-``midlayer.self_attn.{q,k,v,o}_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
-``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``, ``norm.weight``, ``lm_head.weight``
-(float32), ``d2t`` (int64), ``t2d`` (bool). ``config.json``: ``architectures: ["LlamaForCausalLMEagle3"]``,
-``model_type: llama``, ``num_hidden_layers: 1``, ``tie_word_embeddings: false`` (SGLang would make lm_head the
-embedding otherwise), ``vocab_size`` (target), ``draft_vocab_size``, the target's Llama fields (sizes, heads,
-head_dim, rms_norm_eps, rope_theta/rope_scaling and rope_parameters, max_position_embeddings, hidden_act) and
+``midlayer.self_attn.{q,k,v,o}_proj.weight`` (the qwen3 drafter: and ``midlayer.self_attn.{q,k}_norm.weight``),
+``midlayer.mlp.{gate,up,down}_proj.weight``, ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
+``norm.weight``, ``lm_head.weight`` (float32), ``d2t`` (int64), ``t2d`` (bool). ``config.json``: ``architectures``
+and ``model_type`` per ``DRAFTERS`` (llama: ``["LlamaForCausalLMEagle3"]``, ``llama``, which SGLang and vLLM load;
+qwen3: ``["Eagle3Qwen3ForCausalLM"]``, ``qwen3``, vLLM's ``qwen3_eagle3.py``), ``num_hidden_layers: 1``,
+``tie_word_embeddings: false`` (SGLang would make lm_head the embedding otherwise), ``vocab_size`` (target),
+``draft_vocab_size``, the target's Llama fields (sizes, heads, head_dim, rms_norm_eps, rope_theta/rope_scaling and
+rope_parameters, max_position_embeddings, hidden_act) and
 the aux layer ids once per engine, each where only that engine reads it, so that neither can serve the drafter with
 other layers than it was trained on (both engines give the same ids different meanings):
     ``eagle_aux_hidden_state_layer_ids`` (top level): the HF indices ([2, 15, 27]). vLLM 0.32 reads this key first
@@ -97,7 +100,9 @@ from . import families
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURE = "LlamaForCausalLMEagle3"
+DRAFTERS = {"llama": ("LlamaForCausalLMEagle3", "llama"),  # the Llama layer: SGLang's and vLLM's
+            "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3")}  # with Qwen3's q_norm/k_norm: vLLM's only
+"""train.drafter's layers: name -> (the ``architectures`` name, the ``model_type`` their config.json gets)."""
 MROPE = ("mrope_section", "mrope_interleaved")  # a multimodal target's RoPE keys: text positions make them 1-D RoPE
 
 
@@ -115,12 +120,13 @@ class DraftConfig:
     vocab_size: int
     draft_vocab_size: int
     aux_layers: list  # HF output_hidden_states indices (state entering decoder layer i), low, mid, high
+    drafter: str = "llama"  # one of DRAFTERS
 
     @classmethod
-    def from_target(cls, config, draft_vocab_size: int, aux_layers: list) -> "DraftConfig":
-        """The drafter's config from the target's (a transformers config): same widths, heads and RoPE; of an M-RoPE
-        (a composite's language model) the 1-D RoPE its text positions make, so the engines give the drafter plain
-        positions."""
+    def from_target(cls, config, draft_vocab_size: int, aux_layers: list, drafter: str = "llama") -> "DraftConfig":
+        """The ``drafter``'s config from the target's (a transformers config): same widths, heads and RoPE; of an
+        M-RoPE (a composite's language model) the 1-D RoPE its text positions make, so the engines give the drafter
+        plain positions."""
         c = families.text_config(config)
         rope = {k: v for k, v in c.rope_parameters.items() if k not in MROPE}
         return cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -129,14 +135,16 @@ class DraftConfig:
                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
                    rms_norm_eps=float(c.rms_norm_eps), rope_parameters=rope,
                    max_position_embeddings=c.max_position_embeddings, hidden_act=c.hidden_act,
-                   vocab_size=c.vocab_size, draft_vocab_size=int(draft_vocab_size), aux_layers=list(aux_layers))
+                   vocab_size=c.vocab_size, draft_vocab_size=int(draft_vocab_size), aux_layers=list(aux_layers),
+                   drafter=drafter)
 
     def to_json(self) -> dict:
-        """config.json in the LlamaForCausalLMEagle3 layout SGLang and vLLM load."""
+        """config.json in the layout the engines load (module docstring, Checkpoint)."""
         rope = dict(self.rope_parameters)
         legacy_scaling = None if rope.get("rope_type", "default") == "default" else \
             {k: v for k, v in rope.items() if k != "rope_theta"}
-        return {"architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+        architecture, model_type = DRAFTERS[self.drafter]
+        return {"architectures": [architecture], "model_type": model_type, "num_hidden_layers": 1,
                 "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
                 "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
                 "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "hidden_act": self.hidden_act,
@@ -150,14 +158,16 @@ class DraftConfig:
 
     @classmethod
     def from_json(cls, d: dict) -> "DraftConfig":
-        if ARCHITECTURE not in d.get("architectures", []) or d.get("num_hidden_layers") != 1:
-            raise ValueError(f"not a one-layer {ARCHITECTURE} config: {d.get('architectures')}")
+        drafter = next((name for name, (arch, _) in DRAFTERS.items() if arch in d.get("architectures", [])), None)
+        if drafter is None or d.get("num_hidden_layers") != 1:
+            raise ValueError(f"not a one-layer config of {', '.join(a for a, _ in DRAFTERS.values())}: "
+                             f"{d.get('architectures')}")
         rope = d.get("rope_parameters") or {"rope_theta": d["rope_theta"], **(d.get("rope_scaling") or
                                                                              {"rope_type": "default"})}
         return cls(**{k: d[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                         "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
                                         "hidden_act", "vocab_size", "draft_vocab_size")},
-                   rope_parameters=rope, aux_layers=aux_layers_of(d))
+                   rope_parameters=rope, aux_layers=aux_layers_of(d), drafter=drafter)
 
 
 def aux_layers_of(d: dict) -> list:
@@ -218,18 +228,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * H, self.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * H, self.kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.heads * d, H, bias=False)
+        if cfg.drafter == "qwen3":  # an RMS norm over each head's q and k, before RoPE
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def _split(self, y, heads):
         return y.view(*y.shape[:2], heads, self.head_dim).transpose(1, 2)
 
     def queries(self, x, cos, sin):
         """[B, heads, T, d], rotated."""
-        return rotate(self._split(self.q_proj(x), self.heads), cos, sin)
+        return rotate(self.q_norm(self._split(self.q_proj(x), self.heads)), cos, sin)
 
     def keys_values(self, x, cos, sin):
         """Keys (rotated) and values [B, heads, T, d], the KV heads already repeated for grouped-query attention."""
         rep = self.heads // self.kv_heads
-        k = rotate(self._split(self.k_proj(x), self.kv_heads), cos, sin)
+        k = rotate(self.k_norm(self._split(self.k_proj(x), self.kv_heads)), cos, sin)
         v = self._split(self.v_proj(x), self.kv_heads)
         return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
@@ -356,17 +370,20 @@ class Eagle3Draft(nn.Module):
 # ---------------------------------------------------------------------------------------------------- initialisation
 ATTENTION_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                      "self_attn.o_proj.weight", "input_layernorm.weight")
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # the qwen3 drafter's attention has them too
 MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-LAYER_WEIGHTS = ATTENTION_WEIGHTS + MLP_WEIGHTS  # a target layer's weights the midlayer can start from
+LAYER_WEIGHTS = ATTENTION_WEIGHTS + QK_NORMS + MLP_WEIGHTS  # a target layer's weights the midlayer can start from
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def layer_shapes(cfg: DraftConfig) -> dict:
-    """The shape each of ``LAYER_WEIGHTS`` must have to be copied (q/k/v: into the hidden-state half)."""
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    """The shape each weight of the drafter's layer in ``LAYER_WEIGHTS`` must have to be copied (q/k/v: into the
+    hidden-state half)."""
+    H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    norms = {name: (d,) for name in QK_NORMS} if cfg.drafter == "qwen3" else {}
     return {"self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
-            "self_attn.o_proj.weight": (H, q), "input_layernorm.weight": (H,),
+            "self_attn.o_proj.weight": (H, q), "input_layernorm.weight": (H,), **norms,
             "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
             "mlp.down_proj.weight": (H, I)}
 
@@ -390,8 +407,9 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
     H = model.cfg.hidden_size
     layer, attn, mid = target["layer"], model.midlayer.self_attn, model.midlayer
     shapes = layer_shapes(model.cfg)
-    why_attn, why_mlp = misfit(layer, ATTENTION_WEIGHTS, shapes), misfit(layer, MLP_WEIGHTS, shapes)
-    used = (() if why_attn else ATTENTION_WEIGHTS) + (() if why_mlp else MLP_WEIGHTS)
+    attention = ATTENTION_WEIGHTS + tuple(n for n in QK_NORMS if n in shapes)
+    why_attn, why_mlp = misfit(layer, attention, shapes), misfit(layer, MLP_WEIGHTS, shapes)
+    used = (() if why_attn else attention) + (() if why_mlp else MLP_WEIGHTS)
     dropped = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in target["layer_names"] if n not in used))
     draft_ids = torch.arange(model.cfg.draft_vocab_size) + model.d2t
     with torch.no_grad():
@@ -404,6 +422,8 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
                 w[:, H:] = layer[f"self_attn.{name}.weight"]
             attn.o_proj.weight.copy_(layer["self_attn.o_proj.weight"])
             mid.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
+            for name in attention[len(ATTENTION_WEIGHTS):]:  # the qwen3 drafter's q_norm, k_norm
+                mid.get_parameter(name).copy_(layer[name])
         if why_mlp:
             mid.mlp.down_proj.weight.zero_()
         else:
@@ -413,15 +433,17 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
         model.lm_head.weight.copy_(target["head"][draft_ids])
         model.norm.weight.copy_(target["norm"])
     source = f"target layer {target['layer_index']} ({target['model_type']})"
-    if not (why_attn or why_mlp or dropped) and families.FAMILIES.get(target["model_type"], families.OTHER).llama_layer:
-        text = f"exact: the midlayer is {source}, a Llama layer with every weight used; step 0 computes that layer"
+    family, drafter = families.FAMILIES.get(target["model_type"], families.OTHER), model.cfg.drafter
+    if not (why_attn or why_mlp or dropped) and family.layer == drafter:
+        text = (f"exact: the midlayer is {source}, a {drafter} layer with every weight used; step 0 computes that "
+                "layer")
     else:
         parts = [f"attention {'fresh (seeded), ' + why_attn if why_attn else 'copied'}",
                  f"MLP {'fresh (seeded gate/up, zero down_proj), ' + why_mlp if why_mlp else 'copied'}"]
         if dropped:
             parts.append(f"dropped {', '.join(dropped)}")
-        elif not families.FAMILIES.get(target["model_type"], families.OTHER).llama_layer:
-            parts.append(f"{target['model_type']}'s layer is not known to be the Llama layer")
+        elif family.layer != drafter:
+            parts.append(f"{target['model_type']}'s layer is not known to be the {drafter} drafter's layer")
         text = f"not exact: the midlayer starts from {source}: {'; '.join(parts)}"
     log.info("drafter init: %s", text)
     return text

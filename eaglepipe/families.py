@@ -21,20 +21,21 @@ from . import remote
 class Family:
     """What the pipeline knows about one family of targets."""
     name: str
-    llama_layer: bool  # its decoder layer is the Llama layer over the same weights (train.init: target is exact)
+    layer: str | None  # the drafter layer (draft.DRAFTERS) its decoder layer is over the same weights (init exact)
+    drafter: str = "llama"  # train.drafter: auto's choice, the EAGLE-3 drafter vLLM's registry serves for it
     mla: bool = False  # multi-head latent attention (DeepSeek's): engines page its KV cache in their own blocks
 
 
-OTHER = Family("other", llama_layer=False)
+OTHER = Family("other", layer=None)
 FAMILIES = {kind: family for family in (
-    Family("llama", llama_layer=True),
-    Family("mistral", llama_layer=True),
-    Family("qwen2", llama_layer=False),      # q/k/v biases
-    Family("qwen3", llama_layer=False),      # q_norm/k_norm
-    Family("qwen3_moe", llama_layer=False),  # q_norm/k_norm, routed experts
-    Family("qwen3_vl_text", llama_layer=False),      # Qwen3-VL's language model: Qwen3's layer, M-RoPE
-    Family("qwen3_vl_moe_text", llama_layer=False),  # Qwen3-VL-MoE's
-    Family("deepseek_v3", llama_layer=False, mla=True),  # Kimi-K2's too: routed and shared experts, YaRN RoPE
+    Family("llama", layer="llama"),
+    Family("mistral", layer="llama"),
+    Family("qwen2", layer=None),  # q/k/v biases
+    Family("qwen3", layer="qwen3", drafter="qwen3"),  # q_norm/k_norm: vLLM's Eagle3Qwen3ForCausalLM
+    Family("qwen3_moe", layer="qwen3", drafter="qwen3"),  # the same attention, routed experts
+    Family("qwen3_vl_text", layer="qwen3"),  # Qwen3-VL's language model: Qwen3's layer, M-RoPE; vLLM's drafter
+    Family("qwen3_vl_moe_text", layer="qwen3"),  # for Qwen3-VL (Eagle3Qwen3vlForCausalLM) is the Llama one
+    Family("deepseek_v3", layer=None, mla=True),  # Kimi-K2's too: routed and shared experts, YaRN RoPE
 ) for kind in (family.name,)}
 COMPOSITES = ("qwen3_vl", "qwen3_vl_moe")
 """Composite ``model_type``s served text-only: with text positions alone their M-RoPE is the 1-D RoPE of their

