@@ -41,17 +41,17 @@ Chain drafting, prompt x_0..x_{n-1}, the target's prefill gives aux_0..aux_{n-1}
        target's states at the verified positions), positions n..n+m; n becomes n+m+1; go to 2.
 
 Initialisation under ``train.init: target`` (``init_from_target``; the default, ``fresh``, keeps the seeded default
-init of every weight; one log line per run says which): fc passes the high aux state through,
-lm_head = the target's rows of the draft vocabulary, norm = the target's final norm, and the midlayer starts from the
-target's decoder layer that consumes the high state, each part where the target's weights for it are there with the
-drafter's shapes and stored as floats: the attention (q/k/v on the hidden-state half, the embedding half zero; o_proj;
-hidden_norm = its input norm; the qwen3 drafter's q_norm/k_norm) and the MLP (post-attention norm, gate/up/down). A part that does not fit starts fresh:
-the attention from the seeded default init, the MLP from seeded gate/up and a zero down_proj (it adds nothing until
-training grows it). The init is *exact*, step 0 computing exactly that target layer over the target's states (within
-the target's sliding window, if it has one: the drafter attends to every position), when both parts fit, no weight
-of the layer is left over and the family's layer is the drafter's (``families.Family.layer``: another family with
-the same weight names may compute something else from them). Otherwise the log says not exact and names what it
-dropped or started fresh, e.g.:
+init of every weight; one log line per run says which): fc passes the high aux state through, lm_head = the target's
+rows of the draft vocabulary, norm = the target's final norm, and the midlayer starts from the target's decoder
+layer that consumes the high state, each part where the target's weights for it are there with the drafter's shapes
+and stored as floats: the attention (q/k/v on the hidden-state half, the embedding half zero; o_proj; hidden_norm =
+its input norm; the qwen3 drafter's q_norm/k_norm) and the MLP (post-attention norm, gate/up/down). A part that does
+not fit starts fresh: the attention from the seeded default init, the MLP from seeded gate/up and a zero down_proj
+(it adds nothing until training grows it). The init is *exact*, step 0 computing exactly that target layer over the
+target's states (within the target's sliding window, if it has one: the drafter attends to every position), when
+both parts fit, no weight of the layer is left over and the family's layer is the drafter's
+(``families.Family.layer``: another family with the same weight names may compute something else from them).
+Otherwise the log says not exact and names what it dropped or started fresh, e.g.:
     Qwen3, Qwen3-MoE under the llama drafter: q_norm/k_norm (RMS norms on each head's q and k) have no place in the
         Llama layer: dropped, the projections copied (the qwen3 drafter, their default, copies them).
     Qwen2: the q/k/v biases are dropped (a bias cannot be folded into a projection of normed inputs).
