@@ -4,6 +4,7 @@ and kill -9 of the server with a restart, both end with every record present exa
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -74,8 +75,9 @@ def test_e2e_a_clean_run_gives_the_embedded_engines_records(work, server, refere
 
 
 def test_e2e_sampled_records_depend_on_the_seeds_only(work, server, tmp_path):
-    # per-record seeds: the same records from two runs with other concurrency (vLLM's CPU build needs CPU_FLAGS here)
-    outs = []
+    # per-record seeds: the same records from two runs with other concurrency (vLLM's CPU build needs CPU_FLAGS here),
+    # and the same engine.json (so data/responses hashes the same in DVC)
+    outs, engines = [], []
     for run, concurrency in (("a", 4), ("b", 1)):
         folder = tmp_path / run
         folder.mkdir()
@@ -83,7 +85,10 @@ def test_e2e_sampled_records_depend_on_the_seeds_only(work, server, tmp_path):
         out = run_infer(folder, p, work / "prompts.jsonl")
         assert out.returncode == 0, out.stderr[-3000:]
         outs.append([{k: v for k, v in r.items() if k != "meta"} for r in records(folder)])
+        engines.append((folder / "out" / "engine.json").read_text())
+        time.sleep(1.1)  # another second on vLLM's clock
     assert len(outs[0]) == 2 * len(PROMPTS) and outs[0] == outs[1]
+    assert engines[0] == engines[1]
     assert any(a["output_ids"] != b["output_ids"] for a, b in zip(outs[0][::2], outs[0][1::2]))  # samples differ
 
 

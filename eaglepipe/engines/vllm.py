@@ -162,8 +162,9 @@ class VLLMEngine(ServerEngine):
         if not isinstance(data, list) or len(data) != 1 or not isinstance(data[0], dict):
             raise ServerError(f"{server.url} should serve exactly one model, /v1/models lists "
                               f"{len(data) if isinstance(data, list) else data!r}")
-        model = data[0]
-        server.model_info, server.server_info = model, version
+        model = data[0]  # less what changes per request (the time, and its "permission" with a fresh id and time),
+        volatile = ("created", "permission")  # so that engine.json is the same on each run
+        server.model_info, server.server_info = {k: v for k, v in model.items() if k not in volatile}, version
         server.identity = {"model": model.get("id"), "root": model.get("root"),
                            "max_model_len": model.get("max_model_len"), "vllm_version": version.get("version")}
 
