@@ -122,6 +122,11 @@ class DraftConfig:
     aux_layers: list  # HF output_hidden_states indices (state entering decoder layer i), low, mid, high
     drafter: str = "llama"  # one of DRAFTERS
 
+    @property
+    def qk_norm(self) -> bool:
+        """Whether the drafter's attention norms each head's q and k before RoPE (Qwen3's q_norm, k_norm)."""
+        return self.drafter == "qwen3"
+
     @classmethod
     def from_target(cls, config, draft_vocab_size: int, aux_layers: list, drafter: str = "llama") -> "DraftConfig":
         """The ``drafter``'s config from the target's (a transformers config): same widths, heads and RoPE; of an
@@ -228,7 +233,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * H, self.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * H, self.kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.heads * d, H, bias=False)
-        if cfg.drafter == "qwen3":  # an RMS norm over each head's q and k, before RoPE
+        if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = nn.Identity()
@@ -381,7 +386,7 @@ def layer_shapes(cfg: DraftConfig) -> dict:
     hidden-state half)."""
     H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    norms = {name: (d,) for name in QK_NORMS} if cfg.drafter == "qwen3" else {}
+    norms = {name: (d,) for name in QK_NORMS} if cfg.qk_norm else {}
     return {"self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
             "self_attn.o_proj.weight": (H, q), "input_layernorm.weight": (H,), **norms,
             "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
@@ -407,7 +412,8 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
     H = model.cfg.hidden_size
     layer, attn, mid = target["layer"], model.midlayer.self_attn, model.midlayer
     shapes = layer_shapes(model.cfg)
-    attention = ATTENTION_WEIGHTS + tuple(n for n in QK_NORMS if n in shapes)
+    norms = QK_NORMS if model.cfg.qk_norm else ()
+    attention = ATTENTION_WEIGHTS + norms
     why_attn, why_mlp = misfit(layer, attention, shapes), misfit(layer, MLP_WEIGHTS, shapes)
     used = (() if why_attn else attention) + (() if why_mlp else MLP_WEIGHTS)
     dropped = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in target["layer_names"] if n not in used))
@@ -422,7 +428,7 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
                 w[:, H:] = layer[f"self_attn.{name}.weight"]
             attn.o_proj.weight.copy_(layer["self_attn.o_proj.weight"])
             mid.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
-            for name in attention[len(ATTENTION_WEIGHTS):]:  # the qwen3 drafter's q_norm, k_norm
+            for name in norms:
                 mid.get_parameter(name).copy_(layer[name])
         if why_mlp:
             mid.mlp.down_proj.weight.zero_()

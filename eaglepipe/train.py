@@ -137,11 +137,12 @@ def target_tensors(folder, layer: int) -> dict:
     A weight stored in FP8 blocks with its scales is read dequantized to float32 (quant.py)."""
     folder = Path(folder)
     stored = stored_weights(folder)
-    n = weight_names(stored)
-    prefix = f"{n.layers}{layer}."
+    names = weight_names(stored)
+    prefix = f"{names.layers}{layer}."
     layer_names = sorted(n[len(prefix):] for n in stored if n.startswith(prefix)
                          and not (n.endswith(quant.SCALE) and n[:-len(quant.SCALE)] in stored))
-    wanted = {"embed": n.embed, "head": n.head, "norm": n.norm, **{w: prefix + w for w in draft.LAYER_WEIGHTS}}
+    wanted = {"embed": names.embed, "head": names.head, "norm": names.norm,
+              **{w: prefix + w for w in draft.LAYER_WEIGHTS}}
     wanted |= {key + quant.SCALE: name + quant.SCALE for key, name in wanted.items() if name + quant.SCALE in stored}
     missing = [wanted[k] for k in ("embed", "norm") if wanted[k] not in stored]
     if missing or not layer_names:
