@@ -2,9 +2,10 @@
 
     python bench/gpu_check.py [--params params.yaml] [--device cuda] [--nproc N] [--keep DIR]
 
-Runs the stages prepare, infer (hf engine), merge, hidden, train and evaluate as dvc.yaml runs them, on params.yaml
-with ``runtime.device`` set to --device, into a work folder with empty caches of its own (a first run, nothing
-reused; the project's data, models and .cache are not touched). hidden, train and evaluate run under torchrun with
+Runs the stages prepare, infer, merge, hidden, train and evaluate as dvc.yaml runs them, on params.yaml with
+``runtime.device`` set to --device and ``infer.engine`` to hf (the in-process engine: a GPU machine needs no vLLM or
+SGLang for it), into a work folder with empty caches of its own (a first run, nothing reused; the project's data,
+models and .cache are not touched). hidden, train and evaluate run under torchrun with
 --nproc processes, one GPU each (default: every GPU torch sees). The serve stage is left out: it needs a vLLM
 built for CUDA (`.venv-vllm` holds the CPU build). At the end it prints one row per stage: seconds, tokens/s, peak
 GPU memory (torch's peak allocation on the stage's busiest GPU, rank 0's) and peak resident memory, from the stages'
@@ -48,7 +49,7 @@ def main(params, device, nproc, keep):
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        (work / "params.yaml").write_text(yaml.safe_dump(params_for(base, {"runtime.device": device}), sort_keys=False))
+        (work / "params.yaml").write_text(yaml.safe_dump(params_for(base, {"runtime.device": device, "infer.engine": "hf"}), sort_keys=False))
         rows, commands = [], stage_commands(work, STAGES)
         for stage, cmd in commands.items():  # EAGLEPIPE_NPROC: torchrun for the stages started through runtime
             click.echo(f"== {stage}: {' '.join(cmd)}", err=True)

@@ -28,7 +28,9 @@ def test_gpu_check_e2e_runs_the_pipeline_in_a_folder_of_its_own_and_prints_each_
         row = next(line for line in out.stdout.splitlines() if line.startswith(f"| {stage} |"))
         timing = json.loads((work / "metrics" / "timings" / f"{stage}.json").read_text())
         assert row.endswith(f"| {timing['peak_rss_mb']} |")
-    assert yaml.safe_load((work / "params.yaml").read_text())["runtime"]["device"] == "cpu"
+    ran = yaml.safe_load((work / "params.yaml").read_text())
+    assert ran["runtime"]["device"] == "cpu" and ran["infer"]["engine"] == "hf"
+    assert json.loads((work / "data" / "responses" / "engine.json").read_text())["engine"] == "hf"
     assert (work / "models" / "draft" / "model.safetensors").exists()
     assert any((work / "cache" / "infer").iterdir()) and any((work / "cache" / "hidden").iterdir())
     assert "acceptance length, EAGLE vs n-gram: heldout" in out.stdout
