@@ -271,10 +271,12 @@ class Train(Section):
         "fresh", description="fresh: every drafter weight from the seeded default init | target: fc passes the high "
         "state through, the midlayer, norm and lm_head start from the target where they fit (eaglepipe/draft.py, "
         "Initialisation); measured against each other: docs/experiments.md")
-    drafter: Literal["auto", "llama", "qwen3"] = Field(
+    drafter: Literal["auto", "llama", "qwen3", "deepseek_mla"] = Field(
         "auto", description="the drafter's layer (eaglepipe/draft.py, DRAFTERS): llama, the one SGLang and vLLM "
-        "load | qwen3, with Qwen3's q_norm/k_norm, vLLM's Eagle3Qwen3ForCausalLM | auto: the one vLLM serves for "
-        "the target's family (eaglepipe/families.py: qwen3 for Qwen3 and Qwen3-MoE, llama otherwise)")
+        "load | qwen3, with Qwen3's q_norm/k_norm, vLLM's Eagle3Qwen3ForCausalLM | deepseek_mla, DeepSeek's "
+        "multi-head latent attention and a dense MLP, vLLM's Eagle3DeepseekV2ForCausalLM (MLA targets only) | "
+        "auto: the one vLLM serves for the target's family (eaglepipe/families.py: qwen3 for Qwen3 and Qwen3-MoE, "
+        "deepseek_mla for DeepseekV3, llama otherwise)")
     epochs: int = Field(6, ge=1, description="passes over the training split")
     features: Literal["offline", "online"] = Field(
         "offline", description="offline: the states hidden stored (data/hidden) | online: the frozen target runs "

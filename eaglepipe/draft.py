@@ -6,7 +6,8 @@ SGLang ``models/llama_eagle3.py``)::
     g  = fc(aux)                                    aux = cat(low, mid, high) [.., 3H] -> g [.., H]
     x  = cat(input_layernorm(embed(token)), hidden_norm(h))       [.., 2H]   (h = g at step 0)
     a  = h + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))   q/k/v take 2H inputs; RoPE; GQA
-                                            (the qwen3 drafter: RMS norms q_norm, k_norm on each head before RoPE)
+                                            (the qwen3 drafter: RMS norms q_norm, k_norm on each head before RoPE;
+                                             the deepseek_mla drafter: DeepSeek's MLA, ``MLAttention``)
     h' = a + mlp(post_attention_layernorm(a))                     pre-norm output, fed back as h
     draft_logits = lm_head(norm(h'))                               [.., draft_vocab_size]
 
@@ -45,7 +46,8 @@ init of every weight; one log line per run says which): fc passes the high aux s
 rows of the draft vocabulary, norm = the target's final norm, and the midlayer starts from the target's decoder
 layer that consumes the high state, each part where the target's weights for it are there with the drafter's shapes
 and stored as floats: the attention (q/k/v on the hidden-state half, the embedding half zero; o_proj; hidden_norm =
-its input norm; the qwen3 drafter's q_norm/k_norm) and the MLP (post-attention norm, gate/up/down). A part that does
+its input norm; the qwen3 drafter's q_norm/k_norm; the deepseek_mla drafter's q_a/kv_a projections on the hidden-state
+half, the rest of the MLA as it is) and the MLP (post-attention norm, gate/up/down). A part that does
 not fit starts fresh: the attention from the seeded default init, the MLP from seeded gate/up and a zero down_proj
 (it adds nothing until training grows it). The init is *exact*, step 0 computing exactly that target layer over the
 target's states (within the target's sliding window, if it has one: the drafter attends to every position), when
@@ -57,17 +59,23 @@ Otherwise the log says not exact and names what it dropped or started fresh, e.g
     Qwen2: the q/k/v biases are dropped (a bias cannot be folded into a projection of normed inputs).
     MoE (experts and a router instead of a dense ``mlp.*``): the MLP starts fresh, at the drafter's size, the target
         config's ``intermediate_size`` (Qwen3-MoE's dense MLP size, not ``moe_intermediate_size``, one expert's).
+    DeepseekV3 under the deepseek_mla drafter: the MLA attention copied, the MLP fresh where the layer is MoE; exact
+        where it is one of the dense first layers (``first_k_dense_replace``).
 
 Draft vocabulary: the N most frequent loss-masked (trained) token ids, sorted ascending (ties: lower id first), padded
 with the lowest unused ids when the data has fewer distinct ids. ``d2t`` int64 [N]: target_id = draft_id +
 d2t[draft_id]; ``t2d`` bool [V]: whether a target id is in the draft vocabulary.
 
 Checkpoint (``save``/``load``): ``config.json`` + ``model.safetensors`` with exactly ``fc.weight``,
-``midlayer.self_attn.{q,k,v,o}_proj.weight`` (the qwen3 drafter: and ``midlayer.self_attn.{q,k}_norm.weight``),
+``midlayer.self_attn.{q,k,v,o}_proj.weight`` (the qwen3 drafter: and ``midlayer.self_attn.{q,k}_norm.weight``; the
+deepseek_mla drafter instead of q/k/v: ``{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,
+kv_b_proj}.weight``, DeepSeek's names),
 ``midlayer.mlp.{gate,up,down}_proj.weight``, ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
 ``norm.weight``, ``lm_head.weight`` (float32), ``d2t`` (int64), ``t2d`` (bool). ``config.json``: ``architectures``
 and ``model_type`` per ``DRAFTERS`` (llama: ``["LlamaForCausalLMEagle3"]``, ``llama``, which SGLang and vLLM load;
-qwen3: ``["Eagle3Qwen3ForCausalLM"]``, ``qwen3``, vLLM's ``qwen3_eagle3.py``), ``num_hidden_layers: 1``,
+qwen3: ``["Eagle3Qwen3ForCausalLM"]``, ``qwen3``, vLLM's ``qwen3_eagle3.py``; deepseek_mla:
+``["Eagle3DeepseekV2ForCausalLM"]``, ``deepseek_v2``, its ``deepseek_eagle3.py``, with the target's ``MLA_KEYS``),
+``num_hidden_layers: 1``,
 ``tie_word_embeddings: false`` (SGLang would make lm_head the embedding otherwise), ``vocab_size`` (target),
 ``draft_vocab_size``, the target's Llama fields (sizes, heads, head_dim, rms_norm_eps, rope_theta/rope_scaling and
 rope_parameters, max_position_embeddings, hidden_act) and
@@ -97,12 +105,18 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import families
+from .errors import UserError
 
 log = logging.getLogger(__name__)
 
 DRAFTERS = {"llama": ("LlamaForCausalLMEagle3", "llama"),  # the Llama layer: SGLang's and vLLM's
-            "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3")}  # with Qwen3's q_norm/k_norm: vLLM's only
-"""train.drafter's layers: name -> (the ``architectures`` name, the ``model_type`` their config.json gets)."""
+            "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3"),  # with Qwen3's q_norm/k_norm: vLLM's only
+            "deepseek_mla": ("Eagle3DeepseekV2ForCausalLM", "deepseek_v2")}  # MLA and a dense MLP: vLLM's only
+"""train.drafter's layers: name -> (the ``architectures`` name, the ``model_type`` their config.json gets). The MLA
+drafter's model_type is deepseek_v2 for DeepseekV2 and V3 targets alike: vLLM turns a drafter config of type
+deepseek_v3 into its multi-token-prediction model (``SpeculativeConfig.hf_config_override``)."""
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""The MLA drafter's attention sizes, the target's (its config.json keys)."""
 MROPE = ("mrope_section", "mrope_interleaved")  # a multimodal target's RoPE keys: text positions make them 1-D RoPE
 
 
@@ -121,6 +135,7 @@ class DraftConfig:
     draft_vocab_size: int
     aux_layers: list  # HF output_hidden_states indices (state entering decoder layer i), low, mid, high
     drafter: str = "llama"  # one of DRAFTERS
+    mla: dict | None = None  # the deepseek_mla drafter's MLA_KEYS (head_dim is then qk_rope_head_dim, RoPE's)
 
     @property
     def qk_norm(self) -> bool:
@@ -134,14 +149,23 @@ class DraftConfig:
         plain positions."""
         c = families.text_config(config)
         rope = {k: v for k, v in c.rope_parameters.items() if k not in MROPE}
+        mla = None
+        if drafter == "deepseek_mla":
+            mla = {k: getattr(c, k, None) for k in MLA_KEYS}
+            if None in mla.values():  # without q_lora_rank vLLM's loader would stack kv_a_proj_with_mqa into nothing
+                raise UserError(f"train.drafter deepseek_mla needs a target with MLA attention and a query "
+                                 f"low-rank projection; its {c.model_type} config has no "
+                                 f"{', '.join(k for k, v in mla.items() if v is None)}")
         return cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                    num_attention_heads=c.num_attention_heads,
-                   num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                   num_key_value_heads=c.num_attention_heads if mla else
+                   getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                   head_dim=mla["qk_rope_head_dim"] if mla else
+                   getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
                    rms_norm_eps=float(c.rms_norm_eps), rope_parameters=rope,
                    max_position_embeddings=c.max_position_embeddings, hidden_act=c.hidden_act,
                    vocab_size=c.vocab_size, draft_vocab_size=int(draft_vocab_size), aux_layers=list(aux_layers),
-                   drafter=drafter)
+                   drafter=drafter, mla=mla)
 
     def to_json(self) -> dict:
         """config.json in the layout the engines load (module docstring, Checkpoint)."""
@@ -159,7 +183,8 @@ class DraftConfig:
                 "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
                 "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
                 "eagle_config": {"use_aux_hidden_state": True,
-                                 "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers]}}
+                                 "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers]},
+                **(self.mla or {})}
 
     @classmethod
     def from_json(cls, d: dict) -> "DraftConfig":
@@ -172,7 +197,8 @@ class DraftConfig:
         return cls(**{k: d[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                         "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
                                         "hidden_act", "vocab_size", "draft_vocab_size")},
-                   rope_parameters=rope, aux_layers=aux_layers_of(d), drafter=drafter)
+                   rope_parameters=rope, aux_layers=aux_layers_of(d), drafter=drafter,
+                   mla={k: d[k] for k in MLA_KEYS} if drafter == "deepseek_mla" else None)
 
 
 def aux_layers_of(d: dict) -> list:
@@ -224,11 +250,26 @@ def rotate(x, cos, sin):
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+def rotate_pairs(x, cos, sin):
+    """RoPE over interleaved pairs (x0, x1), (x2, x3), .. (DeepSeek's layout; vLLM's ``is_neox_style=False``): the
+    pairs gathered into halves, then ``rotate``. The result is in the halves' order, the same for queries and keys,
+    so their products are those of the interleaved rotation."""
+    return rotate(x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2), cos, sin)
+
+
+def yarn_mscale(rope: dict) -> float:
+    """YaRN's attention factor on MLA's softmax scale, applied twice (DeepSeek's ``mscale_all_dim``; 1 without)."""
+    factor, m = rope.get("factor", 1.0), rope.get("mscale_all_dim", 0)
+    return 0.1 * m * math.log(factor) + 1.0 if rope.get("rope_type", "default") != "default" and m and factor > 1 \
+        else 1.0
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         H, d = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.scale = 1.0 / math.sqrt(d)  # softmax scale
         self.q_proj = nn.Linear(2 * H, self.heads * d, bias=False)
         self.k_proj = nn.Linear(2 * H, self.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * H, self.kv_heads * d, bias=False)
@@ -257,6 +298,46 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
 
 
+class MLAttention(nn.Module):
+    """Multi-head latent attention over the 2H input, as vLLM's ``DeepseekV2MLAAttention`` in its EAGLE-3 layer
+    computes it: queries through q_a_proj, an RMS norm and q_b_proj; keys and values through the compressed latent
+    (kv_a_proj_with_mqa, an RMS norm, kv_b_proj); RoPE (``rotate_pairs``) on the last qk_rope_head_dim of each query
+    head and on one rope key all heads share, none on the rest (qk_nope_head_dim); softmax scale (qk_nope + qk_rope
+    head dims) ** -0.5 times YaRN's mscale squared. Training attends with the keys and values expanded per head
+    (the same numbers as vLLM's latent form)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        H, m, eps = cfg.hidden_size, cfg.mla, cfg.rms_norm_eps
+        self.heads, self.nope, self.rope_dim, self.v_dim = (cfg.num_attention_heads, m["qk_nope_head_dim"],
+                                                            m["qk_rope_head_dim"], m["v_head_dim"])
+        self.kv_rank = m["kv_lora_rank"]
+        self.q_a_proj = nn.Linear(2 * H, m["q_lora_rank"], bias=False)
+        self.q_a_layernorm = RMSNorm(m["q_lora_rank"], eps)
+        self.q_b_proj = nn.Linear(m["q_lora_rank"], self.heads * (self.nope + self.rope_dim), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * H, self.kv_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, eps)
+        self.kv_b_proj = nn.Linear(self.kv_rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, H, bias=False)
+        self.scale = (self.nope + self.rope_dim) ** -0.5 * yarn_mscale(cfg.rope_parameters) ** 2
+
+    def queries(self, x, cos, sin):
+        """[B, heads, T, nope + rope], the rope part rotated."""
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(*x.shape[:2], self.heads, -1).transpose(1, 2).split([self.nope, self.rope_dim], -1)
+        return torch.cat((q_nope, rotate_pairs(q_rope, cos, sin)), -1)
+
+    def keys_values(self, x, cos, sin):
+        """Keys [B, heads, T, nope + rope] (the shared rope key rotated) and values [B, heads, T, v_head_dim]."""
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(*x.shape[:2], self.heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        k_rope = rotate_pairs(k_rope[:, None], cos, sin).expand(-1, self.heads, -1, -1)
+        return torch.cat((k_nope, k_rope), -1), v
+
+    merge = Attention.merge  # [B, heads, T, v_head_dim] -> [B, T, heads * v_head_dim]
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -274,7 +355,7 @@ class MLP(nn.Module):
 class MidLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAttention(cfg) if cfg.mla else Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -364,7 +445,7 @@ class Eagle3Draft(nn.Module):
         x = layer.attn_input(self.embed(input_ids), hidden)
         q = layer.self_attn.queries(x, cos, sin)
         k, v = cache.append(*layer.self_attn.keys_values(x, cos, sin))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(layer.self_attn.head_dim)
+        scores = q @ k.transpose(-1, -2) * layer.self_attn.scale
         steps = torch.arange(past + T, device=input_ids.device)
         visible = steps[None, :] <= steps[past:, None]
         attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
@@ -373,24 +454,35 @@ class Eagle3Draft(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------- initialisation
-ATTENTION_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                     "self_attn.o_proj.weight", "input_layernorm.weight")
+LLAMA_ATTENTION = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                   "self_attn.o_proj.weight")
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # the qwen3 drafter's attention has them too
+MLA_ATTENTION = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
+                 "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
+                 "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight")
 MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-LAYER_WEIGHTS = ATTENTION_WEIGHTS + QK_NORMS + MLP_WEIGHTS  # a target layer's weights the midlayer can start from
+LAYER_WEIGHTS = LLAMA_ATTENTION + QK_NORMS + MLA_ATTENTION + ("input_layernorm.weight",) + MLP_WEIGHTS
+"""A target layer's weights the midlayer can start from (train.target_tensors reads those the target has)."""
+INPUT_PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                     "self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")  # 2H inputs: the hidden half
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def layer_shapes(cfg: DraftConfig) -> dict:
-    """The shape each weight of the drafter's layer in ``LAYER_WEIGHTS`` must have to be copied (q/k/v: into the
-    hidden-state half)."""
-    H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    norms = {name: (d,) for name in QK_NORMS} if cfg.qk_norm else {}
-    return {"self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H), "self_attn.v_proj.weight": (kv, H),
-            "self_attn.o_proj.weight": (H, q), "input_layernorm.weight": (H,), **norms,
-            "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
-            "mlp.down_proj.weight": (H, I)}
+def attention_weights(cfg: DraftConfig) -> tuple:
+    """The target layer's weights the drafter's attention starts from: its projections (and norms), and its input
+    norm, which becomes hidden_norm."""
+    own = MLA_ATTENTION if cfg.mla else LLAMA_ATTENTION + (QK_NORMS if cfg.qk_norm else ())
+    return own + ("input_layernorm.weight",)
+
+
+def layer_shapes(model: Eagle3Draft) -> dict:
+    """The shape each target weight the drafter's layer can start from must have to be copied: the drafter's own,
+    the 2H-input projections' hidden-state half."""
+    H, mid = model.cfg.hidden_size, model.midlayer
+    shapes = {name: tuple(mid.get_parameter(name).shape) for name in attention_weights(model.cfg) + MLP_WEIGHTS
+              if name != "input_layernorm.weight"}
+    return {**shapes, **{name: (shapes[name][0], H) for name in INPUT_PROJECTIONS if name in shapes},
+            "input_layernorm.weight": (H,)}
 
 
 def misfit(layer: dict, names, shapes: dict) -> str:
@@ -410,10 +502,8 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
     """Start from the target instead of noise (module docstring, "Initialisation"); ``target`` from
     ``train.target_tensors``. Returns the init's one-line description, also logged."""
     H = model.cfg.hidden_size
-    layer, attn, mid = target["layer"], model.midlayer.self_attn, model.midlayer
-    shapes = layer_shapes(model.cfg)
-    norms = QK_NORMS if model.cfg.qk_norm else ()
-    attention = ATTENTION_WEIGHTS + norms
+    layer, mid = target["layer"], model.midlayer
+    shapes, attention = layer_shapes(model), attention_weights(model.cfg)
     why_attn, why_mlp = misfit(layer, attention, shapes), misfit(layer, MLP_WEIGHTS, shapes)
     used = (() if why_attn else attention) + (() if why_mlp else MLP_WEIGHTS)
     dropped = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in target["layer_names"] if n not in used))
@@ -421,21 +511,15 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
     with torch.no_grad():
         model.fc.weight.zero_()
         model.fc.weight[:, 2 * H:] = torch.eye(H)
-        if not why_attn:
-            for name in ("q_proj", "k_proj", "v_proj"):
-                w = getattr(attn, name).weight
+        for name in used:
+            w = mid.hidden_norm.weight if name == "input_layernorm.weight" else mid.get_parameter(name)
+            if name in INPUT_PROJECTIONS:
                 w.zero_()
-                w[:, H:] = layer[f"self_attn.{name}.weight"]
-            attn.o_proj.weight.copy_(layer["self_attn.o_proj.weight"])
-            mid.hidden_norm.weight.copy_(layer["input_layernorm.weight"])
-            for name in norms:
-                mid.get_parameter(name).copy_(layer[name])
+                w[:, H:] = layer[name]
+            else:
+                w.copy_(layer[name])
         if why_mlp:
             mid.mlp.down_proj.weight.zero_()
-        else:
-            mid.post_attention_layernorm.weight.copy_(layer["post_attention_layernorm.weight"])
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                getattr(mid.mlp, name).weight.copy_(layer[f"mlp.{name}.weight"])
         model.lm_head.weight.copy_(target["head"][draft_ids])
         model.norm.weight.copy_(target["norm"])
     source = f"target layer {target['layer_index']} ({target['model_type']})"

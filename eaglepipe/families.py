@@ -35,7 +35,8 @@ FAMILIES = {kind: family for family in (
     Family("qwen3_moe", layer="qwen3", drafter="qwen3"),  # the same attention, routed experts
     Family("qwen3_vl_text", layer="qwen3"),  # Qwen3-VL's language model: Qwen3's layer, M-RoPE; vLLM's drafter
     Family("qwen3_vl_moe_text", layer="qwen3"),  # for Qwen3-VL (Eagle3Qwen3vlForCausalLM) is the Llama one
-    Family("deepseek_v3", layer=None, mla=True),  # Kimi-K2's too: routed and shared experts, YaRN RoPE
+    Family("deepseek_v3", layer="deepseek_mla", drafter="deepseek_mla", mla=True),  # Kimi-K2's too: routed and
+    # shared experts after dense first layers (a dense layer is the MLA drafter's), YaRN RoPE
 ) for kind in (family.name,)}
 COMPOSITES = ("qwen3_vl", "qwen3_vl_moe")
 """Composite ``model_type``s served text-only: with text positions alone their M-RoPE is the 1-D RoPE of their

@@ -26,8 +26,6 @@ gradient clipping, seeded.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -85,12 +83,11 @@ CHUNK = 512
 """Queries per block of ``attention`` beyond which the blocks are recomputed in backward instead of stored."""
 
 
-def _attend(q, k0, v0, act, own_k, own_v):
-    """Softmax attention of queries ``q`` [B, heads, A, d] at positions ``act`` [B, A] over the step-0 keys and
-    values ``k0``, ``v0`` [B, heads, T, d] up to their own position, and over their own keys of steps 1..k
-    ``own_k``, ``own_v`` [B, heads, A, k, d] (None at step 0)."""
+def _attend(q, k0, v0, act, own_k, own_v, scale):
+    """Softmax attention (scores times ``scale``) of queries ``q`` [B, heads, A, d] at positions ``act`` [B, A] over
+    the step-0 keys and values ``k0``, ``v0`` [B, heads, T, d] up to their own position, and over their own keys of
+    steps 1..k ``own_k``, ``own_v`` [B, heads, A, k, d] (None at step 0)."""
     T = k0.shape[-2]
-    scale = 1.0 / math.sqrt(q.shape[-1])
     future = torch.arange(T, device=q.device)[None, None, None, :] > act[:, None, :, None]
     scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))     # [B, heads, A, T]
     if own_k is None:
@@ -100,19 +97,19 @@ def _attend(q, k0, v0, act, own_k, own_v):
     return p[..., :T] @ v0 + (p[..., T:, None] * own_v).sum(-2)
 
 
-def attention(q, k0, v0, act, own_k, own_v):
+def attention(q, k0, v0, act, own_k, own_v, scale):
     """``_attend`` in blocks of ``CHUNK`` queries, each block's scores (CHUNK x T per head) recomputed in backward
     rather than kept (``torch.utils.checkpoint``): the memory of a step grows linearly with the sequence, not with
     its square. Up to ``CHUNK`` queries it is ``_attend`` itself; in blocks it is the same values within float
     rounding (tests/test_train.py)."""
     A, chunk = q.shape[-2], CHUNK
     if A <= chunk:
-        return _attend(q, k0, v0, act, own_k, own_v)
+        return _attend(q, k0, v0, act, own_k, own_v, scale)
     blocks = []
     for i in range(0, A, chunk):
         part = slice(i, i + chunk)
         own = (own_k[:, :, part], own_v[:, :, part]) if own_k is not None else (None, None)
-        blocks.append(checkpoint(_attend, q[:, :, part], k0, v0, act[:, part], *own, use_reentrant=False))
+        blocks.append(checkpoint(_attend, q[:, :, part], k0, v0, act[:, part], *own, scale, use_reentrant=False))
     return torch.cat(blocks, 2)
 
 
@@ -143,7 +140,8 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: 
             kk, vk = attn.keys_values(x, cos, sin)
             diag_k.append(kk)
             diag_v.append(vk)
-        out = attention(q, k0, v0, act, torch.stack(diag_k, -2) if k else None, torch.stack(diag_v, -2) if k else None)
+        out = attention(q, k0, v0, act, torch.stack(diag_k, -2) if k else None, torch.stack(diag_v, -2) if k else None,
+                        attn.scale)
         h = layer.finish(attn.merge(out), h)
 
         b, a = torch.nonzero(masks[k], as_tuple=True)
