@@ -35,6 +35,7 @@ FAMILIES = {kind: family for family in (
     Family("qwen3_moe", layer="qwen3", drafter="qwen3"),  # the same attention, routed experts
     Family("qwen3_vl_text", layer="qwen3"),  # Qwen3-VL's language model: Qwen3's layer, M-RoPE; vLLM's drafter
     Family("qwen3_vl_moe_text", layer="qwen3"),  # for Qwen3-VL (Eagle3Qwen3vlForCausalLM) is the Llama one
+    Family("gpt_oss", layer=None),  # q/k/v/o biases, attention sinks, sliding windows, MoE; vLLM: the Llama drafter
     Family("deepseek_v3", layer="deepseek_mla", drafter="deepseek_mla", mla=True),  # Kimi-K2's too: routed and
     # shared experts after dense first layers (a dense layer is the MLA drafter's), YaRN RoPE
 ) for kind in (family.name,)}

@@ -163,6 +163,7 @@ class _Target:
 
     def __init__(self, model, layers):
         self.model, self.layers, self.cache, self.out = model, layers, _new_cache(model), None
+        self.cache.activate_past_recording()  # a sliding-window layer keeps what it needs to crop rejected drafts
 
     def __call__(self, tokens: list[int], at: int, **kw) -> list[int]:
         self.out = self.model(input_ids=torch.tensor([tokens], device=self.model.device), past_key_values=self.cache,

@@ -248,3 +248,21 @@ def test_eagle_drafter_receives_the_targets_states_at_its_layers(model, cases, s
         ref = model(torch.tensor([ids + out]), output_hidden_states=True).hidden_states
     want = torch.cat([ref[i][0] for i in (2, 15, 27)], dim=-1)[:len(got)]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sliding_window_target_crops_rejected_drafts_past_its_window():
+    """A target whose layers attend over a sliding window (Mistral's, 4 tokens; gpt-oss's every other layer): its
+    cache keeps what a rejected draft needs to be cropped away also once the window is full, and decoding with
+    drafts wrong at position 1 of every step stays its greedy decoding."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MistralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, max_position_embeddings=128)).eval()
+    assert sp._new_cache(model).layers[0].is_sliding
+    ids = torch.randint(0, 256, (12,)).tolist()
+    plain = sp.greedy(model, ids, 20, [])
+    stats = sp.Stats()
+    out = sp.speculative(model, Oracle(plain, 256, lambda s, i: i == 1), ids, 20, [], 3, stats)
+    assert out == plain and stats.acceptance_rate[1] == 0.0
