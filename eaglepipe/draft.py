@@ -461,7 +461,8 @@ MLA_ATTENTION = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", 
                  "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
                  "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight")
 MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-LAYER_WEIGHTS = LLAMA_ATTENTION + QK_NORMS + MLA_ATTENTION + ("input_layernorm.weight",) + MLP_WEIGHTS
+LAYER_WEIGHTS = tuple(dict.fromkeys(LLAMA_ATTENTION + QK_NORMS + MLA_ATTENTION + ("input_layernorm.weight",) +
+                                    MLP_WEIGHTS))
 """A target layer's weights the midlayer can start from (train.target_tensors reads those the target has)."""
 INPUT_PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                      "self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")  # 2H inputs: the hidden half

