@@ -549,9 +549,14 @@ def save(model: Eagle3Draft, folder) -> None:
               metadata={"format": "pt"})
 
 
+def read_config(folder) -> DraftConfig:
+    """The config of the drafter saved in ``folder`` (its config.json), without its weights."""
+    return DraftConfig.from_json(json.loads((Path(folder) / "config.json").read_text()))
+
+
 def load(folder, target_embeddings: torch.Tensor) -> Eagle3Draft:
     folder = Path(folder)
-    cfg = DraftConfig.from_json(json.loads((folder / "config.json").read_text()))
+    cfg = read_config(folder)
     model = Eagle3Draft(cfg, target_embeddings)
     model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
     return model.eval()

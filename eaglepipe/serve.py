@@ -29,11 +29,10 @@ import re
 import time
 import urllib.request
 from collections import defaultdict
-from pathlib import Path
 
 from . import config, families
 from .config import CACHE
-from .draft import DraftConfig
+from .draft import read_config
 from .engines import Failure, Sampling
 from .engines.launch import servers
 from .engines.vllm import VLLMEngine, cpu_build
@@ -233,13 +232,13 @@ def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve,
     """Both runs (``evaluate.num_steps`` draft tokens per step, ``evaluate.max_new_tokens`` per prompt, as evaluate
     decoded ``rows``) and their comparison (``compare``)."""
     target_config = families.load_config(folder)
-    drafter = DraftConfig.from_json(json.loads((Path(draft) / "config.json").read_text())).drafter
-    if families.of(target_config).mla and drafter != "deepseek_mla" and cpu_build(p.python):
-        raise UserError(f"the CPU build of vLLM ({p.python}) cannot serve the {drafter} drafter beside {folder}: the "
-                        "target's MLA attention (CPU_MLA) pages its KV cache in blocks of 16 tokens, the drafter's "
-                        "attention (CPU_ATTN) in multiples of 32, and vLLM needs one block size for both. Train the "
-                        "MLA drafter (train.drafter: deepseek_mla, auto's choice), or run the serve check with a GPU "
-                        "build of vLLM (serve.python)")
+    drafter = read_config(draft)
+    if families.of(target_config).mla and not drafter.mla and cpu_build(p.python):  # attention of another KV layout
+        raise UserError(f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter beside "
+                        f"{folder}: the target's MLA attention (CPU_MLA) pages its KV cache in blocks of 16 tokens, "
+                        "the drafter's attention (CPU_ATTN) in multiples of 32, and vLLM needs one block size for "
+                        "both. Train the MLA drafter (train.drafter: deepseek_mla, auto's choice), or run the serve "
+                        "check with a GPU build of vLLM (serve.python)")
     sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stop_ids)))
     num_layers = families.text_config(target_config).num_hidden_layers
     plain = decode(folder, tokenizer, p, rows, sampling)
