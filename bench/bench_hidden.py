@@ -1,13 +1,16 @@
 """Benchmark: the hidden stage's extraction speed against a bare forward pass of the target with
 ``output_hidden_states=True`` on the same sequences and the same batches (tokens/s counts real tokens, not padding).
 
-    python bench/bench_hidden.py [--sequences data/sequences] [--samples 48] [--repeats 3]
+    python bench/bench_hidden.py [--sequences data/sequences] [--samples 48] [--repeats 3] [--vllm]
 
 Without a sequences folder it uses random sequences with lengths like the merged data (40..400 tokens). Each
 measurement is repeated and the best time kept (the machine is shared); the methods alternate within a repeat.
 Prints tokens/s of both and their ratio (hidden / bare; the goal is at least 0.85), and a ratio against the decoder
 stack alone (no lm_head) with output_hidden_states=True: hidden runs lm_head too (on the real rows, for ``top``).
+With ``--vllm``, also ``hidden.engine: vllm``'s extraction of the same sequences (a vLLM server from .venv-vllm,
+started once before the timing and not timed, ``--concurrency`` requests in flight) and its ratio to the hf engine's.
 """
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -16,7 +19,8 @@ import click
 import numpy as np
 import torch
 
-from eaglepipe import features, hidden, sequences, target
+from eaglepipe import config, features, hidden, runtime, sequences, target
+from eaglepipe.engines import states
 
 
 def load_samples(folder, n, seed):
@@ -52,10 +56,13 @@ def bare(model, samples, batch_tokens, base_only):
 @click.option("--batch-tokens", default=4096, show_default=True, help="As hidden.batch_tokens.")
 @click.option("--model", default="embedded", show_default=True, help="As target.model.")
 @click.option("--threads", default=0, show_default=True, help="torch threads (0 = torch's default).")
-def main(sequences, samples, repeats, batch_tokens, model, threads):
+@click.option("--vllm", "with_vllm", is_flag=True, help="Also time hidden.engine: vllm (a launched vLLM server).")
+@click.option("--concurrency", default=16, show_default=True, help="vLLM requests in flight (hidden.vllm).")
+def main(sequences, samples, repeats, batch_tokens, model, threads, with_vllm, concurrency):
     if threads:
         torch.set_num_threads(threads)
-    model = target.load_model(target.resolve(model))
+    folder = target.resolve(model)
+    model = target.load_model(folder)
     layers = features.layer_ids("auto", model.config.num_hidden_layers)
     items, what = load_samples(sequences, samples, 0)
     tokens = sum(len(s[1]) for s in items)
@@ -64,18 +71,28 @@ def main(sequences, samples, repeats, batch_tokens, model, threads):
         "bare_forward": lambda: bare(model, items, batch_tokens, base_only=False),
         "bare_decoder_stack": lambda: bare(model, items, batch_tokens, base_only=True),
     }
-    runs["hidden"]()  # warm-up
-    best = {k: float("inf") for k in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        if with_vllm:
+            p = config.Hidden(engine="vllm", vllm=config.Servers(concurrency=concurrency, launch=config.Launch(
+                port=30011, extra_args=["--enforce-eager"])))
+            source = stack.enter_context(states.VLLMStates(folder, p, runtime.compute_dtype("auto", model.device),
+                                                           config.CACHE / "bench-hidden"))
+            runs["hidden_vllm"] = lambda: hidden.extract_shard(source, items, layers, batch_tokens, "bfloat16")
+        for fn in runs.values():  # warm-up (and the server's start)
             fn()
-            best[name] = min(best[name], time.perf_counter() - start)
+        best = {k: float("inf") for k in runs}
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                start = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - start)
     speed = {k: tokens / v for k, v in best.items()}
     result = {"data": what, "tokens": tokens, "batch_tokens": batch_tokens, "threads": torch.get_num_threads(),
               "tokens_per_s": {k: round(v, 1) for k, v in speed.items()},
               "ratio_vs_bare_forward": round(speed["hidden"] / speed["bare_forward"], 3),
               "ratio_vs_bare_decoder_stack": round(speed["hidden"] / speed["bare_decoder_stack"], 3)}
+    if with_vllm:
+        result["ratio_vllm_vs_hf"] = round(speed["hidden_vllm"] / speed["hidden"], 3)
     print(json.dumps(result, indent=2))
     ok = result["ratio_vs_bare_forward"] >= 0.85
     print(f"hidden: {speed['hidden']:.0f} tokens/s, bare forward with output_hidden_states: "

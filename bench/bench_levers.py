@@ -41,6 +41,7 @@ POINTS = {
     "default": ("params.yaml as it is", {}),
     "default-1": ("params.yaml, 1 answer per prompt", {"infer.samples": 1}),
     "default-hidden-fp8": ("params.yaml, the hidden states stored in FP8", {"hidden.dtype": "float8_e4m3fn"}),
+    "default-hidden-vllm": ("params.yaml, the hidden states from a vLLM server", {"hidden.engine": "vllm"}),
     "default-1-greedy": ("params.yaml, 1 greedy answer per prompt (temperature 0, as evaluate decodes)",
                          {"infer.samples": 1, "infer.temperature": 0.0}),
     "default-long": ("params.yaml with answers of up to 256 tokens", {"infer.max_new_tokens": 256}),

@@ -71,6 +71,38 @@ def weights(folder: Path) -> dict[str, tuple[str, str, tuple]]:
     return found
 
 
+def read(folder: Path, wanted: dict, stored: dict | None = None) -> dict:
+    """{key: tensor} for ``wanted`` = {key: weight name} (names the files lack are left out), read from the target's
+    safetensors files (``stored``: ``weights(folder)``, read when not given); a weight stored in FP8 blocks with its
+    scale is dequantized to float32 (quant.py)."""
+    from safetensors import safe_open
+
+    from . import quant
+
+    folder = Path(folder)
+    stored = weights(folder) if stored is None else stored
+    wanted = {**wanted, **{k + quant.SCALE: n + quant.SCALE for k, n in wanted.items() if n + quant.SCALE in stored}}
+    by_file = {}
+    for key, name in wanted.items():
+        if name in stored:
+            by_file.setdefault(stored[name][0], {})[key] = name
+    found = {}
+    for file, names_ in by_file.items():
+        with safe_open(str(folder / file), framework="pt") as f:
+            found.update({key: f.get_tensor(name) for key, name in names_.items()})
+    for key in [k for k in found if k + quant.SCALE in found]:
+        found[key] = quant.dequantize(found[key], found.pop(key + quant.SCALE), quant.block_size(folder))
+    return found
+
+
+def head_and_norm(folder: Path) -> tuple:
+    """(the output head, the final norm's weight), float32: the head is the embedding where they are tied."""
+    stored = weights(folder)
+    n = names(stored)
+    found = read(folder, {"head": n.head if n.head in stored else n.embed, "norm": n.norm}, stored)
+    return found["head"].float(), found["norm"].float()
+
+
 def check(folder: Path):
     """The target's (text) transformers config, once every requirement of the module docstring holds; otherwise
     ``UnsupportedTarget`` naming the first that does not. Reads config.json and the safetensors headers only."""

@@ -244,6 +244,13 @@ class Merge(Section):
 
 # ------------------------------------------------------------------------------------------------------------ hidden
 class Hidden(Section):
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="hf: an in-process forward of the target (runtime.device; under torchrun every rank one "
+        "share) | vllm: a vLLM server captures them (hidden.vllm; its own tensor and expert parallelism: "
+        "eaglepipe/engines/states.py); the two agree within their dtypes' rounding")
+    vllm: Servers = speed(Servers(concurrency=16, launch=Launch(extra_args=["--enforce-eager"])),
+                          "hidden.engine: vllm: running servers started with engines/states.py's server_args on "
+                          "this machine's filesystem, or one to start from .venv-vllm serving the target")
     layers: Union[Literal["auto"], list[int]] = Field(
         "auto", description="auto = [2, L // 2, L - 3], or three explicit ids (convention: eaglepipe/features.py)")
     dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(

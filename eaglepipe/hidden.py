@@ -60,13 +60,13 @@ log = logging.getLogger(__name__)
 
 
 
-def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str = "") -> str:
+def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str = "", code: tuple = ()) -> str:
     """Fingerprint of everything that decides a sequence's states (the store's name): the params but
-    ``shard_tokens``, the layers, the code (this module, the storage's and the shard format's), the model (files and
-    compute dtype) and library versions. Not the sequences: the store holds states by content."""
+    ``shard_tokens``, the layers, the code (this module, the storage's and the shard format's, and ``code``: the
+    engine's), the model (files and compute dtype; for vLLM its version) and library versions. Not the sequences: the store holds states by content."""
     import transformers
 
-    code = code_hash([__file__, features.__file__, sequences.__file__, shards.__file__])
+    code = code_hash([__file__, features.__file__, sequences.__file__, shards.__file__, *code])
     blob = json.dumps({"params": {k: v for k, v in params.items() if k != "shard_tokens"}, "layers": layers,
                        "code": code, "model": model_fp, "model_dtype": model_dtype, "torch": torch.__version__,
                        "transformers": transformers.__version__}, sort_keys=True, default=str)
@@ -133,44 +133,67 @@ def greedy(model, states: torch.Tensor, rows: int = 512) -> torch.Tensor:
     return torch.cat([head(states[r:r + rows]).argmax(-1) for r in range(0, states.shape[0], rows)])
 
 
-@torch.inference_mode()
-def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dtype: str,
-                  pad_id: int = 0) -> tuple[dict, list[dict]]:
-    """The tensors of one shard (``features.py``; the states stored in ``dtype``, a ``hidden.dtype``) for ``samples``
-    = [(id, input_ids, loss_mask)], in the given order, and the samples left out of it [{id, tokens, reason}]. A
-    batch that fails (out of memory, a bad id) is retried in two halves, down to one sample; a sample that fails
-    alone is left out with its reason, so a poison sequence never takes its batch mates down."""
-    lengths = [len(s[1]) for s in samples]
-    rows, failed = {}, []
+class Forward:
+    """hidden's states from an in-process forward of a transformers target (``hidden.engine: hf``; the vLLM one:
+    engines/states.py). ``config`` and ``dtype`` are what the fingerprint and the index read."""
 
-    def run_batch(batch):
-        ids = torch.full((len(batch), max(lengths[i] for i in batch)), pad_id, dtype=torch.long, device=model.device)
-        for row, i in enumerate(batch):
-            ids[row, :lengths[i]] = torch.as_tensor(samples[i][1])
-        try:
-            a, f = forward_states(model, ids, layers)
-        except (RuntimeError, ValueError, IndexError, MemoryError) as e:  # torch's OutOfMemoryError included
-            if len(batch) == 1:  # the reason is stored: no device name or free memory in it (a shard's bytes)
-                reason = type(e).__name__ if isinstance(e, (torch.OutOfMemoryError, MemoryError)) else \
-                    f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                log.warning("hidden: sequence %s (%d tokens) fails alone, left out: %s", samples[batch[0]][0],
-                            lengths[batch[0]], reason)
-                failed.append({"id": samples[batch[0]][0], "tokens": lengths[batch[0]], "reason": reason})
+    def __init__(self, model):
+        self.model, self.config, self.dtype = model, model.config, str(model.dtype)
+        self.code, self.report = (), {}
+
+    @torch.inference_mode()
+    def states(self, samples: list, layers: list[int], batch_tokens: int, pad_id: int = 0):
+        """Yield (index into ``samples`` = [(key, ids, mask)], (aux, final, top) or the reason it failed). Samples
+        run in right-padded batches of at most ``batch_tokens``; a batch that fails (out of memory, a bad id) is
+        retried in two halves, down to one sample, so a poison sequence never takes its batch mates down."""
+        model, lengths = self.model, [len(s[1]) for s in samples]
+
+        def run_batch(batch):
+            ids = torch.full((len(batch), max(lengths[i] for i in batch)), pad_id, dtype=torch.long,
+                             device=model.device)
+            for row, i in enumerate(batch):
+                ids[row, :lengths[i]] = torch.as_tensor(samples[i][1])
+            try:
+                a, f = forward_states(model, ids, layers)
+            except (RuntimeError, ValueError, IndexError, MemoryError) as e:  # torch's OutOfMemoryError included
+                if len(batch) == 1:  # the reason is stored: no device name or free memory in it (a shard's bytes)
+                    yield batch[0], type(e).__name__ if isinstance(e, (torch.OutOfMemoryError, MemoryError)) else \
+                        f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                    return
+                log.warning("a batch of %d sequences failed (%s): retrying it in halves", len(batch), type(e).__name__)
+                yield from run_batch(batch[:len(batch) // 2])
+                yield from run_batch(batch[len(batch) // 2:])
                 return
-            log.warning("a batch of %d sequences failed (%s): retrying it in halves", len(batch), type(e).__name__)
-            run_batch(batch[:len(batch) // 2])
-            run_batch(batch[len(batch) // 2:])
-            return
-        for row, i in enumerate(batch):
-            n = lengths[i]
-            stored = [*features.encode(a[row, :n], dtype, 3), *features.encode(f[row, :n], dtype, 1)]
-            rows[i] = [None if x is None else x.cpu() for x in stored] + [greedy(model, f[row, :n]).cpu()]
+            for row, i in enumerate(batch):
+                n = lengths[i]
+                yield i, (a[row, :n], f[row, :n], greedy(model, f[row, :n]))
 
-    for batch in plan_batches(lengths, batch_tokens):
-        run_batch(batch)
+        for batch in plan_batches(lengths, batch_tokens):
+            yield from run_batch(batch)
+
+
+def source_of(model):
+    """A states source (``Forward`` or engines.states.VLLMStates) for ``model``: a transformers model is wrapped."""
+    return Forward(model) if isinstance(model, torch.nn.Module) else model
+
+
+def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dtype: str) -> tuple[dict, list[dict]]:
+    """The tensors of one shard (``features.py``; the states stored in ``dtype``, a ``hidden.dtype``) for ``samples``
+    = [(id, input_ids, loss_mask)], in the given order, from ``model`` (a transformers model or a states source:
+    ``source_of``), and the samples left out of it [{id, tokens, reason}]: a sample that fails alone is left out
+    with its reason."""
+    lengths, rows, failed = [len(s[1]) for s in samples], {}, []
+    for i, got in source_of(model).states(samples, layers, batch_tokens):
+        if isinstance(got, str):
+            log.warning("hidden: sequence %s (%d tokens) fails alone, left out: %s", samples[i][0], lengths[i], got)
+            failed.append({"id": samples[i][0], "tokens": lengths[i], "reason": got})
+            continue
+        a, f, top = got
+        stored = [*features.encode(a, dtype, 3), *features.encode(f, dtype, 1)]
+        rows[i] = [None if x is None else x.cpu() for x in stored] + [top.cpu()]
     kept = [i for i in range(len(samples)) if i in rows]
     packed = sequences.pack([(samples[i][1], samples[i][2]) for i in kept])
-    H, kind = families.text_config(model.config).hidden_size, features.DTYPES[dtype]
+    H, kind = families.text_config(source_of(model).config).hidden_size, features.DTYPES[dtype]
     stack = lambda part, width, kind: torch.cat([rows[i][part] for i in kept]) if kept \
         else torch.empty((0, width) if width else 0, dtype=kind)  # noqa: E731
     tensors = {**packed, "aux": stack(0, 3 * H, kind), "final": stack(2, H, kind),
@@ -231,10 +254,12 @@ def make_plan(store: Path, plan_path: Path, seqs: dict, shard_tokens: int) -> li
 
 def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.Runtime = runtime.Runtime()) -> dict:
     """Publish the hidden states of every split of ``seq_folder`` into ``out``, computing those the store lacks;
-    return the run report (the same on every rank). ``params``: the ``hidden`` section (config.Hidden); ``rt``: this
-    process's rank and world (runtime.py)."""
+    return the run report (the same on every rank). ``model``: the target (transformers) or a states source
+    (``source_of``); ``params``: the ``hidden`` section (config.Hidden); ``rt``: this process's rank and world
+    (runtime.py)."""
+    model = source_of(model)
     store = Path(cache_root) / fingerprint(params.tracked(), features.layer_ids(
-        params.layers, families.text_config(model.config).num_hidden_layers), model_fp, str(model.dtype))
+        params.layers, families.text_config(model.config).num_hidden_layers), model_fp, model.dtype, model.code)
     with locked(store, rt):
         return _run(seq_folder, out, model, params, store, rt)
 
@@ -277,7 +302,7 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
                     "reused_sequences": reused_sequences,
                     "computed_sequences": total - len(failures) - reused_sequences,
                     "seconds": round(seconds, 2),
-                    "tokens_per_s": round(computed_tokens / seconds, 1) if seconds else None}}
+                    "tokens_per_s": round(computed_tokens / seconds, 1) if seconds else None, **model.report}}
 
 
 def _plan(store: Path, seq_folder: Path, seqs: dict, shard_tokens: int, rt: runtime.Runtime) -> tuple[list, set]:

@@ -40,14 +40,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from . import draft, families, features, hidden, quant, records, runtime, sequences, shards, ttt, uncertainty
 from .errors import UserError
 from .hashing import code_hash
 from .ttt import TTT, chain_masks, collate, ttt_forward
-from .compat import names as weight_names, weights as stored_weights
+from .compat import names as weight_names, read as read_weights, weights as stored_weights
 
 log = logging.getLogger(__name__)
 WINDOW = 64  # samples sorted by length together (plan_batches)
@@ -143,21 +142,11 @@ def target_tensors(folder, layer: int) -> dict:
                          and not (n.endswith(quant.SCALE) and n[:-len(quant.SCALE)] in stored))
     wanted = {"embed": names.embed, "head": names.head, "norm": names.norm,
               **{w: prefix + w for w in draft.LAYER_WEIGHTS}}
-    wanted |= {key + quant.SCALE: name + quant.SCALE for key, name in wanted.items() if name + quant.SCALE in stored}
     missing = [wanted[k] for k in ("embed", "norm") if wanted[k] not in stored]
     if missing or not layer_names:
         raise KeyError(f"{folder}: no {missing or prefix + '*'} in the safetensors files (compat.check names what a "
                        "target needs)")
-    by_file = {}
-    for key, name in wanted.items():
-        if name in stored:
-            by_file.setdefault(stored[name][0], {})[key] = name
-    found = {}
-    for file, names in by_file.items():
-        with safe_open(str(folder / file), framework="pt") as f:
-            found.update({key: f.get_tensor(name) for key, name in names.items()})
-    for key in [k for k in found if k + quant.SCALE in found]:
-        found[key] = quant.dequantize(found[key], found.pop(key + quant.SCALE), quant.block_size(folder))
+    found = read_weights(folder, wanted, stored)
     head = found.get("head", found["embed"])
     return {"embed": found["embed"].float(), "head": head.float(), "norm": found["norm"].float(),
             "layer": {w: found[w] for w in draft.LAYER_WEIGHTS if w in found}, "layer_names": layer_names,

@@ -1,12 +1,15 @@
 """hidden: the target's hidden states on the merged sequences, for training the drafter (format and layer
-convention: eaglepipe/features.py). Finished shards are kept in the cache as they are written, so a rerun resumes.
-Runs as one process or under torchrun, whose ranks share the shards (eaglepipe/runtime.py). With
+convention: eaglepipe/features.py), from an in-process forward (hidden.engine: hf) or a vLLM server (vllm:
+eaglepipe/engines/states.py). Finished shards are kept in the cache as they are written, so a rerun resumes.
+The hf engine runs as one process or under torchrun, whose ranks share the shards (eaglepipe/runtime.py). With
 train.features: online it extracts nothing (train computes the states itself) and publishes an index saying so."""
 import logging
 
 import click
 
 from eaglepipe import cli, hidden, runtime, target
+from eaglepipe.engines import states
+from eaglepipe.errors import UserError
 
 
 @click.command(help=__doc__)
@@ -27,8 +30,16 @@ def main(params, seq_folder, out, report, timings, cache):
                 cli.publish(hidden.skip(out), report, timings)
                 logging.info("hidden: %s", hidden.SKIPPED)
             return
-        model = runtime.load_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
-        rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
+        if cfg.hidden.engine == "vllm":
+            if rt.world > 1:
+                raise UserError("hidden.engine vllm runs as one process: the server spreads the target itself "
+                                "(hidden.vllm.launch tp, dp, extra_args)")
+            dtype = runtime.compute_dtype(cfg.hidden.compute_dtype, rt.device)
+            with states.VLLMStates(folder, cfg.hidden, dtype, cache) as source:
+                rep = hidden.run(seq_folder, out, source, cfg.hidden, target.fingerprint(folder), cache, rt)
+        else:
+            model = runtime.load_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
+            rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
     if rt.is_main:
         cli.publish(rep, report, timings)
         logging.info("hidden: %d tokens, %s bytes/token, layers %s", rep["tokens"], rep["bytes_per_token"],

@@ -1,0 +1,151 @@
+"""vLLM's side of ``hidden.engine: vllm``: the KV connector vLLM loads by module path (``--kv-transfer-config``,
+``StatesConnector``) that writes a finished request's hidden states to a file, and that file's format, read back by
+``read`` (the hidden stage's side, eaglepipe/engines/states.py).
+
+How vLLM 0.32 captures them: with ``--speculative-config {"method": "extract_hidden_states", "draft_model_config":
+{"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}`` the target's forward also returns the states at the
+inputs of the decoder layers ``ids`` (``hidden_states + residual``, what Hugging Face calls ``hidden_states[i]``; id
+L, one past the last layer, is the last layer's output before the final norm), and a cache-only attention layer
+stores them, one head per id, in paged blocks ``[blocks, len(ids), block_size, H]``. When a request finishes, vLLM
+asks the connector whether to hold its blocks (``request_finished``); this one does, its worker copies the request's
+rows out of the blocks (``rows``) and writes them, then reports the request done and vLLM frees the blocks. The copy is
+synchronous on the worker (a plain tensor index and ``.cpu()``), so the CPU build and CUDA run the same code; vLLM's
+example connector copies on CUDA streams into pinned memory, which the CPU build cannot. Under tensor parallelism
+every rank holds the whole states and rank 0 writes them.
+
+The file (safetensors, written to ``<path>.tmp`` and renamed, so a file that exists is whole; the answer can reach
+the client before it exists):
+    states  [T, len(ids), H]  the served dtype; row t = prompt position t
+    ids     int64 [T]         the prompt's token ids as vLLM ran them
+    metadata ``layers``: the ids, JSON
+Its path is the request's ``kv_transfer_params.states_path`` (the client's choice: the server writes where a client
+asks, so keep it on loopback, as a launched one is), else ``<kv_connector_extra_config.folder>/<request id>
+.safetensors``; the answer's ``kv_transfer_params.states_path`` names it. The vLLM classes are built on first use
+(``__getattr__``): this module imports without vLLM, so the hidden stage reads files with it.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+NAME = "StatesConnector"
+PATH_KEY = "states_path"
+
+
+def rows(cache: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
+    """[n, heads, H]: the first ``n`` positions of a request whose cache blocks are ``blocks``, out of ``cache``
+    ``[num_blocks, heads, block_size, H]``."""
+    size = cache.shape[2]
+    slots = (torch.as_tensor(blocks, dtype=torch.long)[:, None] * size + torch.arange(size)).flatten()[:n]
+    return cache[slots // size, :, slots % size]
+
+
+def write(path: str, states: torch.Tensor, ids: list[int], layers: list[int]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    save_file({"states": states.cpu().contiguous(), "ids": torch.tensor(ids, dtype=torch.long)}, path + ".tmp",
+              metadata={"layers": json.dumps(layers)})
+    os.replace(path + ".tmp", path)
+
+
+def read(path: str, timeout_s: float) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(states, ids, layers) of the file at ``path``, waiting up to ``timeout_s`` for the server to write it."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server did not write {path} within {timeout_s:.0f} s")
+        time.sleep(0.01)
+    with safe_open(path, framework="pt") as f:
+        return f.get_tensor("states"), f.get_tensor("ids"), json.loads(f.metadata()["layers"])
+
+
+@dataclass
+class Saves:
+    """The scheduler's word to the worker for one step (pickled between them: a module-level class): the requests
+    finished since the last step, each (request id, path, prompt ids, block ids)."""
+    todo: list = field(default_factory=list)
+
+
+@functools.cache
+def _build():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    class StatesConnector(KVConnectorBase_V1, SupportsHMA):
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+            spec = vllm_config.speculative_config
+            if spec is None or spec.method != "extract_hidden_states":
+                raise ValueError(f"{NAME} needs --speculative-config with method extract_hidden_states")
+            self.layers = list(getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", []))
+            self.folder = self._kv_transfer_config.get_from_extra_config("folder", "/tmp/eaglepipe-states")
+            groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+            self.group = next((i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)),
+                              0)
+            self.todo, self.cache, self.writer = [], None, True
+
+        # the worker's side
+        def register_kv_caches(self, kv_caches):
+            name = next(n for n in kv_caches if "cache_only_layers" in n)
+            self.cache, self.writer = kv_caches[name], get_tensor_model_parallel_rank() == 0
+
+        def get_finished(self, finished_req_ids):
+            done = set()
+            if self.has_connector_metadata():
+                for rid, path, ids, blocks in self._get_connector_metadata().todo:
+                    if self.writer:
+                        write(path, rows(self.cache, blocks, len(ids)), ids, self.layers)
+                    done.add(rid)
+            return done or None, None
+
+        def get_finished_count(self):
+            return 1  # only rank 0 writes
+
+        def start_load_kv(self, *args, **kwargs):
+            pass
+
+        def wait_for_layer_load(self, layer_name):
+            pass
+
+        def save_kv_layer(self, *args, **kwargs):
+            pass
+
+        def wait_for_save(self):
+            pass
+
+        # the scheduler's side
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return 0, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            pass
+
+        def build_connector_meta(self, scheduler_output):
+            meta, self.todo = Saves(self.todo), []
+            return meta
+
+        def request_finished_all_groups(self, request, block_ids):
+            if not 0 <= self.group < len(block_ids) or request.prompt_token_ids is None:
+                return False, None  # never scheduled: nothing cached
+            path = (request.kv_transfer_params or {}).get(PATH_KEY) or \
+                os.path.join(self.folder, f"{request.request_id}.safetensors")
+            self.todo.append((request.request_id, path, list(request.prompt_token_ids), list(block_ids[self.group])))
+            return True, {PATH_KEY: path}
+
+        def request_finished(self, request, block_ids):
+            return self.request_finished_all_groups(request, (block_ids,))
+
+    return StatesConnector
+
+
+def __getattr__(name):
+    if name == NAME:
+        return _build()
+    raise AttributeError(name)
