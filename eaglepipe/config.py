@@ -274,10 +274,13 @@ class Train(Section):
     step_weight: float = Field(0.8, gt=0, description="step k's loss is weighted step_weight ** k")
     positions: Literal["generated", "all"] = Field(
         "all", description="generated: loss on the target's answers only (the official recipe) | all: prompts too")
-    init: Literal["fresh", "target"] = Field(
-        "fresh", description="fresh: every drafter weight from the seeded default init | target: fc passes the high "
-        "state through, the midlayer, norm and lm_head start from the target where they fit (eaglepipe/draft.py, "
-        "Initialisation); measured against each other: docs/experiments.md")
+    init: Literal["fresh", "head", "target"] = Field(
+        "fresh", description="fresh: every drafter weight from the seeded default init | head: lm_head and the final "
+        "norm start from the target's (its head's rows of the draft vocabulary), the rest fresh (speculators' recipe) "
+        "| target: also fc passes the high state through and the midlayer starts from the target's layer where it "
+        "fits (eaglepipe/draft.py, Initialisation); measured against each other: docs/experiments.md")
+    freeze_head: bool = Field(False, description="lm_head and the final norm are not trained (with init head or "
+                              "target: they stay the target's)")
     drafter: Literal["auto", "llama", "qwen3", "deepseek_mla"] = Field(
         "auto", description="the drafter's layer (eaglepipe/draft.py, DRAFTERS): llama, the one SGLang and vLLM "
         "load | qwen3, with Qwen3's q_norm/k_norm, vLLM's Eagle3Qwen3ForCausalLM | deepseek_mla, DeepSeek's "

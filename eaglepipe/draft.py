@@ -42,7 +42,8 @@ Chain drafting, prompt x_0..x_{n-1}, the target's prefill gives aux_0..aux_{n-1}
        target's states at the verified positions), positions n..n+m; n becomes n+m+1; go to 2.
 
 Initialisation under ``train.init: target`` (``init_from_target``; the default, ``fresh``, keeps the seeded default
-init of every weight; one log line per run says which): fc passes the high aux state through, lm_head = the target's
+init of every weight, and ``head`` starts lm_head and norm alone as below, ``init_head``; one log line per run says
+which): fc passes the high aux state through, lm_head = the target's
 rows of the draft vocabulary, norm = the target's final norm, and the midlayer starts from the target's decoder
 layer that consumes the high state, each part where the target's weights for it are there with the drafter's shapes
 and stored as floats: the attention (q/k/v on the hidden-state half, the embedding half zero; o_proj; hidden_norm =
@@ -499,6 +500,14 @@ def misfit(layer: dict, names, shapes: dict) -> str:
     return ""
 
 
+@torch.no_grad()
+def init_head(model: Eagle3Draft, target: dict) -> None:
+    """lm_head = the target head's rows of the draft vocabulary, norm = the target's final norm (``train.init: head``,
+    and part of ``target``)."""
+    model.lm_head.weight.copy_(target["head"][torch.arange(model.cfg.draft_vocab_size) + model.d2t])
+    model.norm.weight.copy_(target["norm"])
+
+
 def init_from_target(model: Eagle3Draft, target: dict) -> str:
     """Start from the target instead of noise (module docstring, "Initialisation"); ``target`` from
     ``train.target_tensors``. Returns the init's one-line description, also logged."""
@@ -508,7 +517,6 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
     why_attn, why_mlp = misfit(layer, attention, shapes), misfit(layer, MLP_WEIGHTS, shapes)
     used = (() if why_attn else attention) + (() if why_mlp else MLP_WEIGHTS)
     dropped = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in target["layer_names"] if n not in used))
-    draft_ids = torch.arange(model.cfg.draft_vocab_size) + model.d2t
     with torch.no_grad():
         model.fc.weight.zero_()
         model.fc.weight[:, 2 * H:] = torch.eye(H)
@@ -521,8 +529,7 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
                 w.copy_(layer[name])
         if why_mlp:
             mid.mlp.down_proj.weight.zero_()
-        model.lm_head.weight.copy_(target["head"][draft_ids])
-        model.norm.weight.copy_(target["norm"])
+    init_head(model, target)
     source = f"target layer {target['layer_index']} ({target['model_type']})"
     family, drafter = families.FAMILIES.get(target["model_type"], families.OTHER), model.cfg.drafter
     if not (why_attn or why_mlp or dropped) and family.layer == drafter:

@@ -254,8 +254,9 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 def optimizer(model, p) -> torch.optim.AdamW:
-    """AdamW over the drafter's weights, as the train params set it."""
-    return torch.optim.AdamW(model.parameters(), lr=p.lr, betas=p.betas, weight_decay=p.weight_decay)
+    """AdamW over the drafter's trained weights (all but a frozen head: ``train.freeze_head``), as the train params
+    set it."""
+    return torch.optim.AdamW([w for w in model.parameters() if w.requires_grad], lr=p.lr, betas=p.betas, weight_decay=p.weight_decay)
 
 
 def fingerprint(feats, params, target_fp: str) -> str:
@@ -303,8 +304,14 @@ def setup(feats, target_folder, p, keep=None):
     model.set_vocab(*draft.build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
     if p.init == "target":
         draft.init_from_target(model, tgt)
+    elif p.init == "head":
+        draft.init_head(model, tgt)
+        log.info("drafter init: head: lm_head and norm from the target, the rest from the seeded default init")
     else:
         log.info("drafter init: fresh: every weight from the seeded default init (train.init)")
+    if p.freeze_head:
+        model.lm_head.weight.requires_grad_(False)
+        model.norm.weight.requires_grad_(False)
     head_draft = tgt["head"][model.to_target(torch.arange(cfg.draft_vocab_size))]
     if uses_bf16(p):
         head_draft = head_draft.bfloat16()

@@ -357,3 +357,18 @@ def test_e2e_a_killed_rank_loses_nothing_and_a_world_2_checkpoint_resumes_at_wor
         if world == 2:  # the same steps on the same ranks: the same weights, bit for bit
             assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), full.state_dict().values()))
         assert_close_runs(resumed, full, history, full_history)
+
+
+def test_init_head_starts_lm_head_and_norm_from_the_target_and_freeze_head_keeps_them_out_of_training(data):
+    p = config.Train(**PARAMS, init="head", freeze_head=True)
+    model = train.setup(data / "hidden", data / "target", p)[0]
+    fresh = train.setup(data / "hidden", data / "target", config.Train(**PARAMS))[0]
+    tgt = train.target_tensors(data / "target", LAYERS - 3)
+    assert torch.equal(model.lm_head.weight, tgt["head"][model.to_target(torch.arange(p.draft_vocab_size))])
+    assert torch.equal(model.norm.weight, tgt["norm"]) and not torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+    head = ("lm_head.", "norm.")
+    for name, w in fresh.named_parameters():  # the rest as the fresh init draws it
+        assert name.startswith(head) or torch.equal(w, model.get_parameter(name)), name
+    trained = {id(w) for group in train.optimizer(model, p).param_groups for w in group["params"]}
+    for name, w in model.named_parameters():
+        assert (id(w) in trained) == w.requires_grad == (not name.startswith(head)), name
