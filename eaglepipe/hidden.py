@@ -63,7 +63,8 @@ log = logging.getLogger(__name__)
 def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str = "", code: tuple = ()) -> str:
     """Fingerprint of everything that decides a sequence's states (the store's name): the params but
     ``shard_tokens``, the layers, the code (this module, the storage's and the shard format's, and ``code``: the
-    engine's), the model (files and compute dtype; for vLLM its version) and library versions. Not the sequences: the store holds states by content."""
+    engine's), the model (files and compute dtype; for vLLM its version) and library versions. Not the sequences:
+    the store holds states by content."""
     import transformers
 
     code = code_hash([__file__, features.__file__, sequences.__file__, shards.__file__, *code])

@@ -256,7 +256,8 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 def optimizer(model, p) -> torch.optim.AdamW:
     """AdamW over the drafter's trained weights (all but a frozen head: ``train.freeze_head``), as the train params
     set it."""
-    return torch.optim.AdamW([w for w in model.parameters() if w.requires_grad], lr=p.lr, betas=p.betas, weight_decay=p.weight_decay)
+    return torch.optim.AdamW([w for w in model.parameters() if w.requires_grad], lr=p.lr, betas=p.betas,
+                             weight_decay=p.weight_decay)
 
 
 def fingerprint(feats, params, target_fp: str) -> str:

@@ -193,8 +193,8 @@ def test_an_mla_moe_target_the_seeds_kind(tokenizer, tmp_path):
     make_sequences(tmp_path / "seq")
     p = config.Hidden(layers="auto", dtype="float32", shard_tokens=300)
     hidden.run(tmp_path / "seq", tmp_path / "hf", target.load_model(tmp_path / "model"), p, "fp", tmp_path / "c1")
-    pv = p.model_copy(update={"engine": "vllm", "vllm": config.Servers(concurrency=4, timeout_s=120, launch=config.Launch(
-        port=8034, log=str(tmp_path / "server.log"), extra_args=["--enforce-eager"]))})
+    launch = config.Launch(port=8034, log=str(tmp_path / "server.log"), extra_args=["--enforce-eager"])
+    pv = p.model_copy(update={"engine": "vllm", "vllm": config.Servers(concurrency=4, timeout_s=120, launch=launch)})
     with states.VLLMStates(tmp_path / "model", pv, "float32", tmp_path / "c2",
                            interpreter=str(ROOT / vllm.python())) as source:
         hidden.run(tmp_path / "seq", tmp_path / "vllm", source, pv, "fp", tmp_path / "c2")

@@ -172,8 +172,8 @@ class VLLMStates:
                 Path(path).unlink(missing_ok=True)
             sent = torch.as_tensor(samples[i][1]).long()
             if captured != [*layers, self.num_layers] or not torch.equal(ids, sent):
-                yield i, (f"the server captured layers {captured} of {ids.numel()} ids, not {[*layers, self.num_layers]}"
-                          f" of the {sent.numel()} sent")
+                yield i, (f"the server captured layers {captured} of {ids.numel()} ids, not "
+                          f"{[*layers, self.num_layers]} of the {sent.numel()} sent")
                 continue
             final = rms_norm(got[:, 3], self.norm, self.eps)
             top = torch.cat([(final[r:r + 512] @ self.head.T).argmax(-1) for r in range(0, len(final), 512)])
