@@ -8,7 +8,8 @@ measurement is repeated and the best time kept (the machine is shared); the meth
 Prints tokens/s of both and their ratio (hidden / bare; the goal is at least 0.85), and a ratio against the decoder
 stack alone (no lm_head) with output_hidden_states=True: hidden runs lm_head too (on the real rows, for ``top``).
 With ``--vllm``, also ``hidden.engine: vllm``'s extraction of the same sequences (a vLLM server from .venv-vllm,
-started once before the timing and not timed, ``--concurrency`` requests in flight) and its ratio to the hf engine's.
+started once before the timing and not timed, ``--concurrency`` requests in flight, its prefix cache off: each
+repeat sends the same sequences, which it would otherwise serve from the cache) and its ratio to the hf engine's.
 """
 import contextlib
 import json
@@ -74,7 +75,7 @@ def main(sequences, samples, repeats, batch_tokens, model, threads, with_vllm, c
     with contextlib.ExitStack() as stack:
         if with_vllm:
             p = config.Hidden(engine="vllm", vllm=config.Servers(concurrency=concurrency, launch=config.Launch(
-                port=30011, extra_args=["--enforce-eager"])))
+                port=30011, extra_args=["--enforce-eager", "--no-enable-prefix-caching"])))
             source = stack.enter_context(states.VLLMStates(folder, p, runtime.compute_dtype("auto", model.device),
                                                            config.CACHE / "bench-hidden"))
             runs["hidden_vllm"] = lambda: hidden.extract_shard(source, items, layers, batch_tokens, "bfloat16")
