@@ -183,8 +183,8 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
     = [(id, input_ids, loss_mask)], in the given order, from ``model`` (a transformers model or a states source:
     ``source_of``), and the samples left out of it [{id, tokens, reason}]: a sample that fails alone is left out
     with its reason."""
-    lengths, rows, failed = [len(s[1]) for s in samples], {}, []
-    for i, got in source_of(model).states(samples, layers, batch_tokens):
+    source, lengths, rows, failed = source_of(model), [len(s[1]) for s in samples], {}, []
+    for i, got in source.states(samples, layers, batch_tokens):
         if isinstance(got, str):
             log.warning("hidden: sequence %s (%d tokens) fails alone, left out: %s", samples[i][0], lengths[i], got)
             failed.append({"id": samples[i][0], "tokens": lengths[i], "reason": got})
@@ -194,7 +194,7 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
         rows[i] = [None if x is None else x.cpu() for x in stored] + [top.cpu()]
     kept = [i for i in range(len(samples)) if i in rows]
     packed = sequences.pack([(samples[i][1], samples[i][2]) for i in kept])
-    H, kind = families.text_config(source_of(model).config).hidden_size, features.DTYPES[dtype]
+    H, kind = families.text_config(source.config).hidden_size, features.DTYPES[dtype]
     stack = lambda part, width, kind: torch.cat([rows[i][part] for i in kept]) if kept \
         else torch.empty((0, width) if width else 0, dtype=kind)  # noqa: E731
     tensors = {**packed, "aux": stack(0, 3 * H, kind), "final": stack(2, H, kind),

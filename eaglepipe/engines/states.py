@@ -73,7 +73,7 @@ class StatesEngine(VLLMEngine):
         rid = f"probe-{os.getpid()}-{server.url.rsplit(':', 1)[-1]}"
         path, body = self._request(self._probe_ids[0] or [0], self._sampling(Sampling(max_new_tokens=1), rid), rid)
         answer = await self._post_json(server, path, body)
-        where = (answer.get("kv_transfer_params") or {}).get(PATH_KEY) if isinstance(answer, dict) else None
+        where = _states_path(answer)
         if not where:
             raise ServerError(f"{server.url} captures no hidden states (its answer names no states file): start it "
                               "with eaglepipe.engines.states.server_args, as hidden.vllm.launch does")
@@ -91,11 +91,16 @@ class StatesEngine(VLLMEngine):
 
     def _check(self, answer, prompt_ids, sampling, rid):
         ids, reason, meta = check_answer(answer, prompt_ids, sampling, rid)
-        where = (answer.get("kv_transfer_params") or {}).get(PATH_KEY)
+        where = _states_path(answer)
         if not where:
             raise BadAnswer("the answer names no states file (kv_transfer_params.states_path): start the server "
                             "with eaglepipe.engines.states.server_args")
         return ids, reason, {**meta, PATH_KEY: where}
+
+
+def _states_path(answer) -> str | None:
+    """Where the server wrote an answer's states (its ``kv_transfer_params``), or None."""
+    return (answer.get("kv_transfer_params") or {}).get(PATH_KEY) if isinstance(answer, dict) else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
