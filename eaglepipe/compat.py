@@ -37,9 +37,12 @@ PREFIXES = (("model.", "lm_head.weight"),  # a text-only checkpoint
 
 def names(stored) -> Names:
     """The ``Names`` of a checkpoint whose tensor names are ``stored``: the first of ``PREFIXES`` it holds an
-    embedding under (the text-only names when none)."""
+    embedding under (the text-only names when none). Its decoder layers are under ``layers.``, or ``blocks.`` where
+    only that is stored (transformers 5.23's save_pretrained of Kimi-K2.5 writes its language model's layers so)."""
     prefix, head = next(((p, h) for p, h in PREFIXES if p + "embed_tokens.weight" in stored), PREFIXES[0])
-    return Names(prefix + "embed_tokens.weight", prefix + "norm.weight", head, prefix + "layers.")
+    layers = "blocks." if not any(n.startswith(prefix + "layers.") for n in stored) and \
+        any(n.startswith(prefix + "blocks.") for n in stored) else "layers."
+    return Names(prefix + "embed_tokens.weight", prefix + "norm.weight", head, prefix + layers)
 
 
 MIN_LAYERS = 4

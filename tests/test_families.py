@@ -71,11 +71,12 @@ HIDDEN = config.Hidden(layers="auto", dtype="bfloat16", batch_tokens=64, shard_t
 PROMPTS = [[{"role": "user", "content": "Count from 1 to 20."}], [{"role": "user", "content": "Name three seas."}]]
 
 
-def build_target(folder, family, tokenizer):
+def build_target(folder, family, tokenizer, published=True):
     """A random target of ``family`` saved as a model folder with the tokenizer. Every norm weight is drawn in
     [0.5, 1.5] and every bias from N(0, 0.1) (they start at 1 and 0), so a norm or bias the drafter drops or copies
     wrongly changes its output; the head is scaled by 30, so the target's next-token distribution (the drafter's
-    training target) is peaked as a trained model's is, not nearly uniform."""
+    training target) is peaked as a trained model's is, not nearly uniform. Kimi-K2.5's weights are named as
+    published, which vLLM loads, unless not ``published``: as transformers saves them."""
     cls, keys = FAMILIES[family]
     text = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id, **{**SIZES, **keys})
@@ -93,7 +94,7 @@ def build_target(folder, family, tokenizer):
                 p.mul_(30)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    if cls is Kimi_K25Config:  # as published: transformers saves its language model's layers as "blocks"
+    if cls is Kimi_K25Config and published:  # transformers saves its language model's layers as "blocks"
         weights = load_file(str(folder / "model.safetensors"))
         save_file({k.replace("language_model.model.blocks.", "language_model.model.layers."): v
                    for k, v in weights.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -501,3 +502,18 @@ def test_the_weights_train_reads_are_found_under_each_layout():
                   "model.visual.blocks.0.attn.qkv.weight"}
         assert compat.names(stored) == compat.Names(f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", head,
                                                     f"{prefix}layers.")
+        saved = {n.replace("layers.", "blocks.") for n in stored}  # Kimi-K2.5 as transformers 5.23 saves it
+        assert compat.names(saved).layers == f"{prefix}blocks."
+
+
+def test_a_kimi_saved_by_transformers_is_read_as_the_published_one(tmp_path, tokenizer):
+    """Kimi-K2.5 with its language model's layers under "blocks" (transformers' save_pretrained) passes the checks,
+    and train reads from it the same weights as from the published names."""
+    for layout in ("published", "saved"):
+        build_target(tmp_path / layout, "kimi_k25", tokenizer, published=layout == "published")
+        compat.check(tmp_path / layout)
+    published, saved = (train.target_tensors(tmp_path / layout, 1) for layout in ("published", "saved"))
+    assert saved["layer_names"] == published["layer_names"] and "self_attn.kv_a_proj_with_mqa.weight" in saved["layer"]
+    for key in ("embed", "head", "norm", "layer"):
+        assert torch.equal(*(torch.cat([t.flatten().float() for t in (w[key].values() if key == "layer" else [w[key]])])
+                             for w in (published, saved))), key
