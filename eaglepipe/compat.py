@@ -98,9 +98,10 @@ def read(folder: Path, wanted: dict, stored: dict | None = None) -> dict:
     return found
 
 
-def head_and_norm(folder: Path) -> tuple:
-    """(the output head, the final norm's weight), float32: the head is the embedding where they are tied."""
-    stored = weights(folder)
+def head_and_norm(folder: Path, stored: dict | None = None) -> tuple:
+    """(the output head, the final norm's weight), float32: the head is the embedding where they are tied
+    (``stored``: ``weights(folder)``, read when not given)."""
+    stored = weights(folder) if stored is None else stored
     n = names(stored)
     found = read(folder, {"head": n.head if n.head in stored else n.embed, "norm": n.norm}, stored)
     return found["head"].float(), found["norm"].float()

@@ -106,6 +106,26 @@ def server_restart_mid_run(folder: Path, params: Path, prompts: Path, reference:
     assert_same_records(records(folder), reference, engine)
 
 
+def start_vllm(folder, port: int, log: Path, extra_args=(), env=None):
+    """A launched vLLM server of ``folder`` as the engine tests run it (float32, eager), started."""
+    from eaglepipe import config
+    from eaglepipe.engines import vllm
+
+    cfg = config.Launch(model_path=str(folder), port=port, log=str(log), stop_timeout_s=30,
+                        extra_args=["--dtype", "float32", "--enforce-eager", *extra_args])
+    server = vllm.launched(cfg, str(ROOT / vllm.python()))
+    server.env.update(env or {})
+    server.start()
+    return server
+
+
+def served(server):
+    """A module fixture's body: ``server`` while the tests use it, then stopped, its port closed."""
+    yield server
+    server.stop()
+    assert port_closed(server.port)
+
+
 def port_closed(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1)
@@ -136,8 +156,9 @@ def ranks_of(agent: int) -> dict[int, int]:
 
 
 def untrained_drafter(target_folder, layers: list[int], draft_vocab: int = 2048, drafter: str = "llama"):
-    """A ``drafter`` (draft.DRAFTERS) started from the target (its midlayer the target's last layer read, ``draft.init_from_target``),
-    its draft vocabulary the first ``draft_vocab`` ids: untrained, yet some of its drafts are accepted."""
+    """A ``drafter`` (draft.DRAFTERS) started from the target (its midlayer the target's last layer read,
+    ``draft.init_from_target``), its draft vocabulary the first ``draft_vocab`` ids: untrained, yet some of its drafts
+    are accepted."""
     from collections import Counter
 
     import torch

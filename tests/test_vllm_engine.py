@@ -10,23 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglepipe import config
 from eaglepipe.engines import vllm
 from eaglepipe.records import write_jsonl
-from e2e import (PROMPTS, ROOT, assert_same_records, kill_9_then_resume, port_closed, records, run_infer,
-                 server_restart_mid_run)
+from e2e import (PROMPTS, ROOT, assert_same_records, kill_9_then_resume, records, run_infer, served,
+                 server_restart_mid_run, start_vllm)
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not Path(vllm.python()).exists() and
                                                    not (ROOT / vllm.python()).exists(),
                                                    reason="no .venv-vllm: run make vllm-venv (make test does)")]
-
-
-def start(folder, port: int, log: Path) -> vllm.LaunchedServer:
-    cfg = config.Launch(model_path=str(folder), port=port, log=str(log), stop_timeout_s=30,
-                        extra_args=["--dtype", "float32", "--enforce-eager"])
-    server = vllm.launched(cfg, str(ROOT / vllm.python()))
-    server.start()
-    return server
 
 
 def params(folder: Path, engine: str, sampled: bool = False, **servers) -> Path:
@@ -60,10 +51,7 @@ def reference(work):
 
 @pytest.fixture(scope="module")
 def server(work, target_folder):
-    s = start(target_folder.resolve(), 8021, work / "server.log")
-    yield s
-    s.stop()
-    assert port_closed(8021)
+    yield from served(start_vllm(target_folder.resolve(), 8021, work / "server.log"))
 
 
 def test_e2e_a_clean_run_gives_the_embedded_engines_records(work, server, reference, tmp_path):
@@ -99,12 +87,12 @@ def test_e2e_kill_9_of_the_stage_then_resume_keeps_every_record_once(work, serve
 
 def test_e2e_kill_9_of_the_server_then_a_restart_loses_nothing(work, reference, target_folder, tmp_path):
     folder = target_folder.resolve()
-    servers = [start(folder, 8022, tmp_path / "server-1.log")]
+    servers = [start_vllm(folder, 8022, tmp_path / "server-1.log")]
 
     def restart():
         os.killpg(servers[0].proc.pid, signal.SIGKILL)  # the server and its engine die with a request in flight
         servers[0].proc.wait(timeout=30)
-        servers.append(start(folder, 8022, tmp_path / "server-2.log"))
+        servers.append(start_vllm(folder, 8022, tmp_path / "server-2.log"))
 
     try:
         server_restart_mid_run(tmp_path, params(tmp_path, "vllm", urls=[servers[0].url]), work / "prompts.jsonl",

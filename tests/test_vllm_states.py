@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from eaglepipe import config, hidden, sequences
 from eaglepipe.engines import states, vllm
-from e2e import ENV, ROOT, port_closed, wait_for
+from e2e import ENV, ROOT, served, start_vllm, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(not (ROOT / vllm.python()).exists(),
                                                    reason="no .venv-vllm: run make vllm-venv (make test does)")]
@@ -25,14 +25,9 @@ LAYERS = [2, 15, 27]  # auto for the embedded target's 30 layers
 
 
 def start(folder, port: int, log: Path, capture: bool = True) -> vllm.LaunchedServer:
-    cfg = config.Launch(model_path=str(folder), port=port, log=str(log), stop_timeout_s=30,
-                        extra_args=["--dtype", "float32", "--enforce-eager"])
-    server = vllm.launched(cfg, str(ROOT / vllm.python()))
-    if capture:
-        server.extra_args += states.server_args([*LAYERS, 30])
-        server.env["PYTHONPATH"] = str(ROOT)
-    server.start()
-    return server
+    """A server capturing LAYERS and the last layer's output through the project's connector, unless not ``capture``."""
+    return start_vllm(folder, port, log, states.server_args([*LAYERS, 30]), {"PYTHONPATH": str(ROOT)}) if capture \
+        else start_vllm(folder, port, log)
 
 
 def make_sequences(folder: Path, n: int = 12) -> list:
@@ -87,10 +82,7 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(work, target_folder):
-    s = start(target_folder.resolve(), 8031, work / "server.log")
-    yield s
-    s.stop()
-    assert port_closed(8031)
+    yield from served(start(target_folder.resolve(), 8031, work / "server.log"))
 
 
 @pytest.fixture(scope="module")

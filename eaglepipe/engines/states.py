@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .. import compat, families
 from ..errors import UserError
@@ -103,12 +104,6 @@ def _states_path(answer) -> str | None:
     return (answer.get("kv_transfer_params") or {}).get(PATH_KEY) if isinstance(answer, dict) else None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The final norm of every family compat.check serves, in float32."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
 class VLLMStates:
     """hidden.run's states source on vLLM (the hf one: hidden.Forward). Use as a context manager: it starts the
     engine (and a launched server) and removes its folder of files in flight at the end."""
@@ -180,7 +175,7 @@ class VLLMStates:
                 yield i, (f"the server captured layers {captured} of {ids.numel()} ids, not "
                           f"{[*layers, self.num_layers]} of the {sent.numel()} sent")
                 continue
-            final = rms_norm(got[:, 3], self.norm, self.eps)
+            final = F.rms_norm(got[:, 3].float(), self.norm.shape, self.norm, self.eps)  # every served family's
             top = torch.cat([(final[r:r + 512] @ self.head.T).argmax(-1) for r in range(0, len(final), 512)])
             self.report["last_token_disagreements"] += int(top[-1]) != out.output_ids[0]
             done += 1
