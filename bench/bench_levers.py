@@ -45,6 +45,8 @@ POINTS = {
     "default-init-head": ("params.yaml, lm_head and norm started from the target's", {"train.init": "head"}),
     "default-init-head-frozen": ("params.yaml, lm_head and norm the target's, frozen",
                                  {"train.init": "head", "train.freeze_head": True}),
+    "default-noise-0.2": ("params.yaml, feature noise of width 0.2 times each state's RMS while training",
+                          {"train.feature_noise": 0.2}),
     "default-init-target": ("params.yaml, every drafter weight started from the target where it fits",
                             {"train.init": "target"}),
     "default-1-greedy": ("params.yaml, 1 greedy answer per prompt (temperature 0, as evaluate decodes)",

@@ -281,6 +281,9 @@ class Train(Section):
         "fits (eaglepipe/draft.py, Initialisation); measured against each other: docs/experiments.md")
     freeze_head: bool = Field(False, description="lm_head and the final norm are not trained (with init head or "
                               "target: they stay the target's)")
+    feature_noise: float = Field(0.0, ge=0, description="while training, each element of each layer's state a "
+                                 "drafter reads gets uniform noise of this width times that state's RMS (EAGLE-1's "
+                                 "feature augmentation, relative) | 0: none")
     drafter: Literal["auto", "llama", "qwen3", "deepseek_mla"] = Field(
         "auto", description="the drafter's layer (eaglepipe/draft.py, DRAFTERS): llama, the one SGLang and vLLM "
         "load | qwen3, with Qwen3's q_norm/k_norm, vLLM's Eagle3Qwen3ForCausalLM | deepseek_mla, DeepSeek's "

@@ -42,11 +42,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import draft, families, features, hidden, quant, records, runtime, sequences, shards, ttt, uncertainty
+from . import compat, draft, families, features, hidden, quant, records, runtime, sequences, shards, ttt, uncertainty
 from .errors import UserError
 from .hashing import code_hash
 from .ttt import TTT, chain_masks, collate, ttt_forward
-from .compat import names as weight_names, read as read_weights, weights as stored_weights
 
 log = logging.getLogger(__name__)
 WINDOW = 64  # samples sorted by length together (plan_batches)
@@ -135,20 +134,18 @@ def target_tensors(folder, layer: int) -> dict:
     language model's). Names as compat.names finds them (a composite's under its wrapper's prefix).
     A weight stored in FP8 blocks with its scales is read dequantized to float32 (quant.py)."""
     folder = Path(folder)
-    stored = stored_weights(folder)
-    names = weight_names(stored)
+    stored = compat.weights(folder)
+    names = compat.names(stored)
     prefix = f"{names.layers}{layer}."
     layer_names = sorted(n[len(prefix):] for n in stored if n.startswith(prefix)
                          and not (n.endswith(quant.SCALE) and n[:-len(quant.SCALE)] in stored))
-    wanted = {"embed": names.embed, "head": names.head, "norm": names.norm,
-              **{w: prefix + w for w in draft.LAYER_WEIGHTS}}
-    missing = [wanted[k] for k in ("embed", "norm") if wanted[k] not in stored]
+    missing = [name for name in (names.embed, names.norm) if name not in stored]
     if missing or not layer_names:
         raise KeyError(f"{folder}: no {missing or prefix + '*'} in the safetensors files (compat.check names what a "
                        "target needs)")
-    found = read_weights(folder, wanted, stored)
-    head = found.get("head", found["embed"])
-    return {"embed": found["embed"].float(), "head": head.float(), "norm": found["norm"].float(),
+    found = compat.read(folder, {"embed": names.embed, **{w: prefix + w for w in draft.LAYER_WEIGHTS}}, stored)
+    head, norm = compat.head_and_norm(folder, stored)
+    return {"embed": found["embed"].float(), "head": head, "norm": norm,
             "layer": {w: found[w] for w in draft.LAYER_WEIGHTS if w in found}, "layer_names": layer_names,
             "layer_index": layer, "model_type": families.text_config(families.load_config(folder)).model_type}
 
@@ -383,6 +380,8 @@ def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
     rows, weight = share(idx, rt)
     mine = [t.train_set[i] for i in rows]
     batch = collate(mine, t.feats.states(mine), t.p.ttt_steps, t.head_draft, t.model.t2d)
+    if t.p.feature_noise:
+        batch["aux"] = noisy(batch["aux"], t.p.feature_noise)
     norm = batch["kept"] if weight else torch.zeros_like(batch["kept"])
     batch["norm"], batch["weight"] = rt.all_sum(norm).tolist(), weight
     with autocast(uses_bf16(t.p), rt.device):
@@ -395,6 +394,14 @@ def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
     if weight:
         t.running += stats.cpu()
     t.trained_tokens += sum(t.train_set[i].ids.shape[0] for i in idx)
+
+
+def noisy(aux: torch.Tensor, width: float) -> torch.Tensor:
+    """``aux`` [B, T, 3H] with each layer's state x plus U(-width/2, width/2) * rms(x) per element
+    (train.feature_noise); padding (zeros) stays zero. Drawn from torch's seeded RNG, which checkpoints keep."""
+    states = aux.unflatten(-1, (3, -1))
+    rms = states.float().pow(2).mean(-1, keepdim=True).sqrt()
+    return (states + ((torch.rand_like(rms.expand_as(states)) - 0.5) * width * rms).to(aux.dtype)).flatten(-2)
 
 
 def epoch(t: Training, path: Path, rt: runtime.Runtime) -> None:

@@ -243,9 +243,10 @@ def killed_after_first_checkpoint(data, params, folder, world: int = 1) -> Path:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("autocast", ["none", "bfloat16"])
-def test_loss_decreases_and_a_killed_run_resumes_exactly(data, tmp_path, autocast):
-    params = config.Train(**{**PARAMS, "autocast": autocast})
+@pytest.mark.parametrize("autocast,noise", [("none", 0.0), ("bfloat16", 0.0), ("none", 0.2)])
+def test_loss_decreases_and_a_killed_run_resumes_exactly(data, tmp_path, autocast, noise):
+    """With feature noise too: its draws come from the RNG state the checkpoint keeps."""
+    params = config.Train(**{**PARAMS, "autocast": autocast, "feature_noise": noise})
     full = train.run(data / "hidden", data / "target", params, tmp_path / "a")
     model, report, history = full
     assert set(report["train"]) == {f"{m}_{k}" for m in ("loss", "acc") for k in range(3)}
@@ -270,6 +271,18 @@ def test_loss_decreases_and_a_killed_run_resumes_exactly(data, tmp_path, autocas
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert history_b == history
+
+
+def test_feature_noise_is_uniform_relative_to_each_layers_state_and_leaves_padding():
+    torch.manual_seed(0)
+    aux = torch.randn(2, 50, 3 * 16) * torch.tensor([100.0, 1.0, 0.01]).repeat_interleave(16)  # layers of 3 scales
+    aux[1, 30:] = 0  # padding
+    noise = (train.noisy(aux, 0.2) - aux).unflatten(-1, (3, -1))
+    rms = aux.unflatten(-1, (3, -1)).pow(2).mean(-1, keepdim=True).sqrt()
+    relative = (noise / rms.clamp_min(1e-30))[rms.squeeze(-1) > 0]
+    assert relative.abs().max() <= 0.1 and relative.abs().mean() == pytest.approx(0.05, abs=0.005)  # U(-0.1, 0.1)
+    assert noise[1, 30:].abs().max() == 0
+    assert not torch.equal(train.noisy(aux, 0.2), train.noisy(aux, 0.2))  # fresh draws each batch
 
 
 class _Payload:
