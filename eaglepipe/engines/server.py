@@ -29,12 +29,23 @@ import aiohttp
 import orjson  # JSON at 256 requests in flight: the client's CPU time matters
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from ..config import CACHE
 from . import Failure, Output, Sampling
 from .pool import JSON, ServerError, ServerPool, _Server
 
 __all__ = ["BadAnswer", "ServerEngine", "ServerError", "_Server", "check_ids"]
 
 log = logging.getLogger(__name__)
+
+
+def portable(value):
+    """``value`` (JSON) with the cache folder's path written ``<cache>``: a launched server's model (the embedded
+    target is converted there) and log lie under it, whose path differs between clones while the files do not."""
+    if isinstance(value, str):
+        return value.replace(str(CACHE), "<cache>")
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    return [portable(v) for v in value] if isinstance(value, list) else value
 
 
 class BadAnswer(ValueError):
@@ -129,14 +140,14 @@ class ServerEngine(ServerPool):
     def identity(self) -> dict:
         """What, beyond the local model files, decides the ids (part of the cache fingerprint); never the urls."""
         self.start()
-        return dict(self._identity)
+        return portable(self._identity)
 
     def describe(self) -> dict:
         """What the stage keeps about the servers (engine.json): model_info and server_info of each, as read."""
-        return {"engine": self.name, "identity": self._identity,
-                "launched": self._launched.describe() if self._launched else None,
-                "servers": [{"url": s.url, "model_info": s.model_info, "server_info": s.server_info}
-                            for s in self._servers]}
+        return portable({"engine": self.name, "identity": self._identity,
+                         "launched": self._launched.describe() if self._launched else None,
+                         "servers": [{"url": s.url, "model_info": s.model_info, "server_info": s.server_info}
+                                     for s in self._servers]})
 
     def stream(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
         """Yield (index into prompts, Output | Failure) as answers arrive, ``concurrency`` requests in flight."""
