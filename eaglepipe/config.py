@@ -278,7 +278,7 @@ class Train(Section):
         "fresh", description="fresh: every drafter weight from the seeded default init | head: lm_head and the final "
         "norm start from the target's (its head's rows of the draft vocabulary), the rest fresh (speculators' recipe) "
         "| target: also fc passes the high state through and the midlayer starts from the target's layer where it "
-        "fits (eaglepipe/draft.py, Initialisation); measured against each other: docs/experiments.md")
+        "fits (eaglepipe/draft_init.py); measured against each other: docs/experiments.md")
     freeze_head: bool = Field(False, description="lm_head and the final norm are not trained (with init head or "
                               "target: they stay the target's)")
     feature_noise: float = Field(0.0, ge=0, description="while training, each element of each layer's state a "

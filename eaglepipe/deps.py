@@ -1,7 +1,7 @@
 """The project code each stage runs, derived from its imports: the one source of the ``.py`` entries of dvc.yaml's
 ``deps``.
 
-``runs(script)`` is the project's .py files a script runs, transitively: absolute and relative imports, also those
+``runs(script)`` is the project's .py files a script (or module) runs, transitively: absolute and relative imports, also those
 inside functions (importing ``a.b.c`` runs ``a/__init__``, ``a/b/__init__`` and ``a/b/c``). ``python -m
 eaglepipe.deps`` compares every stage of dvc.yaml with it and exits 1 naming each difference; ``--write`` rewrites
 the ``.py`` entries of each stage's ``deps`` (the script first, then the package in path order; the other entries,
@@ -64,6 +64,15 @@ def runs(script, root: Path = ROOT) -> list[str]:
         todo += [f for f in map(lambda n: module_file(n, root), _imported(path, root)) if f]
     rest = sorted(p.relative_to(root).as_posix() for p in seen if p != script)
     return [script.relative_to(root).as_posix()] + rest
+
+
+BY_VALUE = ("eaglepipe/config.py",)  # the params' declarations: each fingerprint hashes the values it reads
+
+
+def code(module_file) -> list[Path]:
+    """The project files the module ``module_file`` runs (``runs``) but ``BY_VALUE``: the code a resume cache's
+    fingerprint hashes, so that an edit to it starts afresh."""
+    return [ROOT / f for f in runs(module_file) if f not in BY_VALUE]
 
 
 def script_of(stage: dict) -> str:

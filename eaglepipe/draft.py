@@ -1,4 +1,5 @@
-"""The EAGLE-3 drafter: config, module, draft vocabulary, export in the layout SGLang and vLLM load.
+"""The EAGLE-3 drafter: config, module, draft vocabulary, export in the layout SGLang and vLLM load (its start from
+the target's weights, ``train.init``: draft_init.py).
 
 Architecture (one decoder layer over the target's features, as in SafeAILab/EAGLE ``traineagle3/cnets.py`` and
 SGLang ``models/llama_eagle3.py``)::
@@ -41,28 +42,6 @@ Chain drafting, prompt x_0..x_{n-1}, the target's prefill gives aux_0..aux_{n-1}
        (drop the chain) and extend with the tokens x_{n+1}..x_{n+m+1} paired with project(aux[n..n+m]) (the
        target's states at the verified positions), positions n..n+m; n becomes n+m+1; go to 2.
 
-Initialisation under ``train.init: target`` (``init_from_target``; the default, ``fresh``, keeps the seeded default
-init of every weight, and ``head`` starts lm_head and norm alone as below, ``init_head``; one log line per run says
-which): fc passes the high aux state through, lm_head = the target's
-rows of the draft vocabulary, norm = the target's final norm, and the midlayer starts from the target's decoder
-layer that consumes the high state, each part where the target's weights for it are there with the drafter's shapes
-and stored as floats: the attention (q/k/v on the hidden-state half, the embedding half zero; o_proj; hidden_norm =
-its input norm; the qwen3 drafter's q_norm/k_norm; the deepseek_mla drafter's q_a/kv_a projections on the hidden-state
-half, the rest of the MLA as it is) and the MLP (post-attention norm, gate/up/down). A part that does
-not fit starts fresh: the attention from the seeded default init, the MLP from seeded gate/up and a zero down_proj
-(it adds nothing until training grows it). The init is *exact*, step 0 computing exactly that target layer over the
-target's states (within the target's sliding window, if it has one: the drafter attends to every position), when
-both parts fit, no weight of the layer is left over and the family's layer is the drafter's
-(``families.Family.layer``: another family with the same weight names may compute something else from them).
-Otherwise the log says not exact and names what it dropped or started fresh, e.g.:
-    Qwen3, Qwen3-MoE under the llama drafter: q_norm/k_norm (RMS norms on each head's q and k) have no place in the
-        Llama layer: dropped, the projections copied (the qwen3 drafter, their default, copies them).
-    Qwen2: the q/k/v biases are dropped (a bias cannot be folded into a projection of normed inputs).
-    MoE (experts and a router instead of a dense ``mlp.*``): the MLP starts fresh, at the drafter's size, the target
-        config's ``intermediate_size`` (Qwen3-MoE's dense MLP size, not ``moe_intermediate_size``, one expert's).
-    DeepseekV3 under the deepseek_mla drafter: the MLA attention copied, the MLP fresh where the layer is MoE; exact
-        where it is one of the dense first layers (``first_k_dense_replace``).
-
 Draft vocabulary: the N most frequent loss-masked (trained) token ids, sorted ascending (ties: lower id first), padded
 with the lowest unused ids when the data has fewer distinct ids. ``d2t`` int64 [N]: target_id = draft_id +
 d2t[draft_id]; ``t2d`` bool [V]: whether a target id is in the draft vocabulary.
@@ -70,18 +49,16 @@ d2t[draft_id]; ``t2d`` bool [V]: whether a target id is in the draft vocabulary.
 Checkpoint (``save``/``load``): ``config.json`` + ``model.safetensors`` with exactly ``fc.weight``,
 ``midlayer.self_attn.{q,k,v,o}_proj.weight`` (the qwen3 drafter: and ``midlayer.self_attn.{q,k}_norm.weight``; the
 deepseek_mla drafter instead of q/k/v: ``{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,
-kv_b_proj}.weight``, DeepSeek's names),
-``midlayer.mlp.{gate,up,down}_proj.weight``, ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``,
-``norm.weight``, ``lm_head.weight`` (float32), ``d2t`` (int64), ``t2d`` (bool). ``config.json``: ``architectures``
-and ``model_type`` per ``DRAFTERS`` (llama: ``["LlamaForCausalLMEagle3"]``, ``llama``, which SGLang and vLLM load;
-qwen3: ``["Eagle3Qwen3ForCausalLM"]``, ``qwen3``, vLLM's ``qwen3_eagle3.py``; deepseek_mla:
-``["Eagle3DeepseekV2ForCausalLM"]``, ``deepseek_v2``, its ``deepseek_eagle3.py``, with the target's ``MLA_KEYS``),
-``num_hidden_layers: 1``,
-``tie_word_embeddings: false`` (SGLang would make lm_head the embedding otherwise), ``vocab_size`` (target),
-``draft_vocab_size``, the target's Llama fields (sizes, heads, head_dim, rms_norm_eps, rope_theta/rope_scaling and
-rope_parameters, max_position_embeddings, hidden_act) and
-the aux layer ids once per engine, each where only that engine reads it, so that neither can serve the drafter with
-other layers than it was trained on (both engines give the same ids different meanings):
+kv_b_proj}.weight``, DeepSeek's names), ``midlayer.mlp.{gate,up,down}_proj.weight``,
+``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``, ``norm.weight``, ``lm_head.weight``
+(float32), ``d2t`` (int64), ``t2d`` (bool). ``config.json``: ``architectures`` and ``model_type`` per ``DRAFTERS``
+(llama: ``["LlamaForCausalLMEagle3"]``, ``llama``, which SGLang and vLLM load; qwen3: ``["Eagle3Qwen3ForCausalLM"]``,
+``qwen3``, vLLM's ``qwen3_eagle3.py``; deepseek_mla: ``["Eagle3DeepseekV2ForCausalLM"]``, ``deepseek_v2``, its
+``deepseek_eagle3.py``, with the target's ``MLA_KEYS``), ``num_hidden_layers: 1``, ``tie_word_embeddings: false``
+(SGLang would make lm_head the embedding otherwise), ``vocab_size`` (target), ``draft_vocab_size``, the target's Llama
+fields (sizes, heads, head_dim, rms_norm_eps, rope_theta/rope_scaling and rope_parameters, max_position_embeddings,
+hidden_act) and the aux layer ids once per engine, each where only that engine reads it, so that neither can serve the
+drafter with other layers than it was trained on (both engines give the same ids different meanings):
     ``eagle_aux_hidden_state_layer_ids`` (top level): the HF indices ([2, 15, 27]). vLLM 0.32 reads this key first
         (``gpu_model_runner._get_eagle3_aux_layers_from_config``; its newer runner reads only this one) as HF
         ``hidden_states`` indices; SGLang never reads it.
@@ -95,9 +72,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -223,10 +200,7 @@ def build_vocab(counts: Counter, size: int, vocab_size: int) -> tuple[torch.Tens
         raise ValueError(f"draft_vocab_size {size} should be in [1, {vocab_size}]")
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     chosen = {tok for tok, _ in ranked[:size]}
-    for tok in range(vocab_size):  # pad with the lowest unused ids
-        if len(chosen) == size:
-            break
-        chosen.add(tok)
+    chosen |= set(islice((tok for tok in range(vocab_size) if tok not in chosen), size - len(chosen)))  # lowest unused
     ids = torch.tensor(sorted(chosen), dtype=torch.int64)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[ids] = True
@@ -452,99 +426,6 @@ class Eagle3Draft(nn.Module):
         attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
         h = layer.finish(layer.self_attn.merge(attn), hidden)
         return self.logits(h), h, cache
-
-
-# ---------------------------------------------------------------------------------------------------- initialisation
-LLAMA_ATTENTION = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                   "self_attn.o_proj.weight")
-QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # the qwen3 drafter's attention has them too
-MLA_ATTENTION = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
-                 "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
-                 "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight")
-MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-LAYER_WEIGHTS = tuple(dict.fromkeys(LLAMA_ATTENTION + QK_NORMS + MLA_ATTENTION + ("input_layernorm.weight",) +
-                                    MLP_WEIGHTS))
-"""A target layer's weights the midlayer can start from (train.target_tensors reads those the target has)."""
-INPUT_PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                     "self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")  # 2H inputs: the hidden half
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def attention_weights(cfg: DraftConfig) -> tuple:
-    """The target layer's weights the drafter's attention starts from: its projections (and norms), and its input
-    norm, which becomes hidden_norm."""
-    own = MLA_ATTENTION if cfg.mla else LLAMA_ATTENTION + (QK_NORMS if cfg.qk_norm else ())
-    return own + ("input_layernorm.weight",)
-
-
-def layer_shapes(model: Eagle3Draft) -> dict:
-    """The shape each target weight the drafter's layer can start from must have to be copied: the drafter's own,
-    the 2H-input projections' hidden-state half."""
-    H, mid = model.cfg.hidden_size, model.midlayer
-    shapes = {name: tuple(mid.get_parameter(name).shape) for name in attention_weights(model.cfg) + MLP_WEIGHTS
-              if name != "input_layernorm.weight"}
-    return {**shapes, **{name: (shapes[name][0], H) for name in INPUT_PROJECTIONS if name in shapes},
-            "input_layernorm.weight": (H,)}
-
-
-def misfit(layer: dict, names, shapes: dict) -> str:
-    """Why the target weights ``names`` cannot be copied ("" when they can)."""
-    for name in names:
-        w = layer.get(name)
-        if w is None:
-            return f"no {name}"
-        if tuple(w.shape) != shapes[name]:
-            return f"its {name} is {list(w.shape)}, the drafter's {list(shapes[name])}"
-        if w.dtype not in FLOATS:
-            return f"its {name} is stored as {w.dtype}"
-    return ""
-
-
-@torch.no_grad()
-def init_head(model: Eagle3Draft, target: dict) -> None:
-    """lm_head = the target head's rows of the draft vocabulary, norm = the target's final norm (``train.init: head``,
-    and part of ``target``)."""
-    model.lm_head.weight.copy_(target["head"][torch.arange(model.cfg.draft_vocab_size) + model.d2t])
-    model.norm.weight.copy_(target["norm"])
-
-
-def init_from_target(model: Eagle3Draft, target: dict) -> str:
-    """Start from the target instead of noise (module docstring, "Initialisation"); ``target`` from
-    ``train.target_tensors``. Returns the init's one-line description, also logged."""
-    H = model.cfg.hidden_size
-    layer, mid = target["layer"], model.midlayer
-    shapes, attention = layer_shapes(model), attention_weights(model.cfg)
-    why_attn, why_mlp = misfit(layer, attention, shapes), misfit(layer, MLP_WEIGHTS, shapes)
-    used = (() if why_attn else attention) + (() if why_mlp else MLP_WEIGHTS)
-    dropped = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in target["layer_names"] if n not in used))
-    with torch.no_grad():
-        model.fc.weight.zero_()
-        model.fc.weight[:, 2 * H:] = torch.eye(H)
-        for name in used:
-            w = mid.hidden_norm.weight if name == "input_layernorm.weight" else mid.get_parameter(name)
-            if name in INPUT_PROJECTIONS:
-                w.zero_()
-                w[:, H:] = layer[name]
-            else:
-                w.copy_(layer[name])
-        if why_mlp:
-            mid.mlp.down_proj.weight.zero_()
-    init_head(model, target)
-    source = f"target layer {target['layer_index']} ({target['model_type']})"
-    family, drafter = families.FAMILIES.get(target["model_type"], families.OTHER), model.cfg.drafter
-    if not (why_attn or why_mlp or dropped) and family.layer == drafter:
-        text = (f"exact: the midlayer is {source}, a {drafter} layer with every weight used; step 0 computes that "
-                "layer")
-    else:
-        parts = [f"attention {'fresh (seeded), ' + why_attn if why_attn else 'copied'}",
-                 f"MLP {'fresh (seeded gate/up, zero down_proj), ' + why_mlp if why_mlp else 'copied'}"]
-        if dropped:
-            parts.append(f"dropped {', '.join(dropped)}")
-        elif family.layer != drafter:
-            parts.append(f"{target['model_type']}'s layer is not known to be the {drafter} drafter's layer")
-        text = f"not exact: the midlayer starts from {source}: {'; '.join(parts)}"
-    log.info("drafter init: %s", text)
-    return text
 
 
 # ------------------------------------------------------------------------------------------------------- save / load

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import families, features, runtime, sequences, shards
+from . import deps, families, features, runtime, sequences, shards
 from .hashing import code_hash
 from .errors import UserError
 from .records import write_json, write_jsonl
@@ -62,12 +62,12 @@ log = logging.getLogger(__name__)
 
 def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str = "", code: tuple = ()) -> str:
     """Fingerprint of everything that decides a sequence's states (the store's name): the params but
-    ``shard_tokens``, the layers, the code (this module, the storage's and the shard format's, and ``code``: the
+    ``shard_tokens``, the layers, the code (this module and what it imports, deps.code, and ``code``: the
     engine's), the model (files and compute dtype; for vLLM its version) and library versions. Not the sequences:
     the store holds states by content."""
     import transformers
 
-    code = code_hash([__file__, features.__file__, sequences.__file__, shards.__file__, *code])
+    code = code_hash([*deps.code(__file__), *code])
     blob = json.dumps({"params": {k: v for k, v in params.items() if k != "shard_tokens"}, "layers": layers,
                        "code": code, "model": model_fp, "model_dtype": model_dtype, "torch": torch.__version__,
                        "transformers": transformers.__version__}, sort_keys=True, default=str)

@@ -42,7 +42,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import compat, draft, families, features, hidden, quant, records, runtime, sequences, shards, ttt, uncertainty
+from . import (compat, deps, draft, draft_init, families, features, hidden, quant, records, runtime, shards,
+               uncertainty)
 from .errors import UserError
 from .hashing import code_hash
 from .ttt import TTT, chain_masks, collate, ttt_forward
@@ -96,7 +97,7 @@ class Online:
     def identity(self) -> dict:
         return {"data": shards.dataset_hash(self.folder), "hidden": self.params.tracked(), "layers": self.layers,
                 "model_dtype": str(self.model.dtype),
-                "code": code_hash([hidden.__file__, features.__file__, sequences.__file__])}
+                "code": code_hash(deps.code(hidden.__file__))}
 
     def states(self, samples: list[Sample]) -> list[dict]:
         tensors, failed = hidden.extract_shard(self.model, [(s.id, s.ids, s.mask) for s in samples], self.layers,
@@ -129,9 +130,9 @@ def read_states(samples: list[Sample], names=features.STATES) -> list[dict]:
 def target_tensors(folder, layer: int) -> dict:
     """From the target's safetensors files (the model is not loaded; the headers tell which file holds what):
     ``embed`` (input embedding), ``head`` (output head; the embedding when tied), ``norm`` (final norm), float32, and
-    for ``draft.init_from_target``: ``layer`` {name: weight as stored} of decoder layer ``layer``'s weights among
-    ``draft.LAYER_WEIGHTS``, ``layer_names`` every weight name of that layer, ``layer_index`` and ``model_type`` (its
-    language model's). Names as compat.names finds them (a composite's under its wrapper's prefix).
+    for ``draft_init.init_from_target``: ``layer`` {name: weight as stored} of decoder layer ``layer``'s weights
+    among ``draft_init.LAYER_WEIGHTS``, ``layer_names`` every weight name of that layer, ``layer_index`` and
+    ``model_type`` (its language model's). Names as compat.names finds them (a composite's under its wrapper's prefix).
     A weight stored in FP8 blocks with its scales is read dequantized to float32 (quant.py)."""
     folder = Path(folder)
     stored = compat.weights(folder)
@@ -143,10 +144,10 @@ def target_tensors(folder, layer: int) -> dict:
     if missing or not layer_names:
         raise KeyError(f"{folder}: no {missing or prefix + '*'} in the safetensors files (compat.check names what a "
                        "target needs)")
-    found = compat.read(folder, {"embed": names.embed, **{w: prefix + w for w in draft.LAYER_WEIGHTS}}, stored)
+    found = compat.read(folder, {"embed": names.embed, **{w: prefix + w for w in draft_init.LAYER_WEIGHTS}}, stored)
     head, norm = compat.head_and_norm(folder, stored)
     return {"embed": found["embed"].float(), "head": head, "norm": norm,
-            "layer": {w: found[w] for w in draft.LAYER_WEIGHTS if w in found}, "layer_names": layer_names,
+            "layer": {w: found[w] for w in draft_init.LAYER_WEIGHTS if w in found}, "layer_names": layer_names,
             "layer_index": layer, "model_type": families.text_config(families.load_config(folder)).model_type}
 
 
@@ -259,9 +260,8 @@ def optimizer(model, p) -> torch.optim.AdamW:
 
 def fingerprint(feats, params, target_fp: str) -> str:
     """Hash of the features' inputs (``feats.identity()``: the shards' bytes, and online the hidden params), the
-    train params, the code that reads and trains, and the target."""
-    code = code_hash([__file__, ttt.__file__, draft.__file__, features.__file__, shards.__file__, records.__file__,
-                      quant.__file__, runtime.__file__])
+    train params, the code that reads and trains (this module and what it imports, deps.code), and the target."""
+    code = code_hash(deps.code(__file__))
     blob = json.dumps({"features": feats.identity(), "code": code, "params": params.tracked(),
                        "target": target_fp, "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -301,9 +301,9 @@ def setup(feats, target_folder, p, keep=None):
     model = draft.Eagle3Draft(cfg, tgt["embed"])
     model.set_vocab(*draft.build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
     if p.init == "target":
-        draft.init_from_target(model, tgt)
+        draft_init.init_from_target(model, tgt)
     elif p.init == "head":
-        draft.init_head(model, tgt)
+        draft_init.init_head(model, tgt)
         log.info("drafter init: head: lm_head and norm from the target, the rest from the seeded default init")
     else:
         log.info("drafter init: fresh: every weight from the seeded default init (train.init)")

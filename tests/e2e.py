@@ -157,19 +157,19 @@ def ranks_of(agent: int) -> dict[int, int]:
 
 def untrained_drafter(target_folder, layers: list[int], draft_vocab: int = 2048, drafter: str = "llama"):
     """A ``drafter`` (draft.DRAFTERS) started from the target (its midlayer the target's last layer read,
-    ``draft.init_from_target``), its draft vocabulary the first ``draft_vocab`` ids: untrained, yet some of its drafts
+    ``draft_init.init_from_target``), its draft vocabulary the first ``draft_vocab`` ids: untrained, yet some of its drafts
     are accepted."""
     from collections import Counter
 
     import torch
     from transformers import AutoConfig
 
-    from eaglepipe import draft, train
+    from eaglepipe import draft, draft_init, train
 
     tgt = train.target_tensors(target_folder, layers[-1])
     cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), draft_vocab, layers, drafter)
     torch.manual_seed(0)
     drafter = draft.Eagle3Draft(cfg, tgt["embed"])
     drafter.set_vocab(*draft.build_vocab(Counter(range(draft_vocab)), draft_vocab, cfg.vocab_size))
-    draft.init_from_target(drafter, tgt)
+    draft_init.init_from_target(drafter, tgt)
     return drafter

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from eaglepipe import draft, train
+from eaglepipe import draft, draft_init, train
 
 EXPECTED = {  # name -> shape, from H (hidden), I (intermediate), heads, kv heads, d (head dim), V, Vd
     "fc.weight": lambda c: (c["H"], 3 * c["H"]),
@@ -174,7 +174,7 @@ def test_init_from_target_step_zero_is_the_target_layer(target_folder, model, to
     cfg = draft.DraftConfig.from_target(model.config, 512, [2, 15, 27])
     drafter = draft.Eagle3Draft(cfg, tgt["embed"])
     drafter.set_vocab(*draft.build_vocab(Counter({i * 7: 1 for i in range(512)}), 512, 49152))
-    assert draft.init_from_target(drafter, tgt).startswith("exact: the midlayer is target layer 27 (llama)")
+    assert draft_init.init_from_target(drafter, tgt).startswith("exact: the midlayer is target layer 27 (llama)")
     assert torch.equal(drafter.lm_head.weight, tgt["head"][drafter.to_target(torch.arange(512))])
     ids = tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt")["input_ids"]
     with torch.no_grad():

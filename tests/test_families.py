@@ -22,8 +22,8 @@ from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, Dee
                           Qwen3VLConfig, T5Config)
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
 
-from eaglepipe import (benchmarks, compat, config, draft, evaluate, families, features, hidden, quant, reasoning,
-                       sequences, speculative, target, train)
+from eaglepipe import (benchmarks, compat, config, draft, draft_init, evaluate, families, features, hidden, quant,
+                       reasoning, sequences, speculative, target, train)
 from eaglepipe.engines import Sampling
 from eaglepipe.errors import UserError
 
@@ -293,7 +293,7 @@ def test_the_mla_drafter_started_from_a_dense_deepseek_layer_computes_that_layer
     cfg = draft.DraftConfig.from_target(model.config, 256, [1, 2, 3], "deepseek_mla")
     drafter = draft.Eagle3Draft(cfg, model.get_input_embeddings().weight)
     drafter.set_vocab(*draft.build_vocab(Counter(range(256)), 256, cfg.vocab_size))
-    text = draft.init_from_target(drafter, train.target_tensors(tmp_path / "target", 3))
+    text = draft_init.init_from_target(drafter, train.target_tensors(tmp_path / "target", 3))
     assert text.startswith("exact: the midlayer is target layer 3 (deepseek_v3), a deepseek_mla layer"), text
     assert deviation(model, drafter, torch.tensor([list(range(5, 40))]), [1, 2, 3]) < 1e-5
     assert cfg.mla == {"q_lora_rank": 32, "kv_lora_rank": 512, "qk_nope_head_dim": 8, "qk_rope_head_dim": 64,
@@ -318,14 +318,14 @@ def test_a_part_that_does_not_fit_starts_fresh_and_the_log_says_why():
                             head_dim=16, rms_norm_eps=1e-6, rope_parameters={"rope_theta": 1e4, "rope_type": "default"},
                             max_position_embeddings=256, hidden_act="silu", vocab_size=128, draft_vocab_size=32,
                             aux_layers=[1, 2, 3])
-    shapes = draft.layer_shapes(draft.Eagle3Draft(cfg, torch.randn(128, 64)))
+    shapes = draft_init.layer_shapes(draft.Eagle3Draft(cfg, torch.randn(128, 64)))
 
     def init(model_type, **changed):
         layer = {**{n: torch.rand(s) for n, s in shapes.items()}, **changed}
         torch.manual_seed(0)
         model = draft.Eagle3Draft(cfg, torch.randn(128, 64))
         default_q = model.midlayer.self_attn.q_proj.weight.clone()
-        text = draft.init_from_target(model, {"layer": layer, "layer_names": sorted(layer), "layer_index": 3,
+        text = draft_init.init_from_target(model, {"layer": layer, "layer_names": sorted(layer), "layer_index": 3,
                                               "model_type": model_type, "head": torch.randn(128, 64),
                                               "norm": torch.ones(64)})
         return text, model, layer, default_q
@@ -399,7 +399,8 @@ def test_fp8_weights_are_read_as_transformers_dequantizes_them(tmp_path, tokeniz
     compat.check(tmp_path)
     read = train.target_tensors(tmp_path, 3)
     layer = target.load_model(tmp_path).model.layers[3]
-    assert sorted(read["layer"]) == sorted(draft.LLAMA_ATTENTION + ("input_layernorm.weight",) + draft.MLP_WEIGHTS)
+    assert sorted(read["layer"]) == sorted(draft_init.LLAMA_ATTENTION + ("input_layernorm.weight",) +
+                                           draft_init.MLP_WEIGHTS)
     for name in read["layer"]:
         assert torch.equal(read["layer"][name], layer.get_parameter(name)), name
     assert read["layer"]["mlp.up_proj.weight"].dtype == torch.float32
