@@ -165,7 +165,7 @@ def ran(request, tmp_path_factory, tokenizer):
     items = generated_sequences(tmp / "seq", model, [chat_.ids(m) for m in PROMPTS])
     hidden_report = hidden.run(tmp / "seq", tmp / "hidden", model, HIDDEN, "fp", tmp / "cache")
     p = TRAIN.model_copy(update={"drafter": DRAFTER.get(family, "auto")})
-    records, logger = [], logging.getLogger("eaglepipe.draft")
+    records, logger = [], logging.getLogger("eaglepipe.draft_init")
     handler, level = logging.Handler(), logger.level
     handler.emit = records.append
     logger.addHandler(handler)
