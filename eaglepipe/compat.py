@@ -159,9 +159,13 @@ def check(folder: Path):
     if "mrope_section" in rope and not composite or \
             rope.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS) or "rope_theta" not in rope:
         refuse(f"its RoPE {rope} is not one the drafter's Llama attention computes")
-    stored = weights(folder)
+    _check_weights(weights(folder), getattr(config, "tie_word_embeddings", False), text, refuse)
+    return text
+
+
+def _check_weights(stored: dict, tied: bool, text, refuse) -> None:
+    """``check``'s requirements on the safetensors files (``stored``: ``weights``), each failure to ``refuse``."""
     n = names(stored)
-    tied = getattr(config, "tie_word_embeddings", False)
     for name in (n.embed, n.norm) + (() if tied and n.head not in stored else (n.head,)):
         if name not in stored:
             refuse(f"its weights have no {name} (the Hugging Face Llama-style names train reads)")
@@ -172,4 +176,3 @@ def check(folder: Path):
     if stored[n.embed][2] != (text.vocab_size, text.hidden_size):
         refuse(f"its {n.embed} is {list(stored[n.embed][2])}, not [vocab_size, hidden_size] "
                f"[{text.vocab_size}, {text.hidden_size}]")
-    return text

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import (compat, deps, draft, draft_init, families, features, hidden, quant, records, runtime, shards,
+from . import (compat, deps, draft, draft_init, families, features, hidden, quant, records, runtime, shards, ttt,
                uncertainty)
 from .errors import UserError
 from .hashing import code_hash
@@ -381,7 +381,7 @@ def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
     mine = [t.train_set[i] for i in rows]
     batch = collate(mine, t.feats.states(mine), t.p.ttt_steps, t.head_draft, t.model.t2d)
     if t.p.feature_noise:
-        batch["aux"] = noisy(batch["aux"], t.p.feature_noise)
+        batch["aux"] = ttt.noisy(batch["aux"], t.p.feature_noise)
     norm = batch["kept"] if weight else torch.zeros_like(batch["kept"])
     batch["norm"], batch["weight"] = rt.all_sum(norm).tolist(), weight
     with autocast(uses_bf16(t.p), rt.device):
@@ -394,14 +394,6 @@ def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
     if weight:
         t.running += stats.cpu()
     t.trained_tokens += sum(t.train_set[i].ids.shape[0] for i in idx)
-
-
-def noisy(aux: torch.Tensor, width: float) -> torch.Tensor:
-    """``aux`` [B, T, 3H] with each layer's state x plus U(-width/2, width/2) * rms(x) per element
-    (train.feature_noise); padding (zeros) stays zero. Drawn from torch's seeded RNG, which checkpoints keep."""
-    states = aux.unflatten(-1, (3, -1))
-    rms = states.float().pow(2).mean(-1, keepdim=True).sqrt()
-    return (states + ((torch.rand_like(rms.expand_as(states)) - 0.5) * width * rms).to(aux.dtype)).flatten(-2)
 
 
 def epoch(t: Training, path: Path, rt: runtime.Runtime) -> None:

@@ -45,6 +45,14 @@ def chain_masks(mask: torch.Tensor, steps: int) -> torch.Tensor:
     return out
 
 
+def noisy(aux: torch.Tensor, width: float) -> torch.Tensor:
+    """``aux`` [B, T, 3H] with each layer's state x plus U(-width/2, width/2) * rms(x) per element
+    (train.feature_noise); padding (zeros) stays zero. Drawn from torch's seeded RNG, which checkpoints keep."""
+    states = aux.unflatten(-1, (3, -1))
+    rms = states.float().pow(2).mean(-1, keepdim=True).sqrt()
+    return (states + ((torch.rand_like(rms.expand_as(states)) - 0.5) * width * rms).to(aux.dtype)).flatten(-2)
+
+
 @torch.no_grad()
 def collate(samples: list, states: list[dict], steps: int, head_draft: torch.Tensor, t2d: torch.Tensor) -> dict:
     """One batch on ``head_draft``'s device, from the samples and their ``features.STATES``: ids [B, T], aux [B, T, 3H]

@@ -277,12 +277,12 @@ def test_feature_noise_is_uniform_relative_to_each_layers_state_and_leaves_paddi
     torch.manual_seed(0)
     aux = torch.randn(2, 50, 3 * 16) * torch.tensor([100.0, 1.0, 0.01]).repeat_interleave(16)  # layers of 3 scales
     aux[1, 30:] = 0  # padding
-    noise = (train.noisy(aux, 0.2) - aux).unflatten(-1, (3, -1))
+    noise = (ttt.noisy(aux, 0.2) - aux).unflatten(-1, (3, -1))
     rms = aux.unflatten(-1, (3, -1)).pow(2).mean(-1, keepdim=True).sqrt()
     relative = (noise / rms.clamp_min(1e-30))[rms.squeeze(-1) > 0]
     assert relative.abs().max() <= 0.1 and relative.abs().mean() == pytest.approx(0.05, abs=0.005)  # U(-0.1, 0.1)
     assert noise[1, 30:].abs().max() == 0
-    assert not torch.equal(train.noisy(aux, 0.2), train.noisy(aux, 0.2))  # fresh draws each batch
+    assert not torch.equal(ttt.noisy(aux, 0.2), ttt.noisy(aux, 0.2))  # fresh draws each batch
 
 
 class _Payload:
