@@ -63,8 +63,8 @@ def test_e2e_a_clean_run_gives_the_embedded_engines_records(work, server, refere
 
 
 def test_e2e_sampled_records_depend_on_the_seeds_only(work, server, tmp_path):
-    # per-record seeds: the same records from two runs with other concurrency (vLLM's CPU build needs CPU_FLAGS here),
-    # and the same engine.json (so data/responses hashes the same in DVC)
+    # per-record seeds: the same records, meta included, from two runs with other concurrency (vLLM's CPU build needs
+    # CPU_FLAGS here), and the same engine.json (so data/responses hashes the same in DVC)
     outs, engines = [], []
     for run, concurrency in (("a", 4), ("b", 1)):
         folder = tmp_path / run
@@ -72,7 +72,7 @@ def test_e2e_sampled_records_depend_on_the_seeds_only(work, server, tmp_path):
         p = params(folder, "vllm", sampled=True, urls=[server.url], concurrency=concurrency)
         out = run_infer(folder, p, work / "prompts.jsonl")
         assert out.returncode == 0, out.stderr[-3000:]
-        outs.append([{k: v for k, v in r.items() if k != "meta"} for r in records(folder)])
+        outs.append(records(folder))
         engines.append((folder / "out" / "engine.json").read_text())
         time.sleep(1.1)  # another second on vLLM's clock
     assert len(outs[0]) == 2 * len(PROMPTS) and outs[0] == outs[1]
