@@ -38,7 +38,8 @@ def uv_resolved(venv: Path, requirements: Path) -> dict[str, str]:
     """What the venv's uv would install for ``requirements`` now (its cached index pages refreshed), given the
     find-links folder tools/install.sh gives it (PIP_FIND_LINKS, else pip's configuration)."""
     pip_config = [str(venv / "bin" / "pip"), "config", "get", "global.find-links"]
-    links = os.environ.get("PIP_FIND_LINKS") or subprocess.run(pip_config, capture_output=True, text=True).stdout.strip()
+    links = os.environ.get("PIP_FIND_LINKS") or \
+        subprocess.run(pip_config, capture_output=True, text=True).stdout.strip()
     out = subprocess.run([str(venv / "bin" / "uv"), "pip", "install", "--dry-run", "--reinstall", "--refresh",
                           "--python", str(venv / "bin" / "python"), *(["--find-links", links] if links else []),
                           "-r", str(requirements)], capture_output=True, text=True, check=True).stderr
