@@ -20,7 +20,7 @@ import click
 import numpy as np
 import torch
 
-from eaglepipe import config, features, hidden, runtime, sequences, target
+from eaglepipe import config, features, hidden, sequences, target
 from eaglepipe.engines import states
 
 
@@ -76,7 +76,7 @@ def main(sequences, samples, repeats, batch_tokens, model, threads, with_vllm, c
         if with_vllm:
             p = config.Hidden(engine="vllm", vllm=config.Servers(concurrency=concurrency, launch=config.Launch(
                 port=30011, extra_args=["--enforce-eager", "--no-enable-prefix-caching"])))
-            source = stack.enter_context(states.VLLMStates(folder, p, runtime.compute_dtype("auto", model.device),
+            source = stack.enter_context(states.VLLMStates(folder, p, "float32",  # as the hf model above
                                                            config.CACHE / "bench-hidden"))
             runs["hidden_vllm"] = lambda: hidden.extract_shard(source, items, layers, batch_tokens, "bfloat16")
         for fn in runs.values():  # warm-up (and the server's start)

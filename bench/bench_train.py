@@ -18,7 +18,7 @@ from eaglepipe import config, target, train, ttt
 
 
 def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
-    steps = p.ttt_steps
+    steps, p = p.ttt_steps, train.resolved(p, torch.device("cpu"))
     model, train_set, _, head_draft, _ = train.setup(hidden_folder, folder, p)
     lengths = [s.ids.shape[0] for s in train_set]
     opt = train.optimizer(model, p)

@@ -257,8 +257,9 @@ class Hidden(Section):
         "bfloat16", description="storage dtype of aux and final; float8_e4m3fn stores a float32 scale per token and "
         "layer beside them, about half bf16's bytes (eaglepipe/features.py)")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="the dtype the target computes the states in: auto = bfloat16 on CUDA, float32 on the CPU "
-        "(eaglepipe/runtime.py; pin one so that the dtype does not follow the device)")
+        "auto", description="the dtype the target computes the states in: auto = bfloat16 where the device multiplies "
+        "bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX), float32 elsewhere (eaglepipe/runtime.py states_dtype; pin "
+        "one so that the dtype does not follow the machine)")
     batch_tokens: int = Field(4096, ge=1, description="tokens per forward pass (rows x longest; length-sorted)")
     shard_tokens: int = Field(32768, ge=1, description="tokens per safetensors shard (the unit of resume)")
     max_failure_rate: float = speed(0.0, "the stage fails when more sequences than this share fail alone (each is "
@@ -301,8 +302,10 @@ class Train(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (0 = none)")
     warmup_steps: int = Field(10, ge=0, description="linear warmup, then cosine decay to 0")
     grad_clip: float = Field(0.5, gt=0, description="gradient norm clipping")
-    autocast: Literal["bfloat16", "none"] = Field("none", description="bfloat16: matmuls in bf16 under "
-                                                  "torch.autocast (weights, optimizer, loss in float32) | none")
+    autocast: Literal["auto", "bfloat16", "none"] = Field(
+        "auto", description="bfloat16: matmuls in bf16 under torch.autocast (weights, optimizer, loss in float32) | "
+        "none | auto: bfloat16 where the device multiplies bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX), else "
+        "none (eaglepipe/runtime.py native_bf16; the drafter then depends on the machine)")
     checkpoint_every: int = speed(50, "optimizer steps between checkpoints (also at every epoch's end)", ge=1)
     threads: int = speed(2, "torch threads (0 = torch's default)", ge=0)
 

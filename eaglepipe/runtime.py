@@ -121,11 +121,27 @@ def device(name: str = "auto", local_rank: int = 0, world: int = 1) -> torch.dev
     return torch.device(name)
 
 
+def native_bf16(dev: torch.device) -> bool:
+    """Whether ``dev`` multiplies bf16 matrices natively: a CUDA GPU that supports bf16, or a CPU with AVX512-BF16 or
+    AMX (elsewhere torch emulates bf16 matmuls, slower than float32)."""
+    if dev.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def compute_dtype(name: str, dev: torch.device) -> str:
-    """The dtype the target computes in: ``auto`` = bfloat16 on CUDA, float32 on the CPU (bf16 matmuls are slow
-    there); or the one named."""
+    """The dtype the target generates in (``infer.dtype``): ``auto`` = bfloat16 on CUDA, float32 on the CPU; or the
+    one named."""
     if name == "auto":
         return "bfloat16" if dev.type == "cuda" else "float32"
+    return name
+
+
+def states_dtype(name: str, dev: torch.device) -> str:
+    """The dtype the target computes hidden states in (``hidden.compute_dtype``): ``auto`` = bfloat16 where ``dev``
+    multiplies bf16 natively (``native_bf16``), float32 elsewhere; or the one named."""
+    if name == "auto":
+        return "bfloat16" if native_bf16(dev) else "float32"
     return name
 
 
@@ -148,7 +164,7 @@ def start(device_name: str = "auto"):
 
 
 def load_target(folder, dtype: str, rt: Runtime, device_map=None):
-    """The target model in ``dtype`` (a name, or ``auto``: ``compute_dtype``), frozen, loaded straight onto ``rt``'s
+    """The target model in ``dtype`` (a name, or ``auto``: ``compute_dtype``'s choice), frozen, loaded straight onto ``rt``'s
     device, or spread over the node's GPUs by accelerate's ``device_map`` (``runtime.device_map``: one process holds
     the whole target then)."""
     if device_map is not None and rt.world > 1:

@@ -1,11 +1,13 @@
 """The serve check: a real engine (vLLM) serves the target with the trained drafter, on exactly the prompts evaluate
 decoded, and must agree with evaluate.
 
-Two servers, one after the other, each started here and always stopped (engines/vllm.py, launch.py): the target
-alone, then the target with the drafter (``--speculative-config`` ``{"method": "eagle3", "model": <drafter>,
-"num_speculative_tokens": evaluate.num_steps}``; without ``method`` vLLM silently picks another one). Each gets every
-prompt of ``data/decoded`` at temperature 0, one request at a time (speculative decoding's use: one stream), after one
-short warm-up request.
+One server, started here and always stopped (engines/vllm.py, launch.py): the target with the drafter
+(``--speculative-config`` ``{"method": "eagle3", "model": <drafter>, "num_speculative_tokens": evaluate.num_steps}``;
+without ``method`` vLLM silently picks another one). It gets every prompt of ``data/decoded`` at temperature 0, one
+request at a time (speculative decoding's use: one stream), after one short warm-up request. Evaluate's outputs are
+plain greedy decoding's (its checking forward), so equal outputs need no plain run; where one differs, a second server
+serves the target alone on the same prompts, to tell the drafter's path from vLLM's numerics (``mismatches`` names
+the run of each difference). Speed against plain decoding is ``make bench``'s (bench/bench_vllm.py).
 
 Acceptance length in the engine, per verification step like evaluate's (speculative.py): the tokens the engine's
 verification steps emitted (each request's output less the prefill's first token) over its verification steps
@@ -17,7 +19,7 @@ server's global counters (``/metrics``, ``vllm:spec_decode_*``) must add up to t
 The target layers vLLM feeds the drafter are read from its log ("Using auxiliary layers from speculative config",
 which it writes when the checkpoint names them; without that line it uses ``(2, L // 2, L - 3)``).
 
-The check fails when any engine output (with or without the drafter) differs from evaluate's plain greedy output,
+The check fails when any engine output differs from evaluate's plain greedy output,
 when vLLM feeds the drafter other layers than evaluate did, when the acceptance length differs from evaluate's on the
 same prompts by more than ``serve.tolerance`` (relative), or when the server's counters do not add up.
 """
@@ -187,11 +189,12 @@ def evaluate_figures(rows: list[dict]) -> dict:
             "rate_per_position": [a / n if n else 0.0 for a, n in zip(accepted, proposed)]}
 
 
-def compare(rows: list[dict], plain: dict, eagle: dict, tolerance: float, num_layers: int) -> dict:
-    """The serve check's metrics from both runs; ``passed`` says whether it holds."""
+def compare(rows: list[dict], eagle: dict, tolerance: float, num_layers: int, plain: dict | None = None) -> dict:
+    """The serve check's metrics from the run with the drafter (and the plain run, where one ran); ``passed`` says
+    whether it holds."""
     layers, served = rows[0]["eagle"]["layers"], engine_layers(eagle["log"], num_layers)
     mismatches = [{"prompt": r["index"], "run": run, "first_difference": first_difference(out, r["output_ids"])}
-                  for run, res in (("plain", plain), ("eagle", eagle))
+                  for run, res in (("plain", plain), ("eagle", eagle)) if res is not None
                   for r, out in zip(rows, res["outputs"]) if out != r["output_ids"]]
     engine, ours = per_step(rows, eagle["outputs"], eagle["spec"]), evaluate_figures(rows)
     difference = abs(engine["acceptance_length"] - ours["acceptance_length"]) / ours["acceptance_length"]
@@ -208,7 +211,11 @@ def compare(rows: list[dict], plain: dict, eagle: dict, tolerance: float, num_la
             "evaluate_acceptance_length": round(evaluate_figures(sub)["acceptance_length"], 4)}
     c = eagle["counters"]
     counters_agree = c["num_drafts"] == engine["steps"] and c["num_accepted_tokens"] == engine["accepted"]
-    plain_tps, eagle_tps = plain["tokens"] / plain["seconds"], eagle["tokens"] / eagle["seconds"]
+    run = {"speculative_tokens_per_s": round(eagle["tokens"] / eagle["seconds"], 2),
+           "seconds": {"eagle": round(eagle["seconds"], 2)}}
+    if plain is not None:
+        run["plain_tokens_per_s"] = round(plain["tokens"] / plain["seconds"], 2)
+        run["seconds"]["plain"] = round(plain["seconds"], 2)
     return {
         "prompts": len(rows),
         "passed": not mismatches and layers == served and difference <= tolerance and counters_agree,
@@ -221,16 +228,14 @@ def compare(rows: list[dict], plain: dict, eagle: dict, tolerance: float, num_la
         "acceptance_rate_per_position": [round(x, 4) for x in engine["rate_per_position"]],
         "evaluate_acceptance_rate_per_position": [round(x, 4) for x in ours["rate_per_position"]],
         "per_category": per_category, "counters": c, "counters_agree": counters_agree,
-        "run": {"plain_tokens_per_s": round(plain_tps, 2), "speculative_tokens_per_s": round(eagle_tps, 2),
-                "speedup": round(eagle_tps / plain_tps, 4),
-                "seconds": {"plain": round(plain["seconds"], 2), "eagle": round(eagle["seconds"], 2)}},
+        "run": run,
     }
 
 
 def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve, num_steps: int,
           max_new_tokens: int) -> dict:
-    """Both runs (``evaluate.num_steps`` draft tokens per step, ``evaluate.max_new_tokens`` per prompt, as evaluate
-    decoded ``rows``) and their comparison (``compare``)."""
+    """The run with the drafter (``evaluate.num_steps`` draft tokens per step, ``evaluate.max_new_tokens`` per
+    prompt, as evaluate decoded ``rows``), the plain run where an output differs, and their comparison (``compare``)."""
     target_config = families.load_config(folder)
     drafter = read_config(draft)
     if families.of(target_config).mla and not drafter.mla and cpu_build(p.python):  # attention of another KV layout
@@ -247,6 +252,9 @@ def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve,
                         "outputs will differ")
     sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stop_ids)))
     num_layers = families.text_config(target_config).num_hidden_layers
-    plain = decode(folder, tokenizer, p, rows, sampling)
     eagle = decode(folder, tokenizer, p, rows, sampling, eagle3(draft, num_steps), "eagle")
-    return compare(rows, plain, eagle, p.tolerance, num_layers)
+    plain = None
+    if any(out != r["output_ids"] for r, out in zip(rows, eagle["outputs"])):
+        log.info("an output with the drafter differs from evaluate's: decoding without it too")
+        plain = decode(folder, tokenizer, p, rows, sampling)
+    return compare(rows, eagle, p.tolerance, num_layers, plain)

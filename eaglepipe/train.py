@@ -4,8 +4,8 @@ Data (layout and layer ids: ``features.py``, ``shards.py``): per sample ``input_
 target generated), ``aux`` [n, 3H] (layers low/mid/high), ``final`` [n, H] (the target's normed last state; its logits
 are ``final @ lm_head.T`` with the target's own head) and ``top`` [n] (the target's greedy next token, from the
 unrounded state). The objective (alignment, loss mask, attention at each step, loss): ``ttt.py``.
-``train.autocast: bfloat16`` runs the forward, the target's logits included, in bf16 matmuls under ``torch.autocast``;
-weights, optimizer, softmax and loss stay float32.
+``train.autocast: bfloat16`` runs the forward, the target's logits included, in bf16 matmuls under ``torch.autocast``
+(``auto``: where the device has native bf16 matmuls, ``resolved``); weights, optimizer, softmax and loss stay float32.
 
 Features (``train.features``): ``offline`` reads ``data/hidden`` (``Stored``); ``online`` runs the frozen target on
 ``data/sequences`` (``Online``) with hidden's own extraction (``hidden.extract_shard``, the ``hidden`` params) and
@@ -267,8 +267,18 @@ def fingerprint(feats, params, target_fp: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def resolved(p, device: torch.device):
+    """``p`` with ``autocast: auto`` made what runs on ``device``: bfloat16 where bf16 matmuls are native
+    (runtime.native_bf16), none elsewhere."""
+    if p.autocast != "auto":
+        return p
+    return p.model_copy(update={"autocast": "bfloat16" if runtime.native_bf16(device) else "none"})
+
+
 def uses_bf16(p) -> bool:
-    """Whether ``train.autocast`` asks for bf16."""
+    """Whether the resolved ``train.autocast`` (``resolved``) asks for bf16."""
+    if p.autocast == "auto":
+        raise ValueError("train.autocast auto must be resolved for a device first (train.resolved)")
     return p.autocast == "bfloat16"
 
 
@@ -423,6 +433,7 @@ def report(t: Training, seconds: float, rt: runtime.Runtime) -> dict:
             "valid_samples": len(t.valid_set), "draft_vocab_size": t.model.cfg.draft_vocab_size,
             "draft_vocab_coverage": round(in_vocab / max(1, sum(t.counts.values())), 5),
             "run": {"seconds": round(seconds, 1), "processes": rt.world, "device": str(rt.device),
+                    "autocast": t.p.autocast,
                     "tokens_per_s": round(t.trained_tokens / seconds, 1) if t.trained_tokens else None},
             "train": last_epoch(t.history, "train"), "valid": last_epoch(t.history, "valid")}
 
@@ -436,6 +447,7 @@ def run(feats, target_folder, params, checkpoints, keep=None, rt: runtime.Runtim
     Every rank returns the same model, report and history."""
     if params.threads:
         torch.set_num_threads(params.threads)
+    params = resolved(params, rt.device)
     start = time.perf_counter()
     t = build(feats, target_folder, params, keep, rt)
     path = Path(checkpoints) / "state.pt"

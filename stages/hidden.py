@@ -34,11 +34,12 @@ def main(params, seq_folder, out, report, timings, cache):
             if rt.world > 1:
                 raise UserError("hidden.engine vllm runs as one process: the server spreads the target itself "
                                 "(hidden.vllm.launch tp, dp, extra_args)")
-            dtype = runtime.compute_dtype(cfg.hidden.compute_dtype, rt.device)
+            dtype = runtime.states_dtype(cfg.hidden.compute_dtype, rt.device)
             with states.VLLMStates(folder, cfg.hidden, dtype, cache) as source:
                 rep = hidden.run(seq_folder, out, source, cfg.hidden, target.fingerprint(folder), cache, rt)
         else:
-            model = runtime.load_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
+            model = runtime.load_target(folder, runtime.states_dtype(cfg.hidden.compute_dtype, rt.device), rt,
+                                        cfg.runtime.device_map)
             rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
     if rt.is_main:
         cli.publish(rep, report, timings)

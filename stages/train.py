@@ -33,12 +33,14 @@ def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkp
     folder = target.checked(cfg.target.model, cfg.target.trust_remote_code)
     with runtime.start(cfg.runtime.device) as rt:
         if cfg.train.features == "online":
-            model = runtime.load_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
+            model = runtime.load_target(folder, runtime.states_dtype(cfg.hidden.compute_dtype, rt.device), rt,
+                                        cfg.runtime.device_map)
             feats = train.Online(seq_folder, model, cfg.hidden)
         else:
             feats = train.Stored(hidden_folder)
-        fp = rt.gather(train.fingerprint(feats, cfg.train, target.fingerprint(folder)) if rt.is_main else None)[0]
-        model, report, history = train.run(feats, folder, cfg.train, Path(checkpoints or CACHE / "train" / fp), rt=rt)
+        p = train.resolved(cfg.train, rt.device)
+        fp = rt.gather(train.fingerprint(feats, p, target.fingerprint(folder)) if rt.is_main else None)[0]
+        model, report, history = train.run(feats, folder, p, Path(checkpoints or CACHE / "train" / fp), rt=rt)
     if rt.is_main:  # into a new folder renamed into place: DVC's cache files (hard links) are never written into
         tmp = Path(f"{out}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -40,7 +40,7 @@ def with_(**sections) -> dict:
     ({"hidden": {"dtype": "fp8"}},
      "hidden.dtype = 'fp8': input should be 'bfloat16', 'float16', 'float32' or 'float8_e4m3fn'"),
     ({"train": {"betas": [0.9]}}, "train.betas[1] is missing"),
-    ({"train": {"autocast": True}}, "train.autocast = True: input should be 'bfloat16' or 'none'"),
+    ({"train": {"autocast": True}}, "train.autocast = True: input should be 'auto', 'bfloat16' or 'none'"),
     ({"evaluate": {"ngram": {"maximum": 3}}}, "unknown key evaluate.ngram.maximum (did you mean max?)"),
     ({"evaluate": {"benchmarks": {"mtbnch": {}}}},
      "evaluate.benchmarks.mtbnch[key] = 'mtbnch': input should be 'heldout', 'mtbench' or 'humaneval'"),

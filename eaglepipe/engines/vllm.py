@@ -54,12 +54,15 @@ def cpu_build(interpreter: str) -> Path | None:
 
 def cpu_env(interpreter: str) -> dict:
     """What the CPU build of vLLM needs to start on a small machine (nothing for a GPU build): its OpenMP runtime
-    preloaded, no thread pinning (it would pin to cores other processes use), and a KV cache of 2 GiB. Variables
-    already set in the environment win."""
+    preloaded, no thread pinning (it would pin to cores other processes use), a KV cache of 2 GiB, and the model run
+    inside the engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the CPU build then keeps vLLM's one-process
+    executor instead of starting a worker process, which imports torch and vLLM once more). Variables already set in
+    the environment win."""
     iomp = cpu_build(interpreter)
     if iomp is None:
         return {}
-    return {"LD_PRELOAD": str(iomp), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    return {"LD_PRELOAD": str(iomp), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 CPU_FLAGS = ["--no-enable-chunked-prefill"]
