@@ -170,20 +170,33 @@ def test_e2e_vllm_serves_the_drafter_with_evaluates_layers_acceptance_and_output
 
 @pytest.mark.engine
 @needs_vllm
-def test_e2e_other_layers_or_another_output_fail_and_the_plain_run_tells_whose(served, target_folder, tokenizer):
-    # the export SGLang alone reads right (its ids, minus one, and no vLLM key): vLLM takes them as HF indices;
-    # and an output evaluate would have got otherwise (its last token changed): vLLM differs from it with the drafter
-    # and without, so the plain run names the difference too (vLLM's, not the drafter's path)
+def test_e2e_a_checkpoint_vllm_reads_with_other_layers_fails(served, target_folder, tokenizer):
+    # the export SGLang alone reads right (its ids, minus one, and no vLLM key): vLLM takes them as HF indices (the
+    # stage refuses such a checkpoint before serving it: draft.aux_layers_of; here vLLM is given it anyway)
     s = served
     doctored = s["folder"] / "sglang-only"
     shutil.copytree(s["folder"] / "draft", doctored)
     cfg = json.loads((doctored / "config.json").read_text())
     del cfg["eagle_aux_hidden_state_layer_ids"]
     (doctored / "config.json").write_text(json.dumps(cfg))
+    sampling = Sampling(max_new_tokens=s["max_new_tokens"], stop_token_ids=tuple(sorted(s["stops"])))
+    eagle = serve.decode(target_folder.resolve(), tokenizer, s["p"], s["rows"], sampling,
+                         serve.eagle3(doctored, 3), "eagle")
+    m = serve.compare(s["rows"], eagle, 0.01, 30)
+    assert m["engine_layers"] == [i - 1 for i in LAYERS] and not m["passed"]
+    assert port_closed(s["p"].port)
+
+
+@pytest.mark.engine
+@needs_vllm
+def test_e2e_an_output_that_differs_brings_the_plain_run_which_tells_whose(served, target_folder, tokenizer):
+    # an output evaluate would have got otherwise (its last token changed): vLLM differs from it with the drafter and
+    # without, so the difference is vLLM's numerics against the HF model's, not the drafter's path
+    s = served
     rows = json.loads(json.dumps(s["rows"]))
     rows[1]["output_ids"][-1] += 1
-    m = check(s, target_folder, tokenizer, rows, doctored)
-    assert m["engine_layers"] == [i - 1 for i in LAYERS] and not m["passed"]
+    m = check(s, target_folder, tokenizer, rows, s["folder"] / "draft")
+    assert not m["passed"] and m["engine_layers"] == LAYERS
     assert sorted((w["prompt"], w["run"]) for w in m["mismatches"]) == [(rows[1]["index"], "eagle"),
                                                                         (rows[1]["index"], "plain")]
     assert "plain_tokens_per_s" in m["run"]
