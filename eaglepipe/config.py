@@ -258,8 +258,8 @@ class Hidden(Section):
         "layer beside them, about half bf16's bytes (eaglepipe/features.py)")
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the dtype the target computes the states in: auto = bfloat16 where the device multiplies "
-        "bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX), float32 elsewhere (eaglepipe/runtime.py states_dtype; pin "
-        "one so that the dtype does not follow the machine)")
+        "bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX), float32 elsewhere (eaglepipe/runtime.py states_dtype; "
+        "pin one so that the dtype does not follow the machine)")
     batch_tokens: int = Field(4096, ge=1, description="tokens per forward pass (rows x longest; length-sorted)")
     shard_tokens: int = Field(32768, ge=1, description="tokens per safetensors shard (the unit of resume)")
     max_failure_rate: float = speed(0.0, "the stage fails when more sequences than this share fail alone (each is "

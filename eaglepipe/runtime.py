@@ -164,9 +164,9 @@ def start(device_name: str = "auto"):
 
 
 def load_target(folder, dtype: str, rt: Runtime, device_map=None):
-    """The target model in ``dtype`` (a name, or ``auto``: ``compute_dtype``'s choice), frozen, loaded straight onto ``rt``'s
-    device, or spread over the node's GPUs by accelerate's ``device_map`` (``runtime.device_map``: one process holds
-    the whole target then)."""
+    """The target model in ``dtype`` (a name, or ``auto``: ``compute_dtype``'s choice), frozen, loaded straight onto
+    ``rt``'s device, or spread over the node's GPUs by accelerate's ``device_map`` (``runtime.device_map``: one process
+    holds the whole target then)."""
     if device_map is not None and rt.world > 1:
         raise UserError(f"runtime.device_map spreads one target over this node's devices, but this job runs "
                         f"{rt.world} processes: run one (NPROC=1), or leave device_map null (a target per rank)")
