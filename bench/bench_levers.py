@@ -43,7 +43,6 @@ POINTS = {
     "default-hidden-fp8": ("params.yaml, the hidden states stored in FP8", {"hidden.dtype": "float8_e4m3fn"}),
     "default-autocast-bf16": ("params.yaml, the drafter trained in bf16 matmuls (torch.autocast)",
                               {"train.autocast": "bfloat16"}),
-    "default-autocast-none": ("params.yaml, the drafter trained in float32", {"train.autocast": "none"}),
     "default-bf16": ("params.yaml, the hidden states computed and the drafter trained in bf16 matmuls",
                      {"hidden.compute_dtype": "bfloat16", "train.autocast": "bfloat16"}),
     "default-hidden-vllm": ("params.yaml, the hidden states from a vLLM server", {"hidden.engine": "vllm"}),

@@ -189,13 +189,18 @@ def evaluate_figures(rows: list[dict]) -> dict:
             "rate_per_position": [a / n if n else 0.0 for a, n in zip(accepted, proposed)]}
 
 
+def differences(rows: list[dict], outputs: list, run: str) -> list[dict]:
+    """Where a run's ``outputs`` differ from evaluate's plain greedy ``output_ids`` of ``rows``."""
+    return [{"prompt": r["index"], "run": run, "first_difference": first_difference(out, r["output_ids"])}
+            for r, out in zip(rows, outputs) if out != r["output_ids"]]
+
+
 def compare(rows: list[dict], eagle: dict, tolerance: float, num_layers: int, plain: dict | None = None) -> dict:
     """The serve check's metrics from the run with the drafter (and the plain run, where one ran); ``passed`` says
     whether it holds."""
     layers, served = rows[0]["eagle"]["layers"], engine_layers(eagle["log"], num_layers)
-    mismatches = [{"prompt": r["index"], "run": run, "first_difference": first_difference(out, r["output_ids"])}
-                  for run, res in (("plain", plain), ("eagle", eagle)) if res is not None
-                  for r, out in zip(rows, res["outputs"]) if out != r["output_ids"]]
+    mismatches = (differences(rows, plain["outputs"], "plain") if plain is not None else []) + \
+        differences(rows, eagle["outputs"], "eagle")
     engine, ours = per_step(rows, eagle["outputs"], eagle["spec"]), evaluate_figures(rows)
     difference = abs(engine["acceptance_length"] - ours["acceptance_length"]) / ours["acceptance_length"]
     cats = defaultdict(list)
@@ -254,7 +259,7 @@ def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve,
     num_layers = families.text_config(target_config).num_hidden_layers
     eagle = decode(folder, tokenizer, p, rows, sampling, eagle3(draft, num_steps), "eagle")
     plain = None
-    if any(out != r["output_ids"] for r, out in zip(rows, eagle["outputs"])):
+    if differences(rows, eagle["outputs"], "eagle"):
         log.info("an output with the drafter differs from evaluate's: decoding without it too")
         plain = decode(folder, tokenizer, p, rows, sampling)
     return compare(rows, eagle, p.tolerance, num_layers, plain)
