@@ -44,7 +44,7 @@ def one_step(params: str, length: int, chunk: int, device: torch.device) -> dict
     model.set_vocab(*draft.build_vocab(Counter(range(p.draft_vocab_size)), p.draft_vocab_size, tc.vocab_size))
     head_draft = tgt["head"][model.to_target(torch.arange(p.draft_vocab_size))].to(device)
     H, every = tc.hidden_size, torch.ones(length, dtype=torch.bool)
-    sample = train.Sample("long", torch.randint(0, tc.vocab_size, (length,)), every, every, None, 0)
+    sample = features.Sample("long", torch.randint(0, tc.vocab_size, (length,)), every, every, None, 0)
     states = {"aux": torch.randn(length, 3 * H), "final": torch.randn(length, H),
               "top": model.to_target(torch.randint(0, p.draft_vocab_size, (length,)))}
     model = model.to(device)

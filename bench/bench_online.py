@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 import torch
 
-from eaglepipe import config, hidden, runtime, speculative, target, train
+from eaglepipe import config, features, hidden, runtime, speculative, target, train
 from harness import acceptances, decoded_sets, ngram, print_table
 
 
@@ -31,7 +31,7 @@ def main(params, sequences, decoded, epochs):
     p = cfg.train.model_copy(update={"epochs": epochs or cfg.train.epochs})
     folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     rt = runtime.Runtime()
-    states_model = runtime.load_target(folder, cfg.hidden.compute_dtype, rt)
+    states_model = runtime.load_states_target(folder, cfg.hidden.compute_dtype, rt)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -39,7 +39,7 @@ def main(params, sequences, decoded, epochs):
         hidden.run(sequences, tmp / "hidden", states_model, cfg.hidden, target.fingerprint(folder), tmp / "cache")
         hidden_s = time.perf_counter() - start
         print(f"hidden: {hidden_s:.0f} s", flush=True)
-        for name, feats in (("offline", train.Stored(tmp / "hidden")),
+        for name, feats in (("offline", features.Stored(tmp / "hidden")),
                             ("online", train.Online(sequences, states_model, cfg.hidden))):
             start = time.perf_counter()
             drafter, report, _ = train.run(feats, folder, p, tmp / f"ckpt-{name}")

@@ -14,7 +14,7 @@ import time
 import click
 import torch
 
-from eaglepipe import config, target, train, ttt
+from eaglepipe import config, features, target, train, ttt
 
 
 def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
@@ -27,7 +27,7 @@ def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
     for e in range(p.epochs):
         for idx in train.plan_batches(lengths, p.batch_tokens, p.seed, e):
             rows = [train_set[i] for i in idx]
-            batch = ttt.collate(rows, train.read_states(rows), steps, head_draft, model.t2d)  # not timed
+            batch = ttt.collate(rows, features.read_states(rows), steps, head_draft, model.t2d)  # not timed
             start = time.perf_counter()
             with train.autocast(train.uses_bf16(p), head_draft.device):  # as train.run
                 loss, _ = ttt.ttt_forward(model, batch, steps, p.step_weight)

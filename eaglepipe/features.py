@@ -1,4 +1,5 @@
-"""The target's hidden states in ``data/hidden`` (written by ``hidden.py``): their layout, the layer ids, the reader.
+"""The target's hidden states in ``data/hidden`` (written by ``hidden.py``): their layout, the layer ids, the readers
+(``read``; ``Stored`` and ``read_states``, train's).
 
 Layout (a sharded dataset, format: ``shards.py``):
     index.json    {"layers": [2, 15, 27], "layer_convention": "hf_hidden_states", "hidden_size": H,
@@ -32,11 +33,14 @@ SpecForge's count layer *outputs*, so they are these ids minus one (``[1, L // 2
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from . import shards
+from .errors import UserError
 
 LAYER_CONVENTION = "hf_hidden_states"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -116,3 +120,50 @@ def read(folder, split: str) -> Iterator[dict]:
     ``top`` int32 [n], each read from its shard's rows."""
     for entry, i, rows in shards.samples(folder, split):
         yield {"id": entry["ids"][i], **decode(rows)}
+
+
+@dataclass
+class Sample:
+    """A sample's ids and masks (train.load_samples); its ``STATES`` stay in the shard ``file``, rows
+    ``start:start + n``."""
+    id: str
+    ids: torch.Tensor    # int32 [n], as stored
+    mask: torch.Tensor   # bool [n], the loss mask (tokens the target generated)
+    chain: torch.Tensor  # bool [n], the tokens chains may run over: the loss mask, or every token (train.load_samples)
+    file: Path
+    start: int
+
+
+class Stored:
+    """Offline features: the states hidden stored in ``folder`` (``data/hidden``)."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        index = shards.load_index(self.folder)
+        if "skipped" in index:
+            raise UserError(f"{self.folder} holds no hidden states ({index['skipped']}): rerun hidden with "
+                            "train.features: offline, or train online")
+        self.layers, self.splits = index["layers"], [s for s in shards.SPLITS if s in index]
+        self.names = columns(index.get("dtype"))
+
+    def identity(self) -> dict:
+        """What decides these states (for the checkpoint fingerprint)."""
+        return {"data": shards.dataset_hash(self.folder)}
+
+    def states(self, samples: list[Sample]) -> list[dict]:
+        return read_states(samples, self.names)
+
+
+def read_states(samples: list[Sample], names=STATES) -> list[dict]:
+    """``STATES`` of each sample (stored as ``names``: with their scales under FP8), decoded, in order,
+    reading each shard file once."""
+    by_file = {}
+    for i, s in enumerate(samples):
+        by_file.setdefault(s.file, []).append(i)
+    out = [None] * len(samples)
+    for file, which in by_file.items():
+        rows = shards.read_rows(file, names, [(samples[i].start, samples[i].start + len(samples[i].ids))
+                                              for i in which])
+        for i, r in zip(which, rows):
+            out[i] = decode(r)
+    return out

@@ -174,6 +174,12 @@ def load_target(folder, dtype: str, rt: Runtime, device_map=None):
     return model.requires_grad_(False)
 
 
+def load_states_target(folder, compute_dtype: str, rt: Runtime, device_map=None):
+    """The target that computes hidden states (hidden's hf engine, ``train.features: online``): ``load_target`` in
+    ``states_dtype(compute_dtype)`` (``hidden.compute_dtype``)."""
+    return load_target(folder, states_dtype(compute_dtype, rt.device), rt, device_map)
+
+
 def seed(value: int) -> None:
     """Seed torch's generators: the CPU's and every GPU's."""
     torch.manual_seed(value)

@@ -7,7 +7,7 @@ unrounded state). The objective (alignment, loss mask, attention at each step, l
 ``train.autocast: bfloat16`` runs the forward, the target's logits included, in bf16 matmuls under ``torch.autocast``
 (``auto``: where the device has native bf16 matmuls, ``resolved``); weights, optimizer, softmax and loss stay float32.
 
-Features (``train.features``): ``offline`` reads ``data/hidden`` (``Stored``); ``online`` runs the frozen target on
+Features (``train.features``): ``offline`` reads ``data/hidden`` (``features.Stored``); ``online`` runs the frozen target on
 ``data/sequences`` (``Online``) with hidden's own extraction (``hidden.extract_shard``, the ``hidden`` params) and
 writes nothing. Either way the ids and masks stay in memory (5 bytes a token) and a batch's states are read, or
 computed, when it is collated. The draft vocabulary is counted from the ids.
@@ -52,37 +52,6 @@ log = logging.getLogger(__name__)
 WINDOW = 64  # samples sorted by length together (plan_batches)
 
 
-@dataclass
-class Sample:
-    """A sample's ids and masks; its ``features.STATES`` stay in the shard ``file``, rows ``start:start + n``."""
-    id: str
-    ids: torch.Tensor    # int32 [n], as stored
-    mask: torch.Tensor   # bool [n], the loss mask (tokens the target generated)
-    chain: torch.Tensor  # bool [n], the tokens chains may run over: the loss mask, or every token (see load_samples)
-    file: Path
-    start: int
-
-
-class Stored:
-    """Offline features: the states hidden stored in ``folder`` (``data/hidden``)."""
-
-    def __init__(self, folder):
-        self.folder = Path(folder)
-        index = shards.load_index(self.folder)
-        if "skipped" in index:
-            raise UserError(f"{self.folder} holds no hidden states ({index['skipped']}): rerun hidden with "
-                            "train.features: offline, or train online")
-        self.layers, self.splits = index["layers"], [s for s in shards.SPLITS if s in index]
-        self.names = features.columns(index.get("dtype"))
-
-    def identity(self) -> dict:
-        """What decides these states (for the checkpoint fingerprint)."""
-        return {"data": shards.dataset_hash(self.folder)}
-
-    def states(self, samples: list[Sample]) -> list[dict]:
-        return read_states(samples, self.names)
-
-
 class Online:
     """Online features: the frozen target ``model`` runs on each batch of the sequences in ``folder``
     (``data/sequences``) and computes what hidden would store with ``params`` (config.Hidden); a sequence the target
@@ -99,7 +68,7 @@ class Online:
                 "model_dtype": str(self.model.dtype),
                 "code": code_hash(deps.code(hidden.__file__))}
 
-    def states(self, samples: list[Sample]) -> list[dict]:
+    def states(self, samples: list[features.Sample]) -> list[dict]:
         tensors, failed = hidden.extract_shard(self.model, [(s.id, s.ids, s.mask) for s in samples], self.layers,
                                                self.params.batch_tokens, self.params.dtype)
         if failed:
@@ -109,21 +78,6 @@ class Online:
         names = features.columns(self.params.dtype)
         return [features.decode({name: tensors[name][off[i]:off[i + 1]] for name in names})
                 for i in range(len(samples))]
-
-
-def read_states(samples: list[Sample], names=features.STATES) -> list[dict]:
-    """``features.STATES`` of each sample (stored as ``names``: with their scales under FP8), decoded, in order,
-    reading each shard file once."""
-    by_file = {}
-    for i, s in enumerate(samples):
-        by_file.setdefault(s.file, []).append(i)
-    out = [None] * len(samples)
-    for file, which in by_file.items():
-        rows = shards.read_rows(file, names, [(samples[i].start, samples[i].start + len(samples[i].ids))
-                                              for i in which])
-        for i, r in zip(which, rows):
-            out[i] = features.decode(r)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------------------- data
@@ -151,7 +105,7 @@ def target_tensors(folder, layer: int) -> dict:
             "layer_index": layer, "model_type": families.text_config(families.load_config(folder)).model_type}
 
 
-def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[Sample]:
+def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[features.Sample]:
     """Every sample of ``split`` with at least one trained position.
     ``positions``: "generated" trains chains over the loss mask only (the official recipe); "all" over every token
     of the sequence, prompt included: the stored states and logits there are the target's own too, and the drafter
@@ -170,11 +124,12 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
             chain = torch.ones_like(mask) if positions == "all" and first else mask
             if not chain_masks(chain, 1)[0].any():
                 continue
-            samples.append(Sample(sid, t["input_ids"][start:end], mask, chain, folder / entry["file"], start))
+            samples.append(features.Sample(sid, t["input_ids"][start:end], mask, chain, folder / entry["file"],
+                                           start))
     return samples
 
 
-def token_counts(samples: list[Sample]) -> Counter:
+def token_counts(samples: list[features.Sample]) -> Counter:
     """How often each id occurs among the loss-masked tokens (the draft vocabulary is built from these)."""
     ids = torch.cat([s.ids[s.mask] for s in samples]) if samples else torch.zeros(0, dtype=torch.int64)
     values, counts = torch.unique(ids, return_counts=True)
@@ -288,9 +243,9 @@ def autocast(bf16: bool, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
-def features_of(feats) -> Stored | Online:
+def features_of(feats) -> features.Stored | Online:
     """``feats`` itself, or ``Stored(feats)`` for a folder."""
-    return feats if isinstance(feats, (Stored, Online)) else Stored(feats)
+    return feats if isinstance(feats, (features.Stored, Online)) else features.Stored(feats)
 
 
 def setup(feats, target_folder, p, keep=None):
@@ -330,7 +285,7 @@ def setup(feats, target_folder, p, keep=None):
 class Training:
     """One run: what it trains and on what (``build``), and how far it has got (what a checkpoint holds)."""
     p: object                   # the train params (config.Train)
-    feats: Stored | Online
+    feats: features.Stored | Online
     model: draft.Eagle3Draft    # on the run's device
     net: nn.Module              # the TTT objective over ``model``, as the world trains it (Runtime.wrap)
     train_set: list

@@ -38,8 +38,7 @@ def main(params, seq_folder, out, report, timings, cache):
             with states.VLLMStates(folder, cfg.hidden, dtype, cache) as source:
                 rep = hidden.run(seq_folder, out, source, cfg.hidden, target.fingerprint(folder), cache, rt)
         else:
-            model = runtime.load_target(folder, runtime.states_dtype(cfg.hidden.compute_dtype, rt.device), rt,
-                                        cfg.runtime.device_map)
+            model = runtime.load_states_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
             rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
     if rt.is_main:
         cli.publish(rep, report, timings)

@@ -33,8 +33,7 @@ def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkp
     folder = target.checked(cfg.target.model, cfg.target.trust_remote_code)
     with runtime.start(cfg.runtime.device) as rt:
         if cfg.train.features == "online":
-            model = runtime.load_target(folder, runtime.states_dtype(cfg.hidden.compute_dtype, rt.device), rt,
-                                        cfg.runtime.device_map)
+            model = runtime.load_states_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
             feats = train.Online(seq_folder, model, cfg.hidden)
         else:
             feats = train.Stored(hidden_folder)

@@ -187,7 +187,7 @@ def ran(request, tmp_path_factory, tokenizer):
         metrics[name] = evaluate.run(conversations, chat_, model, evaluate.load_drafter(tmp / name, model),
                                      config.Evaluate(num_steps=3, max_new_tokens=12))
     ids = torch.tensor([items[0][2]])
-    stored = {s.id: st for s, st in zip(*(lambda ss: (ss, train.read_states(ss)))(
+    stored = {s.id: st for s, st in zip(*(lambda ss: (ss, features.read_states(ss)))(
         train.load_samples(tmp / "hidden", "train")))}
     computed = {s.id: st for s, st in zip(*(lambda ss: (ss, online.states(ss)))(
         train.load_samples(tmp / "seq", "train")))}

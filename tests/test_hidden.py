@@ -277,7 +277,7 @@ def test_fp8_storage_halves_the_bytes_and_decodes_within_its_rounding(extracted,
             worst = max(worst, float(((b - a).norm(dim=-1) / a.norm(dim=-1).clamp(min=1e-30)).max()))
     print(f"fp8 against bf16: largest relative error of a token's layer state {worst:.4f}")
     samples = train.load_samples(tmp_path / "out", "train", "all")
-    stored = train.Stored(tmp_path / "out").states(samples)
+    stored = features.Stored(tmp_path / "out").states(samples)
     online = train.Online(tmp / "seq", model, fp8).states(train.load_samples(tmp / "seq", "train", "all"))
     for s, st, on in zip(samples, stored, online):
         assert st["aux"].dtype == torch.float32 and torch.equal(st["aux"], on["aux"]), s.id

@@ -107,8 +107,8 @@ def test_targets_aligned_with_shifted_predictions(tmp_path):
     final = head[ids.roll(-1)]                                  # argmax at t is x[t+1] (as when it generated them)
     top = (final @ head.T).argmax(-1)
     shards.write(tmp_path / "s.safetensors", {"aux": torch.zeros(8, 96), "final": final, "top": top.int()})
-    sample = train.Sample("s", ids.int(), mask, mask, tmp_path / "s.safetensors", 0)
-    batch = ttt.collate([sample], train.read_states([sample]), 3, head, torch.ones(32, dtype=torch.bool))
+    sample = features.Sample("s", ids.int(), mask, mask, tmp_path / "s.safetensors", 0)
+    batch = ttt.collate([sample], features.read_states([sample]), 3, head, torch.ones(32, dtype=torch.bool))
     assert batch["kept"].tolist() == [batch["masks"][k].sum() for k in range(3)]  # every target in the vocabulary
     seen = []
     for k in range(3):
@@ -128,13 +128,13 @@ def test_all_positions_train_over_the_prompt_with_the_same_vocabulary(data):
     every = train.load_samples(data / "hidden", "train", "all")
     assert [s.id for s in every] == [s.id for s in generated]
     stored = {s["id"]: s for s in features.read(data / "hidden", "train")}
-    for g, e, st in zip(generated, every, train.read_states(every)):
+    for g, e, st in zip(generated, every, features.read_states(every)):
         assert torch.equal(g.chain, g.mask) and torch.equal(e.mask, g.mask) and e.chain.all()
         assert torch.equal(e.ids, stored[e.id]["input_ids"]) and torch.equal(e.mask, stored[e.id]["loss_mask"].bool())
         assert all(torch.equal(st[name], stored[e.id][name]) for name in features.STATES)  # read lazily, as stored
     steps, t2d = 3, torch.ones(V, dtype=torch.bool)
-    assert ttt.collate(every, train.read_states(every), steps, embed, t2d)["masks"].sum() > \
-        ttt.collate(generated, train.read_states(generated), steps, embed, t2d)["masks"].sum()
+    assert ttt.collate(every, features.read_states(every), steps, embed, t2d)["masks"].sum() > \
+        ttt.collate(generated, features.read_states(generated), steps, embed, t2d)["masks"].sum()
     assert train.token_counts(every) == train.token_counts(generated)  # the draft vocabulary: generated tokens only
 
 
@@ -148,7 +148,7 @@ def test_ttt_step_equals_cached_inference_chain(data):
     samples = train.load_samples(data / "hidden", "train")
     s = samples[0]
     steps = 3
-    states = train.read_states([s])
+    states = features.read_states([s])
     batch = ttt.collate([s], states, steps, embed[model.to_target(torch.arange(64))], model.t2d)
     aux = states[0]["aux"]
     captured = {}
@@ -185,7 +185,7 @@ def test_attention_in_blocks_gives_the_loss_and_gradients_of_one_block(data, mon
         torch.manual_seed(0)
         model = draft.Eagle3Draft(cfg, embed)
         model.set_vocab(*draft.build_vocab(Counter(range(64)), 64, V))
-        batch = ttt.collate(samples, train.read_states(samples), steps, embed[model.to_target(torch.arange(64))],
+        batch = ttt.collate(samples, features.read_states(samples), steps, embed[model.to_target(torch.arange(64))],
                             model.t2d)
         assert batch["act"].shape[1] > 2 * chunk or chunk > 1000  # several blocks, one of them partial
         loss, stats = ttt.ttt_forward(model, batch, steps)

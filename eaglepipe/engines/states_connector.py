@@ -72,13 +72,49 @@ class Saves:
     todo: list = field(default_factory=list)
 
 
+class _WorkerSide:
+    """StatesConnector's worker side (plain Python, mixed into the vLLM class ``_build`` makes): on each step, write
+    the states of the requests the scheduler names (``Saves``) and report them done."""
+
+    def register_kv_caches(self, kv_caches):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        name = next(n for n in kv_caches if "cache_only_layers" in n)
+        self.cache, self.writer = kv_caches[name], get_tensor_model_parallel_rank() == 0
+
+    def get_finished(self, finished_req_ids):
+        done = set()
+        if self.has_connector_metadata():
+            for rid, path, ids, blocks in self._get_connector_metadata().todo:
+                if self.writer:
+                    write(path, rows(self.cache, blocks, len(ids)), ids, self.layers)
+                done.add(rid)
+        return done or None, None
+
+    def get_finished_count(self):
+        return 1  # only rank 0 writes
+
+    def start_load_kv(self, *args, **kwargs):
+        pass
+
+    def wait_for_layer_load(self, layer_name):
+        pass
+
+    def save_kv_layer(self, *args, **kwargs):
+        pass
+
+    def wait_for_save(self):
+        pass
+
+
 @functools.cache
 def _build():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
     from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
-    class StatesConnector(KVConnectorBase_V1, SupportsHMA):
+    class StatesConnector(_WorkerSide, KVConnectorBase_V1, SupportsHMA):
+        """The scheduler's side: hold a finished request's blocks and name its file for the worker."""
+
         def __init__(self, vllm_config, role, kv_cache_config=None):
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
             spec = vllm_config.speculative_config
@@ -91,36 +127,6 @@ def _build():
                               0)
             self.todo, self.cache, self.writer = [], None, True
 
-        # the worker's side
-        def register_kv_caches(self, kv_caches):
-            name = next(n for n in kv_caches if "cache_only_layers" in n)
-            self.cache, self.writer = kv_caches[name], get_tensor_model_parallel_rank() == 0
-
-        def get_finished(self, finished_req_ids):
-            done = set()
-            if self.has_connector_metadata():
-                for rid, path, ids, blocks in self._get_connector_metadata().todo:
-                    if self.writer:
-                        write(path, rows(self.cache, blocks, len(ids)), ids, self.layers)
-                    done.add(rid)
-            return done or None, None
-
-        def get_finished_count(self):
-            return 1  # only rank 0 writes
-
-        def start_load_kv(self, *args, **kwargs):
-            pass
-
-        def wait_for_layer_load(self, layer_name):
-            pass
-
-        def save_kv_layer(self, *args, **kwargs):
-            pass
-
-        def wait_for_save(self):
-            pass
-
-        # the scheduler's side
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
             return 0, False
 
