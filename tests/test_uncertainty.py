@@ -1,6 +1,7 @@
 """The delta-method standard errors of ratios over clusters (eaglepipe/uncertainty.py)."""
 import random
 
+import numpy as np
 import pytest
 
 from eaglepipe import uncertainty as u
@@ -30,3 +31,30 @@ def test_it_matches_the_spread_of_the_ratio_over_many_draws():
     mean = sum(ratios) / len(ratios)
     sd = (sum((r - mean) ** 2 for r in ratios) / (len(ratios) - 1)) ** 0.5
     assert sum(ses) / len(ses) == pytest.approx(sd, rel=0.15)
+
+
+def test_extrapolate_a_hand_computed_case():
+    """Ratios 1.2, 1.4 and 1.6 in every cluster: a slope of 0.1 per doubling two doublings apart, the goal two
+    doublings beyond, every error 0; a ratio that does not grow never reaches the goal."""
+    dens = [10, 20, 5]
+    lo, hi, goal = ([1.2 * d for d in dens], dens), ([1.4 * d for d in dens], dens), ([1.6 * d for d in dens], dens)
+    x = u.extrapolate(lo, hi, goal, 2)
+    assert x["slope"] == pytest.approx(0.1) and x["beyond"] == pytest.approx(2.0)
+    assert x["slope_se"] == pytest.approx(0, abs=1e-12) and x["beyond_se"] == pytest.approx(0, abs=1e-12)
+    assert u.extrapolate(hi, lo, goal, 2)["beyond"] == float("inf")
+
+
+def test_extrapolate_matches_the_spread_over_many_draws():
+    """Three success rates 0.3, 0.4, 0.5 drawn on the same 400 clusters of 1-30 units (one doubling apart, the goal
+    one doubling beyond), many times: the standard deviation of the estimated doublings across draws agrees with
+    the mean delta-method SE within 20%."""
+    rng = np.random.default_rng(0)
+    beyond, ses = [], []
+    for _ in range(300):
+        dens = rng.integers(1, 31, 400)
+        lo, hi, goal = ((rng.binomial(dens, q).tolist(), dens.tolist()) for q in (0.3, 0.4, 0.5))
+        x = u.extrapolate(lo, hi, goal, 1)
+        beyond.append(x["beyond"])
+        ses.append(x["beyond_se"])
+    assert np.mean(beyond) == pytest.approx(1.0, abs=0.05)
+    assert np.mean(ses) == pytest.approx(np.std(beyond, ddof=1), rel=0.2)
