@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from eaglepipe import cli, draft, runtime, target, train
+from eaglepipe import cli, draft, features, runtime, target, train
 from eaglepipe.config import CACHE
 from eaglepipe.records import write_json
 
@@ -36,7 +36,7 @@ def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkp
             model = runtime.load_states_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
             feats = train.Online(seq_folder, model, cfg.hidden)
         else:
-            feats = train.Stored(hidden_folder)
+            feats = features.Stored(hidden_folder)
         p = train.resolved(cfg.train, rt.device)
         fp = rt.gather(train.fingerprint(feats, p, target.fingerprint(folder)) if rt.is_main else None)[0]
         model, report, history = train.run(feats, folder, p, Path(checkpoints or CACHE / "train" / fp), rt=rt)
