@@ -99,8 +99,8 @@ def crossing(lo: str, hi: str, tokens: dict, lengths: dict, baseline: dict) -> N
     for name, base in baseline.items():
         x = uncertainty.extrapolate(*((t.emitted, t.steps) for t in (lengths[lo][name], lengths[hi][name], base)),
                                     doublings)
-        reach = (f"{x['beyond']:+.1f} ± {x['beyond_se']:.1f} doublings beyond {hi} ({2 ** x['beyond']:.2g}x its tokens)"
-                 if math.isfinite(x["beyond"]) else "never on this slope")
+        reach = "never on this slope" if not math.isfinite(x["beyond"]) else \
+            f"{x['beyond']:+.1f} ± {x['beyond_se']:.1f} doublings beyond {hi} ({2 ** x['beyond']:.2g}x its tokens)"
         print(f"  {name}: slope {x['slope']:+.3f} ± {x['slope_se']:.3f} per doubling; n-gram leads {hi} by "
               f"{x['gap']:+.3f} ± {x['gap_se']:.3f}; reached {reach}")
 

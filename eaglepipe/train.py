@@ -7,9 +7,9 @@ unrounded state). The objective (alignment, loss mask, attention at each step, l
 ``train.autocast: bfloat16`` runs the forward, the target's logits included, in bf16 matmuls under ``torch.autocast``
 (``auto``: where the device has native bf16 matmuls, ``resolved``); weights, optimizer, softmax and loss stay float32.
 
-Features (``train.features``): ``offline`` reads ``data/hidden`` (``features.Stored``); ``online`` runs the frozen target on
-``data/sequences`` (``Online``) with hidden's own extraction (``hidden.extract_shard``, the ``hidden`` params) and
-writes nothing. Either way the ids and masks stay in memory (5 bytes a token) and a batch's states are read, or
+Features (``train.features``): ``offline`` reads ``data/hidden`` (``features.Stored``); ``online`` runs the frozen
+target on ``data/sequences`` (``Online``) with hidden's own extraction (``hidden.extract_shard``, the ``hidden`` params)
+and writes nothing. Either way the ids and masks stay in memory (5 bytes a token) and a batch's states are read, or
 computed, when it is collated. The draft vocabulary is counted from the ids.
 
 Batches: each epoch shuffles the samples (seeded by seed and epoch), sorts them by length within windows of 64 and
