@@ -54,8 +54,8 @@ test-e2e: venv
 test-engine: venv vllm-venv
 	python -m pytest -q -m engine tests
 
-# After make repro: the trained drafter against plain decoding and prompt lookup in vLLM on all of MT-bench and
-# HumanEval (bench/bench_vllm.py; `make bench ARGS="--concurrency 64"`).
+# After make repro: the trained drafter against plain decoding and prompt lookup in vLLM on all the held-out prompts,
+# MT-bench and HumanEval (bench/bench_vllm.py; `make bench ARGS="--concurrency 64"`).
 bench: venv vllm-venv
 	python bench/bench_vllm.py $(ARGS)
 

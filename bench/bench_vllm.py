@@ -1,16 +1,17 @@
 """make bench: the full benchmarks through vLLM, the way users compare drafters (not part of make repro).
 
-All 80 MT-bench questions (both turns: turn 2 asked after the target's own greedy turn-1 answer, as evaluate asks it)
-and all 164 HumanEval problems, each answered greedily by vLLM (from .venv-vllm, started as the serve check starts
-it: eaglepipe/serve.py) once per method: plain decoding; the trained drafter (eagle3, evaluate.num_steps draft
-tokens); prompt lookup (vLLM's ngram method with evaluate.ngram's bounds and as many draft tokens). vLLM's suffix
-method is left out: it needs Arctic Inference (arctic-inference), which PyPI ships for vLLM's CPU build only as
-source. GSM8K is left out: no package on PyPI ships its test split (aviary-gsm8k loads it from the Hugging Face hub
-at run time).
+All of evaluate's held-out prompts (``--prompts``), all 80 MT-bench questions (both turns: turn 2 asked after the
+target's own greedy turn-1 answer, as evaluate asks it) and all 164 HumanEval problems, each answered greedily by vLLM
+(from .venv-vllm, started as the serve check starts it: eaglepipe/serve.py) once per method: plain decoding; the
+trained drafter (eagle3, evaluate.num_steps draft tokens); prompt lookup (vLLM's ngram method with evaluate.ngram's
+bounds and as many draft tokens). vLLM's suffix method is left out: it needs Arctic Inference (arctic-inference),
+which PyPI ships for vLLM's CPU build only as source. GSM8K is left out: no package on PyPI ships its test split
+(aviary-gsm8k loads it from the Hugging Face hub at run time).
 
 Per benchmark, per category and, for MT-bench, per turn: acceptance length (tokens emitted over decode steps,
 evaluate's definition, where a step that proposed nothing emits one token) with its standard error over conversations
-(eaglepipe/uncertainty.py), and whether each output equals plain decoding's; per benchmark and method, tokens/s at
+(eaglepipe/uncertainty.py), and whether each output equals plain decoding's; the drafter's minus prompt lookup's,
+paired over the same conversations, and whether it exceeds twice its error; per benchmark and method, tokens/s at
 ``--concurrency`` requests in flight and its ratio to plain. Greedy outputs can differ from plain where batched
 float rounding flips a near-tie, so equality is counted, not required; evaluate (make repro) stays the lossless
 check. Writes the figures as JSON (``--out``) and prints the table.
@@ -26,7 +27,7 @@ from eaglepipe import benchmarks, config, derive, evaluate, serve, target, uncer
 from eaglepipe.engines import Sampling
 from eaglepipe.records import write_json
 
-SETS = ("mtbench", "humaneval")
+SETS = ("heldout", "mtbench", "humaneval")
 
 
 def methods(e: config.Evaluate, draft: Path) -> dict[str, dict]:
@@ -57,39 +58,61 @@ def steps_of(output: list, spec: dict) -> int:
     return s + max(0, len(output) - 1 - a - s)
 
 
-def figures(rows: list[dict], outputs: list, spec: list | None, plain: list) -> dict:
-    """Acceptance length with its error over conversations, and outputs equal to plain, for a group of rows."""
-    out = {"turns": len(rows), "equal_to_plain": sum(o == p for o, p in zip(outputs, plain))}
-    if spec is not None:
-        emitted, steps = defaultdict(int), defaultdict(int)
-        for r, o, s in zip(rows, outputs, spec):
-            emitted[r["conversation"]] += len(o) - 1
-            steps[r["conversation"]] += steps_of(o, s)
-        keys = sorted(emitted)
-        e, n = [emitted[k] for k in keys], [steps[k] for k in keys]
-        out["acceptance_length"] = round(sum(e) / sum(n), 4) if sum(n) else None
-        se = uncertainty.ratio_se(e, n)
-        out["acceptance_length_se"] = None if se is None else round(se, 4)
-    return out
+def per_conversation(rows: list[dict], outputs: list, spec: list) -> tuple[list, list]:
+    """Tokens emitted and decode steps per conversation, in conversation order."""
+    emitted, steps = defaultdict(int), defaultdict(int)
+    for r, o, sp in zip(rows, outputs, spec):
+        emitted[r["conversation"]] += len(o) - 1
+        steps[r["conversation"]] += steps_of(o, sp)
+    keys = sorted(emitted)
+    return [emitted[k] for k in keys], [steps[k] for k in keys]
 
 
-def report(conversations, rows, outputs, spec, plain) -> dict:
-    """``figures`` for the whole set, per category and per turn."""
-    def pick(keep):
-        idx = [i for i, r in enumerate(rows) if keep(r)]
-        return figures([rows[i] for i in idx], [outputs[i] for i in idx],
-                       None if spec is None else [spec[i] for i in idx], [plain[i] for i in idx])
-    out = pick(lambda r: True)
+def groups(conversations, rows) -> list[tuple[str | None, str | None, list[int]]]:
+    """The groups a benchmark is reported by, as (kind, key, row indices): the whole set (None, None), each category
+    (``per_category``) where there are several, each turn (``per_turn``) where there are several."""
+    out = [(None, None, list(range(len(rows))))]
     categories = sorted({conversations[r["conversation"]].category for r in rows})
     if len(categories) > 1:
-        out["per_category"] = {c: pick(lambda r, c=c: conversations[r["conversation"]].category == c)
-                               for c in categories}
+        out += [("per_category", c, [i for i, r in enumerate(rows) if conversations[r["conversation"]].category == c])
+                for c in categories]
     if len({r["turn"] for r in rows}) > 1:
-        out["per_turn"] = {str(t): pick(lambda r, t=t: r["turn"] == t) for t in (1, 2)}
+        out += [("per_turn", str(t), [i for i, r in enumerate(rows) if r["turn"] == t]) for t in (1, 2)]
     return out
 
 
-def run(cfg, folder, tokenizer, draft: Path, max_new: int, concurrency: int, limit: int | None = None,
+def report(conversations, rows, decoded: dict, plain: list) -> dict:
+    """Per group (``groups``): acceptance length with its error over conversations, outputs equal to plain."""
+    out = {}
+    for kind, key, idx in groups(conversations, rows):
+        e, n = per_conversation([rows[i] for i in idx], [decoded["outputs"][i] for i in idx],
+                                [decoded["spec"][i] for i in idx])
+        se = uncertainty.ratio_se(e, n)
+        f = {"turns": len(idx), "equal_to_plain": sum(decoded["outputs"][i] == plain[i] for i in idx),
+             "acceptance_length": round(sum(e) / sum(n), 4) if sum(n) else None,
+             "acceptance_length_se": None if se is None else round(se, 4)}
+        if kind is None:
+            out.update(f)
+        else:
+            out.setdefault(kind, {})[key] = f
+    return out
+
+
+def versus(conversations, rows, a: dict, b: dict) -> dict:
+    """Per group: method a's acceptance length minus method b's on the same conversations, with the paired standard
+    error (uncertainty.difference_se) and whether the difference exceeds twice it."""
+    out = {}
+    for kind, key, idx in groups(conversations, rows):
+        x, y = ([per_conversation([rows[i] for i in idx], [d["outputs"][i] for i in idx], [d["spec"][i] for i in idx])
+                 for d in (a, b)])
+        diff, se = sum(x[0]) / sum(x[1]) - sum(y[0]) / sum(y[1]), uncertainty.difference_se(x, y)
+        out["all" if kind is None else f"{'turn ' if kind == 'per_turn' else ''}{key}"] = {
+            "difference": round(diff, 4), "se": None if se is None else round(se, 4),
+            "beyond_2se": se is not None and abs(diff) > 2 * se}
+    return out
+
+
+def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concurrency: int, limit: int | None = None,
         only: tuple = ()) -> dict:
     e = cfg.evaluate
     stops = target.stop_ids(folder, tokenizer)
@@ -98,7 +121,7 @@ def run(cfg, folder, tokenizer, draft: Path, max_new: int, concurrency: int, lim
     sampling = Sampling(temperature=0.0, max_new_tokens=max_new, stop_token_ids=tuple(sorted(stops)))
     sets = {}
     for name in SETS:
-        conversations, _ = benchmarks.select({name: config.Benchmark(n=None)}, limit=limit)
+        conversations, _ = benchmarks.select({name: config.Benchmark(n=None)}, heldout, limit)
         sets[name] = {"conversations": conversations, "rows": turns_of(conversations, chat)}
     results = {name: {} for name in SETS}
     with serve.Served(folder, tokenizer, cfg.serve, run="bench-plain", concurrency=concurrency) as server:
@@ -119,11 +142,12 @@ def run(cfg, folder, tokenizer, draft: Path, max_new: int, concurrency: int, lim
             continue
         with serve.Served(folder, tokenizer, cfg.serve, spec, f"bench-{method}", concurrency) as server:
             for name, s in sets.items():
-                res = server.decode(s["rows"], sampling)
-                results[name][method] = {"seconds": res["seconds"], "tokens": res["tokens"],
-                                         **report(s["conversations"], s["rows"], res["outputs"], res["spec"],
-                                                  s["plain"])}
+                s[method] = server.decode(s["rows"], sampling)
+                results[name][method] = {"seconds": s[method]["seconds"], "tokens": s[method]["tokens"],
+                                         **report(s["conversations"], s["rows"], s[method], s["plain"])}
                 logging.info("%s %s: acceptance length %s", method, name, results[name][method]["acceptance_length"])
+    paired = {name: versus(s["conversations"], s["rows"], s["eagle3"], s["ngram"])
+              for name, s in sets.items() if "eagle3" in s and "ngram" in s}
     for name, by_method in results.items():
         plain_tps = by_method["plain"]["tokens"] / by_method["plain"]["seconds"]
         for m in by_method.values():
@@ -131,7 +155,7 @@ def run(cfg, folder, tokenizer, draft: Path, max_new: int, concurrency: int, lim
             m["speedup"] = round(m["tokens_per_s"] / plain_tps, 3)
             m["seconds"] = round(m["seconds"], 2)
     return {"max_new_tokens": max_new, "concurrency": concurrency, "num_steps": e.num_steps,
-            "ngram": {"max": e.ngram.max, "min": e.ngram.min}, "benchmarks": results}
+            "ngram": {"max": e.ngram.max, "min": e.ngram.min}, "benchmarks": results, "eagle3_vs_ngram": paired}
 
 
 def table(result: dict) -> str:
@@ -149,6 +173,12 @@ def table(result: dict) -> str:
                 lines.append(f"| {name} | {group} | {method} | {g['acceptance_length']:.3f} ± "
                              f"{g['acceptance_length_se'] or 0:.3f} | {g['equal_to_plain']}/{g['turns']} | "
                              + " | ".join(speed) + " |")
+    if result["eagle3_vs_ngram"]:
+        lines += ["", "| benchmark | group | drafter − n-gram ± SE (paired over conversations) | beyond 2 SE |",
+                  "|---|---|---:|---|"]
+        lines += [f"| {name} | {group} | {d['difference']:+.3f} ± {d['se'] or 0:.3f} | "
+                  f"{'yes' if d['beyond_2se'] else 'no'} |"
+                  for name, by_group in result["eagle3_vs_ngram"].items() for group, d in by_group.items()]
     return "\n".join(lines)
 
 
@@ -156,6 +186,8 @@ def table(result: dict) -> str:
 @click.option("--params", default="params.yaml", show_default=True, type=click.Path(dir_okay=False))
 @click.option("--draft", default="models/draft", show_default=True, type=click.Path(file_okay=False),
               help="The trained drafter (make repro writes it).")
+@click.option("--prompts", default="data/eval/heldout.jsonl", show_default=True, type=click.Path(dir_okay=False),
+              help="The held-out prompts (evaluate's --prompts).")
 @click.option("--max-new-tokens", type=int, default=None, help="Per turn [default: evaluate.max_new_tokens].")
 @click.option("--concurrency", default=16, show_default=True, help="Requests in flight.")
 @click.option("--methods", "only", multiple=True, type=click.Choice(["eagle3", "ngram"]),
@@ -163,13 +195,13 @@ def table(result: dict) -> str:
 @click.option("--limit", type=int, default=None, help="Only the first N conversations of each benchmark (a smoke run).")
 @click.option("--out", default="metrics/timings/bench.json", show_default=True, type=click.Path(dir_okay=False),
               help="The figures as JSON (not in git: they hold this machine's speeds).")
-def main(params, draft, max_new_tokens, concurrency, only, limit, out):
+def main(params, draft, prompts, max_new_tokens, concurrency, only, limit, out):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = config.load(params)
     if not (Path(draft) / "config.json").exists():
         sys.exit(f"no drafter at {draft}: run make repro first (or give --draft)")
     folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
-    result = run(cfg, folder, target.load_tokenizer(folder), Path(draft).resolve(),
+    result = run(cfg, folder, target.load_tokenizer(folder), Path(draft).resolve(), Path(prompts),
                  max_new_tokens or cfg.evaluate.max_new_tokens, concurrency, limit, only)
     write_json(out, result)
     print(table(result))

@@ -30,7 +30,7 @@ EVAL, SERVE, DRAFTER = Path("metrics/eval.json"), Path("metrics/serve.json"), Pa
 STAGE_LINE = re.compile(r"^(Running stage|Stage) '([^']+)'")  # DVC's lines as a stage starts or is skipped
 NEXT = ("make metrics   # every figure, one per line", "make plots     # training curves, acceptance per position",
         "make diff      # what changed since the last commit",
-        "make bench     # the drafter, plain decoding and prompt lookup in vLLM on all of MT-bench and HumanEval")
+        "make bench     # the drafter, plain decoding and prompt lookup in vLLM on all held-out, MT-bench, HumanEval")
 
 
 def stage_order() -> list[str]:

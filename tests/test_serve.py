@@ -234,8 +234,9 @@ def test_e2e_ctrl_c_stops_the_server(served, tmp_path):
 @pytest.mark.engine
 @needs_vllm
 def test_e2e_make_bench_measures_the_drafter_plain_and_ngram_in_vllm(served, tmp_path):
-    """bench/bench_vllm.py on the first two conversations of MT-bench and HumanEval: every method's acceptance
-    length with its error, per turn and category, its outputs against plain decoding's, its speed against plain."""
+    """bench/bench_vllm.py on the first two conversations of each benchmark (held-out, MT-bench, HumanEval): every
+    method's acceptance length with its error, per turn and category, its outputs against plain decoding's, its speed
+    against plain."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["serve"] = {**params.get("serve", {}), "python": str(VLLM), "port": 8014}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
@@ -245,8 +246,9 @@ def test_e2e_make_bench_measures_the_drafter_plain_and_ngram_in_vllm(served, tmp
                          text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     assert port_closed(8014)
-    result = json.loads((tmp_path / "bench.json").read_text())["benchmarks"]
-    assert set(result) == {"mtbench", "humaneval"}
+    full = json.loads((tmp_path / "bench.json").read_text())
+    result = full["benchmarks"]
+    assert set(result) == {"heldout", "mtbench", "humaneval"}
     for name, by_method in result.items():
         assert set(by_method) == {"plain", "eagle3", "ngram"} and by_method["plain"]["speedup"] == 1.0
         for method in ("eagle3", "ngram"):
@@ -256,3 +258,10 @@ def test_e2e_make_bench_measures_the_drafter_plain_and_ngram_in_vllm(served, tmp
             assert m["tokens_per_s"] > 0 and m["speedup"] > 0
         assert set(by_method["eagle3"].get("per_turn", {})) == ({"1", "2"} if name == "mtbench" else set())
     assert "| mtbench | turn 2 | eagle3 |" in out.stdout and "| humaneval | all | ngram |" in out.stdout
+    for name, by_group in full["eagle3_vs_ngram"].items():  # paired: the difference of the two lengths
+        d = by_group["all"]
+        assert abs(d["difference"] - (result[name]["eagle3"]["acceptance_length"] -
+                                      result[name]["ngram"]["acceptance_length"])) < 1e-3
+        assert d["se"] is not None and d["beyond_2se"] == (abs(d["difference"]) > 2 * d["se"])
+    assert set(full["eagle3_vs_ngram"]["mtbench"]) >= {"all", "turn 1", "turn 2"}
+    assert "| mtbench | turn 1 | " in out.stdout.split("drafter − n-gram")[1]
