@@ -81,6 +81,14 @@ def groups(conversations, rows) -> list[tuple[str | None, str | None, list[int]]
     return out
 
 
+def place(out: dict, kind: str | None, key: str | None, figures: dict) -> None:
+    """Put a group's figures where ``groups`` says: the whole set's at the top, the others under kind -> key."""
+    if kind is None:
+        out.update(figures)
+    else:
+        out.setdefault(kind, {})[key] = figures
+
+
 def report(conversations, rows, decoded: dict, plain: list) -> dict:
     """Per group (``groups``): acceptance length with its error over conversations, outputs equal to plain."""
     out = {}
@@ -88,28 +96,33 @@ def report(conversations, rows, decoded: dict, plain: list) -> dict:
         e, n = per_conversation([rows[i] for i in idx], [decoded["outputs"][i] for i in idx],
                                 [decoded["spec"][i] for i in idx])
         se = uncertainty.ratio_se(e, n)
-        f = {"turns": len(idx), "equal_to_plain": sum(decoded["outputs"][i] == plain[i] for i in idx),
-             "acceptance_length": round(sum(e) / sum(n), 4) if sum(n) else None,
-             "acceptance_length_se": None if se is None else round(se, 4)}
-        if kind is None:
-            out.update(f)
-        else:
-            out.setdefault(kind, {})[key] = f
+        place(out, kind, key, {"turns": len(idx), "equal_to_plain": sum(decoded["outputs"][i] == plain[i] for i in idx),
+                               "acceptance_length": round(sum(e) / sum(n), 4) if sum(n) else None,
+                               "acceptance_length_se": None if se is None else round(se, 4)})
     return out
 
 
 def versus(conversations, rows, a: dict, b: dict) -> dict:
-    """Per group: method a's acceptance length minus method b's on the same conversations, with the paired standard
-    error (uncertainty.difference_se) and whether the difference exceeds twice it."""
+    """Per group, placed as ``report`` places it: method a's acceptance length minus method b's on the same
+    conversations, with the paired standard error (uncertainty.difference_se) and whether the difference exceeds
+    twice it."""
     out = {}
     for kind, key, idx in groups(conversations, rows):
         x, y = ([per_conversation([rows[i] for i in idx], [d["outputs"][i] for i in idx], [d["spec"][i] for i in idx])
                  for d in (a, b)])
+        if not sum(x[1]) or not sum(y[1]):
+            place(out, kind, key, {"difference": None, "se": None, "beyond_2se": False})
+            continue
         diff, se = sum(x[0]) / sum(x[1]) - sum(y[0]) / sum(y[1]), uncertainty.difference_se(x, y)
-        out["all" if kind is None else f"{'turn ' if kind == 'per_turn' else ''}{key}"] = {
-            "difference": round(diff, 4), "se": None if se is None else round(se, 4),
-            "beyond_2se": se is not None and abs(diff) > 2 * se}
+        place(out, kind, key, {"difference": round(diff, 4), "se": None if se is None else round(se, 4),
+                               "beyond_2se": se is not None and abs(diff) > 2 * se})
     return out
+
+
+def flat(by_group: dict) -> list[tuple[str, dict]]:
+    """``report``'s or ``versus``'s groups as (label, figures) rows: all, each turn, each category."""
+    return [("all", by_group)] + [(f"turn {k}", v) for k, v in by_group.get("per_turn", {}).items()] + \
+        list(by_group.get("per_category", {}).items())
 
 
 def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concurrency: int, limit: int | None = None,
@@ -158,6 +171,13 @@ def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concur
             "ngram": {"max": e.ngram.max, "min": e.ngram.min}, "benchmarks": results, "eagle3_vs_ngram": paired}
 
 
+def figure(value: float | None, se: float | None, signed: bool = False) -> str:
+    """A figure and its standard error for the table; n/a where either is unknown."""
+    if value is None:
+        return "n/a"
+    return f"{value:{'+' if signed else ''}.3f} ± " + ("n/a" if se is None else f"{se:.3f}")
+
+
 def table(result: dict) -> str:
     lines = ["| benchmark | group | method | acceptance length ± SE | equal to plain | tokens/s | vs plain |",
              "|---|---|---|---:|---:|---:|---:|"]
@@ -166,19 +186,18 @@ def table(result: dict) -> str:
             if method == "plain":
                 lines.append(f"| {name} | all | plain | 1 | | {m['tokens_per_s']} | 1.00 |")
                 continue
-            groups = [("all", m)] + [(f"turn {k}", v) for k, v in m.get("per_turn", {}).items()] + \
-                list(m.get("per_category", {}).items())
-            for group, g in groups:
+            for group, g in flat(m):
                 speed = [str(m["tokens_per_s"]), f"{m['speedup']:.2f}"] if group == "all" else ["", ""]
-                lines.append(f"| {name} | {group} | {method} | {g['acceptance_length']:.3f} ± "
-                             f"{g['acceptance_length_se'] or 0:.3f} | {g['equal_to_plain']}/{g['turns']} | "
+                lines.append(f"| {name} | {group} | {method} | "
+                             f"{figure(g['acceptance_length'], g['acceptance_length_se'])} | "
+                             f"{g['equal_to_plain']}/{g['turns']} | "
                              + " | ".join(speed) + " |")
     if result["eagle3_vs_ngram"]:
         lines += ["", "| benchmark | group | drafter − n-gram ± SE (paired over conversations) | beyond 2 SE |",
                   "|---|---|---:|---|"]
-        lines += [f"| {name} | {group} | {d['difference']:+.3f} ± {d['se'] or 0:.3f} | "
+        lines += [f"| {name} | {group} | {figure(d['difference'], d['se'], signed=True)} | "
                   f"{'yes' if d['beyond_2se'] else 'no'} |"
-                  for name, by_group in result["eagle3_vs_ngram"].items() for group, d in by_group.items()]
+                  for name, by_group in result["eagle3_vs_ngram"].items() for group, d in flat(by_group)]
     return "\n".join(lines)
 
 
