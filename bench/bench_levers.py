@@ -168,7 +168,8 @@ def main(params, decoded, points, crossings, fresh, list_points):
                                   sets, stops, p)
         rows[name] = Measured(name, what, trained["train_samples"], trained["train_tokens"], trained["valid"],
                               minutes, lengths)
-        print(f"{name}: " + " | ".join(map(str, rows[name].cells()[0] + rows[name].cells()[2])), flush=True)
+        before, _, after = rows[name].cells()
+        print(f"{name}: " + " | ".join(map(str, before + after)), flush=True)
     print_table(sets, ["training data", "samples", "tokens", "valid acc per TTT step ± se"],
                 [f"minutes ({', '.join(STAGES)})"], [row.cells() for row in rows.values()],
                 baseline := ngram(sets, stops, p))

@@ -58,12 +58,13 @@ def steps_of(output: list, spec: dict) -> int:
     return s + max(0, len(output) - 1 - a - s)
 
 
-def per_conversation(rows: list[dict], outputs: list, spec: list) -> tuple[list, list]:
-    """Tokens emitted and decode steps per conversation, in conversation order."""
+def per_conversation(rows: list[dict], decoded: dict, idx: list[int]) -> tuple[list, list]:
+    """Tokens emitted and decode steps per conversation over rows ``idx`` of one method's run, in conversation
+    order."""
     emitted, steps = defaultdict(int), defaultdict(int)
-    for r, o, sp in zip(rows, outputs, spec):
-        emitted[r["conversation"]] += len(o) - 1
-        steps[r["conversation"]] += steps_of(o, sp)
+    for i in idx:
+        emitted[rows[i]["conversation"]] += len(decoded["outputs"][i]) - 1
+        steps[rows[i]["conversation"]] += steps_of(decoded["outputs"][i], decoded["spec"][i])
     keys = sorted(emitted)
     return [emitted[k] for k in keys], [steps[k] for k in keys]
 
@@ -93,8 +94,7 @@ def report(conversations, rows, decoded: dict, plain: list) -> dict:
     """Per group (``groups``): acceptance length with its error over conversations, outputs equal to plain."""
     out = {}
     for kind, key, idx in groups(conversations, rows):
-        e, n = per_conversation([rows[i] for i in idx], [decoded["outputs"][i] for i in idx],
-                                [decoded["spec"][i] for i in idx])
+        e, n = per_conversation(rows, decoded, idx)
         se = uncertainty.ratio_se(e, n)
         place(out, kind, key, {"turns": len(idx), "equal_to_plain": sum(decoded["outputs"][i] == plain[i] for i in idx),
                                "acceptance_length": round(sum(e) / sum(n), 4) if sum(n) else None,
@@ -108,8 +108,7 @@ def versus(conversations, rows, a: dict, b: dict) -> dict:
     twice it."""
     out = {}
     for kind, key, idx in groups(conversations, rows):
-        x, y = ([per_conversation([rows[i] for i in idx], [d["outputs"][i] for i in idx], [d["spec"][i] for i in idx])
-                 for d in (a, b)])
+        x, y = per_conversation(rows, a, idx), per_conversation(rows, b, idx)
         if not sum(x[1]) or not sum(y[1]):
             place(out, kind, key, {"difference": None, "se": None, "beyond_2se": False})
             continue
