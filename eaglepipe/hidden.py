@@ -1,40 +1,27 @@
-"""Extraction of the target's hidden states into ``data/hidden`` (layout, layer ids and reader:
-``features.py``; train reads the folder through that module alone).
+"""Extraction of the target's hidden states into ``data/hidden`` (layout, layer ids and reader: ``features.py``).
 
-Content-addressed: a sequence's states depend on its ids alone, so they are computed once per content. Each sequence
-has a key, the hash of its ids and loss mask (``sequence_key``). The store ``.cache/hidden/<fingerprint>/`` holds
-shards of computed states; the fingerprint covers the ``hidden`` params but ``shard_tokens`` (how states are grouped
-into files), the code that computes and writes them, the target model's fingerprint and compute dtype and the torch /
-transformers versions, not the sequences. A shard's safetensors metadata (``content``: {keys, failed}) lists its
-samples' keys and the sequences that failed in it, so the store is its own index. A run computes the sequences whose key
-no shard holds: adding 2% more data computes 2% of the states, whatever the order, split or shard layout merge gives the
-data.
+Content-addressed: a sequence's states depend on its ids alone. Its key is the hash of its ids and loss mask
+(``sequence_key``). The store ``.cache/hidden/<fingerprint>/`` holds shards of computed states; the fingerprint covers
+the ``hidden`` params but ``shard_tokens``, the code that computes and writes them, the target's fingerprint and compute
+dtype and the torch / transformers versions, not the sequences. A shard's safetensors metadata (``content``: {keys,
+failed}) lists its samples' keys and the sequences that failed in it, so the store is its own index, and a run computes
+only the sequences whose key no shard holds, whatever the order, split or shard layout merge gives the data.
 
-A run (rank 0 holding the store's lock file: one run per store at a time): the missing sequences (unique keys, in the
-order of ``data/sequences``) are planned into shards of at most ``hidden.shard_tokens`` tokens, and the plan is saved
-under the sequences' hash and ``shard_tokens`` (``plans/``), so a run interrupted and resumed on the same sequences
-computes the same shards (a plan whose unfinished shards no longer hold exactly the missing keys is made anew). Each
-shard's samples are sorted by length and batched with right padding up to ``hidden.batch_tokens`` tokens (rows x
-longest) per forward pass, no attention mask needed (causal attention never looks at the padding on the right). The base
-model runs without ``lm_head`` and keeps only the selected hidden states; the head then runs on the real rows only, in
-blocks, for ``top``. A shard is named by the hash of its keys and written atomically: one that exists is finished.
-Storage is 8·H bytes of hidden state per token in bf16 (3·H aux + H final), 4·H + 16 in FP8 (a float32 scale per
-token and layer: ``features.encode``), plus 9 bytes of ids, mask and ``top``.
+A run (rank 0 holds the store's lock file): the missing sequences (unique keys, in the order of ``data/sequences``) are
+planned into shards of at most ``hidden.shard_tokens`` tokens; the plan is saved under the sequences' hash and
+``shard_tokens`` (``plans/``), so a resumed run computes the same shards. A shard's samples run sorted by length in
+right-padded batches of at most ``hidden.batch_tokens`` tokens (rows x longest; causal attention never reads the
+padding); the base model keeps only the selected states and the head runs on the real rows for ``top``. A shard is
+named by the hash of its keys and written atomically: one that exists is finished. The planned shards are dealt
+round-robin to the ranks (torchrun, ``runtime.py``); a process killed mid-run loses only the shard it was writing.
 
-Publish: ``data/hidden`` gets the shards its sequences use as hard links to the store's files (a copy where the
-filesystem cannot link; DVC does not cache the folder, so the states take their disk once:
-docs/data-and-versions.md) and an index whose entries name, in the order of ``data/sequences``, which row of which
-shard each sample is (``shards.py``). A sequence reused from an earlier run keeps the states it got in the batch it
-was computed in; a batch of other shapes can round a few values differently, so the published bytes depend on which
-sequences were computed together (a run from an empty store, or resumed, at any number of processes, publishes the
-same bytes).
-
-A sequence that fails alone (``extract_shard``) is left out of its shard, its key and reason kept in the shard's
-metadata (it is not retried) and listed in ``failures.jsonl``. The published files hold data only: no fingerprint.
-
-Ranks (torchrun, ``runtime.py``): the planned shards are dealt round-robin to the ranks, each computing its own; once
-all are written, rank 0 publishes. A process killed mid-run loses only the shard it was writing, and a rerun at any
-world size computes the rest.
+Publish (rank 0, once every shard is written): ``data/hidden`` gets the shards its sequences use as hard links to the
+store's files (a copy where the filesystem cannot link) and an index naming, in the order of ``data/sequences``, the
+row of the shard that holds each sample (``shards.py``). A reused sequence keeps the states of the batch it was
+computed in (another batch shape can round a few values differently): a run from an empty store, or resumed, at any
+number of processes, publishes the same bytes. A sequence that fails alone (``extract_shard``) is left out, its key and
+reason kept in its shard's metadata (not retried) and listed in ``failures.jsonl``. The published files hold data
+only: no fingerprint.
 """
 from __future__ import annotations
 
@@ -57,7 +44,6 @@ from .errors import UserError
 from .records import write_json, write_jsonl
 
 log = logging.getLogger(__name__)
-
 
 
 def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str = "", code: tuple = ()) -> str:
@@ -291,12 +277,15 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
     computed_tokens, seconds = sum(r[0] for r in ranks), max(r[1] for r in ranks)
     total_bytes = sum((store / f).stat().st_size for f in used)
     tokens = sum(index[split]["tokens"] for split in seqs)
+    left_out = {f["id"] for f in failures}
+    stored = sum({key: len(ids) for items in seqs.values() for rid, ids, _mask, key in items
+                  if rid not in left_out}.values())  # a sequence sampled twice is stored once
     H = cfg.hidden_size
     return {"layers": layers, "hidden_size": H, "samples": sum(index[s]["samples"] for s in seqs),
             "tokens": tokens, "train_tokens": index.get("train", {}).get("tokens", 0),
             "valid_tokens": index.get("valid", {}).get("tokens", 0),
             "hidden_bytes_per_token": features.bytes_per_token(H, params.dtype),
-            "bytes_per_token": round(total_bytes / max(tokens, 1), 2),
+            "stored_tokens": stored, "bytes_per_token": round(total_bytes / max(stored, 1), 2),
             "bytes": total_bytes, "left_out": len(failures),
             "run": {"fingerprint": store.name, "world": rt.world, "computed_tokens": computed_tokens,
                     "computed_shards": len(missing), "reused_shards": len([f for f in used if f in before]),

@@ -143,9 +143,27 @@ def test_published_size_is_8H_bytes_per_token_plus_ids_mask_top_offsets_and_head
             assert header < 1024, "a header of six tensor entries"
             assert len(data) == header + shard["tokens"] * (8 * H + 9) + (shard["samples"] + 1) * 8, shard["file"]
             total += len(data)
-    assert rep["bytes"] == total and rep["bytes_per_token"] == round(total / rep["tokens"], 2)
+    assert rep["bytes"] == total and rep["bytes_per_token"] == round(total / rep["stored_tokens"], 2)
+    assert rep["stored_tokens"] == rep["tokens"], "five distinct sequences"
     assert rep["hidden_bytes_per_token"] == 8 * H and rep["layers"] == [2, 15, 27]
     assert rep["tokens"] == rep["run"]["computed_tokens"] and rep["run"]["tokens_per_s"] > 0
+
+
+def test_a_sequence_sampled_twice_is_stored_once_and_bytes_per_token_counts_it_once(tmp_path, model):
+    """Two samples with the same ids and mask (the same answer sampled twice) share one stored row: ``tokens`` counts
+    both, ``stored_tokens`` and so ``bytes_per_token`` count what the shards hold."""
+    items = make_sequences(tmp_path / "unused", n=4)
+    twin = ("twin", *items[0][1:])
+    sequences.write(tmp_path / "seq", {"train": items, "valid": [twin]}, shard_tokens=1000, policy={})
+    rep = hidden.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "fp", tmp_path / "cache")
+    distinct = sum(len(i[2]) for i in items)
+    assert rep["samples"] == 5 and rep["tokens"] == distinct + len(twin[2]) and rep["stored_tokens"] == distinct
+    assert rep["bytes_per_token"] == round(rep["bytes"] / distinct, 2)
+    H = model.config.hidden_size
+    assert 8 * H + 9 < rep["bytes_per_token"] < (8 * H + 9) * 1.02, "shard headers and offsets add a little"
+    valid, = features.read(tmp_path / "out", "valid")
+    first = next(features.read(tmp_path / "out", "train"))
+    assert valid["id"] == "twin" and torch.equal(valid["aux"], first["aux"])
 
 
 def test_resume_keeps_finished_shards_and_a_changed_param_reuses_nothing(tmp_path, model, monkeypatch):
