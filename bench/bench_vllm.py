@@ -134,7 +134,7 @@ def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concur
     sets = {}
     for name in SETS:
         conversations, _ = benchmarks.select({name: config.Benchmark(n=None)}, heldout, limit)
-        sets[name] = {"conversations": conversations, "rows": turns_of(conversations, chat)}
+        sets[name] = {"conversations": conversations, "rows": turns_of(conversations, chat), "decoded": {}}
     results = {name: {} for name in SETS}
     with serve.Served(folder, tokenizer, cfg.serve, run="bench-plain", concurrency=concurrency) as server:
         for name, s in sets.items():  # turn 1, then each turn 2 after the target's own turn-1 answer
@@ -154,12 +154,12 @@ def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concur
             continue
         with serve.Served(folder, tokenizer, cfg.serve, spec, f"bench-{method}", concurrency) as server:
             for name, s in sets.items():
-                s[method] = server.decode(s["rows"], sampling)
-                results[name][method] = {"seconds": s[method]["seconds"], "tokens": s[method]["tokens"],
-                                         **report(s["conversations"], s["rows"], s[method], s["plain"])}
+                run = s["decoded"][method] = server.decode(s["rows"], sampling)
+                results[name][method] = {"seconds": run["seconds"], "tokens": run["tokens"],
+                                         **report(s["conversations"], s["rows"], run, s["plain"])}
                 logging.info("%s %s: acceptance length %s", method, name, results[name][method]["acceptance_length"])
-    paired = {name: versus(s["conversations"], s["rows"], s["eagle3"], s["ngram"])
-              for name, s in sets.items() if "eagle3" in s and "ngram" in s}
+    paired = {name: versus(s["conversations"], s["rows"], s["decoded"]["eagle3"], s["decoded"]["ngram"])
+              for name, s in sets.items() if {"eagle3", "ngram"} <= s["decoded"].keys()}
     for name, by_method in results.items():
         plain_tps = by_method["plain"]["tokens"] / by_method["plain"]["seconds"]
         for m in by_method.values():
