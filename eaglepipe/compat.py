@@ -1,14 +1,11 @@
-"""Which targets the pipeline serves (``check``, called by the hidden, train and evaluate stages before they load
-anything): a decoder-only causal LM that transformers loads (``AutoModelForCausalLM``, any family: Llama, Qwen2/3,
-their MoE variants, ...), or a composite (multimodal) model of ``families.COMPOSITES`` served text-only through its
-language model (``AutoModelForImageTextToText``), with at least 4 decoder layers, RMS norms, a ``silu`` gated MLP,
-rotary position embeddings over the whole head, and safetensors weights holding the embedding, the final norm and
-the head (or tied embeddings) under the names ``names`` finds, stored as floats (FP8 checkpoints keep them so; their
-layers: quant.py). These are
-what the EAGLE-3 drafter needs: it is the Llama layer SGLang and vLLM build (``draft.py``), with the target's
-widths, heads, norm epsilon, activation and RoPE, fed with the target's embedding and trained against its head; the
-stages read the target's states as Hugging Face ``hidden_states`` (``features.py``). Anything else stops the stage
-in its first seconds with ``UnsupportedTarget`` naming the reason.
+"""Which targets the pipeline serves (``check``, called by the stages that compute with the target before loading).
+
+A decoder-only causal LM that transformers loads (``AutoModelForCausalLM``), or a composite (multimodal) model of
+``families.COMPOSITES`` served text-only through its language model (``AutoModelForImageTextToText``), with at least
+``MIN_LAYERS`` decoder layers, RMS norms, a ``silu`` gated MLP, rotary position embeddings over the whole head, and
+safetensors weights holding the embedding, the final norm and the head (or tied embeddings) under the names ``names``
+finds, stored as floats (``FLOAT_DTYPES``; FP8 layers: quant.py). Anything else is an ``UnsupportedTarget`` naming
+the reason.
 """
 from __future__ import annotations
 
@@ -38,7 +35,7 @@ PREFIXES = (("model.", "lm_head.weight"),  # a text-only checkpoint
 def names(stored) -> Names:
     """The ``Names`` of a checkpoint whose tensor names are ``stored``: the first of ``PREFIXES`` it holds an
     embedding under (the text-only names when none). Its decoder layers are under ``layers.``, or ``blocks.`` where
-    only that is stored (transformers 5.23's save_pretrained of Kimi-K2.5 writes its language model's layers so)."""
+    only that is stored (Kimi-K2.5 as transformers saves it)."""
     prefix, head = next(((p, h) for p, h in PREFIXES if p + "embed_tokens.weight" in stored), PREFIXES[0])
     layers = "blocks." if not any(n.startswith(prefix + "layers.") for n in stored) and \
         any(n.startswith(prefix + "blocks.") for n in stored) else "layers."
@@ -76,8 +73,8 @@ def weights(folder: Path) -> dict[str, tuple[str, str, tuple]]:
 
 def read(folder: Path, wanted: dict, stored: dict | None = None) -> dict:
     """{key: tensor} for ``wanted`` = {key: weight name} (names the files lack are left out), read from the target's
-    safetensors files (``stored``: ``weights(folder)``, read when not given); a weight stored in FP8 blocks with its
-    scale is dequantized to float32 (quant.py)."""
+    safetensors files (``stored``: ``weights(folder)`` when not given); an FP8 weight with block scales comes
+    dequantized to float32 (quant.py)."""
     from safetensors import safe_open
 
     from . import quant
@@ -99,8 +96,7 @@ def read(folder: Path, wanted: dict, stored: dict | None = None) -> dict:
 
 
 def head_and_norm(folder: Path, stored: dict | None = None) -> tuple:
-    """(the output head, the final norm's weight), float32: the head is the embedding where they are tied
-    (``stored``: ``weights(folder)``, read when not given)."""
+    """(the output head, the final norm's weight), float32; the head is the embedding where they are tied."""
     stored = weights(folder) if stored is None else stored
     n = names(stored)
     found = read(folder, {"head": n.head if n.head in stored else n.embed, "norm": n.norm}, stored)

@@ -1,18 +1,14 @@
 """Every param of the pipeline, defined once: names, types, defaults, allowed values and meaning.
 
-``params.yaml`` holds one section per stage. ``load`` reads the whole file and validates every section before a stage
-loads anything: an unknown key, a wrong type or a value out of range is a ``ConfigError`` naming the key (with the
-closest known key for a typo: explain.py), the value and what is allowed. ``python -m eaglepipe.config`` prints every
-key with its type, default and meaning.
+``load`` validates every section of ``params.yaml`` before a stage loads anything: an unknown key, a wrong type or a
+value out of range is a ``ConfigError`` naming the key (with the closest known key for a typo), the value and what is
+allowed. ``python -m eaglepipe.config`` prints every key with its type, default and meaning.
 
-Result knobs and speed knobs: a field declared with ``speed(...)`` changes how fast a stage runs (threads, server
-addresses, concurrency, checkpoint interval, how many evaluation prompts to try), never what it writes. ``dvc.yaml``
-tracks exactly the other keys of each stage (``tracked_keys``; tests/test_dvc_contract.py checks it), and resume
-caches leave speed knobs out of their fingerprints, so moving a run to another machine invalidates nothing.
+A field declared with ``speed(...)`` changes how fast a stage runs, never what it writes: ``dvc.yaml`` tracks exactly
+the other keys of each stage (``tracked_keys``) and resume fingerprints leave speed knobs out.
 
-The names a value may take are listed here (``TOOL_CALLS``, ``FORMATS``, ``infer.engine``); the modules that implement
-them key their tables by these names (tests/test_config.py checks that both agree). This module imports no stage
-code: what it imports would be a dep of every stage.
+The names a value may take are listed here (``TOOL_CALLS``, ``FORMATS``, ``infer.engine``); the modules implementing
+them key their tables by these names. This module imports no stage code (it is a dep of every stage).
 """
 from __future__ import annotations
 
@@ -415,13 +411,11 @@ def describe(model=Params, prefix: str = "") -> list[str]:
     lines = []
     for name, f in model.model_fields.items():
         key = f"{prefix}{name}"
-        ann = f.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            lines.append(f"{key}:{'  [speed only]' if (f.json_schema_extra or {}).get('speed') else ''}")
-            lines += describe(ann, key + ".")
+        speed_only = "  [speed only]" if (f.json_schema_extra or {}).get("speed") else ""
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            lines += [f"{key}:{speed_only}", *describe(f.annotation, key + ".")]
             continue
         default = "required" if f.is_required() else repr(f.default)
-        speed_only = "  [speed only]" if (f.json_schema_extra or {}).get("speed") else ""
         lines.append(f"{key} = {default}  {f.description or ''}{speed_only}")
     return lines
 

@@ -5,7 +5,7 @@
 also those inside functions (importing ``a.b.c`` runs ``a/__init__``, ``a/b/__init__`` and ``a/b/c``); ``code`` is what
 a cache's fingerprint hashes of it. ``python -m eaglepipe.deps`` compares every stage of dvc.yaml with it and exits 1
 naming each difference; ``--write`` rewrites the ``.py`` entries of each stage's ``deps`` (the script first, then the
-package in path order; the other entries, comments and layout stay). tests/test_dvc_contract.py runs the comparison.
+package in path order; the rest of the file stays as it is).
 """
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""A record's readable fields, derived from its token ids (never from a server's text field).
-
-The one place that turns ids into text: the output is decoded with special tokens kept, split into reasoning and
-content by reasoning.py, and the content's tool calls are parsed by toolcalls.py. Infer publishes what ``to_response``
-gives, merge refuses a record that ``mismatch`` finds inconsistent, and inspect shows both.
-
-``target.reasoning`` and ``target.tool_calls`` become one ``Spec`` through ``spec_from_params``.
+"""A record's readable fields, derived from its token ids (never from a server's text field): the output decoded
+with special tokens kept, split into reasoning and content (reasoning.py), and the content's tool calls parsed
+(toolcalls.py). ``spec_from_params`` makes the one ``Spec`` of ``target.reasoning`` and ``target.tool_calls``.
 """
 from __future__ import annotations
 
@@ -75,7 +71,6 @@ def mismatch(response, tokenizer, spec: Spec) -> str | None:
 
 
 def markup(tokenizer) -> tuple[str, ...]:
-    """The strings of the tokenizer's special and added tokens: framing, not answer text (used by the gates to
-    tell an empty answer from one that holds only an end-of-turn token)."""
+    """The strings of the tokenizer's special and added tokens (framing, not answer text), longest first."""
     added = [getattr(t, "content", str(t)) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()]
     return tuple(sorted(set(added) | set(tokenizer.all_special_tokens), key=len, reverse=True))

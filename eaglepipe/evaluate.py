@@ -1,19 +1,11 @@
-"""The evaluate run: EAGLE-3 speculative decoding on every conversation of the chosen benchmarks (benchmarks.py),
-with a losslessness check for every turn: its output must be the target's plain greedy output, which one forward
-over the prompt and the output tells (``speculative.greedy_check``; where it does not, plain decoding settles it).
-The prompt-lookup (n-gram) baseline's counts are replayed from that greedy output (``speculative.replay``: the same
-counts as decoding it, without the target). See speculative.py for the loops and the definitions.
+"""The evaluate run: EAGLE-3 speculative decoding on every conversation of the chosen benchmarks (benchmarks.py), each
+turn checked to be the target's plain greedy output (``speculative.greedy_check``, settled by plain decoding where it
+fails), and the n-gram baseline's counts replayed from that output (``speculative.replay``); definitions:
+speculative.py. Turn k + 1's prompt is the chat so far with turn k's answer as a serving engine returns it
+(``Chat.answer``), rendered by the target's chat template.
 
-A conversation's turns are decoded in order: turn k + 1's prompt is the chat so far with turn k's answer as a serving
-engine returns it for the plain greedy output (``Chat.answer``: the ids decoded without the stop token, reasoning
-split off as the target's reasoning format says), rendered by the target's chat template.
-
-Metrics (``run``), per benchmark, per category and, for a benchmark of several turns, per turn: acceptance length of
-the drafter and of the n-gram baseline, acceptance rate per draft position, verification steps, tokens, lossless.
-
-Under torchrun (runtime.py) rank r of W decodes conversations r, r + W, ..; the counts of every turn are gathered
-and added up in order, so every figure but the speeds is the same at any number of processes of the same thread
-count (``evaluate.threads``; the speeds are tokens over the seconds every process spent)."""
+Under torchrun (runtime.py) rank r of W decodes conversations r, r + W, ..; the counts of every turn are gathered and
+added up in order, so every figure but the speeds is the same at any number of processes of the same thread count."""
 from __future__ import annotations
 
 import logging
@@ -28,7 +20,6 @@ from . import chat, derive, draft, families, runtime, speculative, uncertainty
 from .benchmarks import Conversation
 
 log = logging.getLogger(__name__)
-
 
 
 class Chat:
@@ -81,9 +72,8 @@ def decoded_record(t: Turn, layers: list) -> dict:
 def summary(turns: list[Turn]) -> dict:
     """The figures of a group of turns: conversations and turns, acceptance length and rate per draft position of
     the drafter and the baseline, verification steps, tokens, and lossless. Each acceptance length comes with its
-    standard error over conversations (uncertainty.py; ``difference_se`` is that of drafter minus baseline,
-    paired), and
-    ``beats_baseline_by_2se`` says whether the drafter leads by more than twice it."""
+    standard error over conversations (uncertainty.py; ``difference_se`` is that of drafter minus baseline, paired),
+    and ``beats_baseline_by_2se`` says whether the drafter leads by more than twice it."""
     spec, base = _total(turns, "eagle"), _total(turns, "ngram")
     conversations = list(_groups(turns, lambda t: (t.conversation.benchmark, t.conversation.id)).values())
     spec_c, base_c = (([s.emitted for s in cs], [s.steps for s in cs])
@@ -117,8 +107,7 @@ def _total(turns: list[Turn], method: str) -> speculative.Stats:
 
 
 def speeds(turns: list[Turn]) -> dict:
-    """EAGLE decoding's seconds and tokens per second, and the seconds of the greedy checks, for the timings
-    file."""
+    """EAGLE decoding's seconds and tokens/s and the greedy checks' seconds, for the timings file."""
     eagle = _total(turns, "eagle")
     return {"eagle_seconds": round(eagle.seconds, 2), "eagle_tokens_per_s": round(eagle.tokens_per_s, 2),
             "check_seconds": round(sum(t.stats["check_s"] for t in turns), 2)}
@@ -145,9 +134,7 @@ def report(turns: list[Turn]) -> dict:
 
 
 def _turn(c: Conversation, turn: int, ids: list, model, eagle, lookup, chat_: Chat, params) -> Turn:
-    """Decode one turn with EAGLE, check that its output is the target's plain greedy output (one forward,
-    ``speculative.greedy_check``; a failed check is settled by decoding plainly) and replay the n-gram baseline on
-    it."""
+    """Decode one turn with EAGLE, check it against plain greedy and replay the n-gram baseline on it."""
     max_new, steps = params.max_new_tokens, params.num_steps
     stats = {"eagle": speculative.Stats(), "ngram": speculative.Stats()}
     output = speculative.speculative(model, eagle, ids, max_new, chat_.stops, steps, stats["eagle"])

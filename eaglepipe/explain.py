@@ -17,16 +17,12 @@ def _model_at(root, loc: tuple):
         field = model.model_fields.get(part)
         if field is None:
             return None
-        ann = field.annotation
-        args = [a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)]
-        inner = [a for a in getattr(ann, "__args__", ()) for a in getattr(a, "__args__", ())
+        args = getattr(field.annotation, "__args__", ())  # a union's or a container's: one level, then two
+        found = [a for a in (field.annotation, *args, *(b for a in args for b in getattr(a, "__args__", ())))
                  if isinstance(a, type) and issubclass(a, BaseModel)]
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        elif args or inner:
-            model = (args or inner)[0]
-        else:
+        if not found:
             return None
+        model = found[0]
     return model
 
 

@@ -1,13 +1,10 @@
 """Target families: what the pipeline knows about a target from its transformers config.
 
-``load_config`` is the one reader of a target folder's config (it trusts remote code where remote.py does);
-``text_config`` is the one place a target's language-model config is read from (a composite multimodal config nests
-it; a text-only config is its own): every width, layer count, norm or context length is read through it.
-``FAMILIES`` is the table of families by ``model_type``, one entry each; ``of`` returns a config's entry, or
-``OTHER`` for a type the table does not name (served on the checks of compat.py alone). A new family is one entry
-here, with a tiny random target of it in tests/test_families.py. ``COMPOSITES`` names the composite (multimodal)
-configs served text-only, through their language model: its weights under the wrapper's prefix (compat.names), the
-model loaded as transformers loads image-text-to-text models (target.load_model), prompts of text alone.
+``load_config`` is the one reader of a target folder's config; ``text_config`` the one place its language-model config
+(every width, layer count, norm or context length) is read from. ``FAMILIES`` is the table of families by
+``model_type``; ``of`` returns a config's entry, or ``OTHER`` (served on compat.py's checks alone). A new family is one
+entry here, with a tiny random target of it in tests/test_families.py. ``COMPOSITES``: the multimodal configs served
+text-only, through their language model.
 """
 from __future__ import annotations
 
@@ -36,8 +33,7 @@ FAMILIES = {kind: family for family in (
     Family("qwen3_vl_text", layer="qwen3"),  # Qwen3-VL's language model: Qwen3's layer, M-RoPE; vLLM's drafter
     Family("qwen3_vl_moe_text", layer="qwen3"),  # for Qwen3-VL (Eagle3Qwen3vlForCausalLM) is the Llama one
     Family("gpt_oss", layer=None),  # q/k/v/o biases, attention sinks, sliding windows, MoE; vLLM: the Llama drafter
-    Family("deepseek_v3", layer="deepseek_mla", drafter="deepseek_mla", mla=True),  # Kimi-K2's too: routed and
-    # shared experts after dense first layers (a dense layer is the MLA drafter's), YaRN RoPE
+    Family("deepseek_v3", layer="deepseek_mla", drafter="deepseek_mla", mla=True),  # Kimi-K2's too (YaRN RoPE)
 ) for kind in (family.name,)}
 COMPOSITES = ("qwen3_vl", "qwen3_vl_moe", "kimi_k25")
 """Composite ``model_type``s served text-only: with text positions alone their language model runs as it does alone

@@ -137,8 +137,8 @@ def _tool_call(text: str) -> dict | None:
 
 
 def _call_turn(content: str, call_text: str) -> dict:
-    """An assistant turn that calls a function: the source's text stays as content (a template without tool
-    support still sees the call) and the call, when it parses, is also given as ``tool_calls``."""
+    """An assistant turn that calls a function: the source's text stays as content and the call, when it parses,
+    is also given as ``tool_calls``."""
     turn = {"role": "assistant", "content": content}
     call = _tool_call(call_text)
     if call:
@@ -251,6 +251,7 @@ def openai(rec: dict) -> tuple[list, list | None, set]:
 GLAIVE_TAGS = re.compile(r"(?:^|(?<=\s))(USER|ASSISTANT|FUNCTION RESPONSE):")
 GLAIVE_EOS = "<|endoftext|>"
 GLAIVE_CALL = "<functioncall>"
+GLAIVE_ROLES = {"USER": "user", "ASSISTANT": "assistant", "FUNCTION RESPONSE": "tool"}
 
 
 def _glaive_functions(system: str) -> list | None:
@@ -277,14 +278,10 @@ def _glaive_chat(chat: str) -> list[dict]:
     messages = []
     for tag, text in zip(parts[1::2], parts[2::2]):
         text = text.replace(GLAIVE_EOS, "").strip()
-        if tag == "USER":
-            messages.append({"role": "user", "content": text})
-        elif tag == "FUNCTION RESPONSE":
-            messages.append({"role": "tool", "content": text})
-        elif GLAIVE_CALL in text:
+        if tag == "ASSISTANT" and GLAIVE_CALL in text:
             messages.append(_call_turn(text, text.split(GLAIVE_CALL, 1)[1]))
         else:
-            messages.append({"role": "assistant", "content": text})
+            messages.append({"role": GLAIVE_ROLES[tag], "content": text})
     return messages
 
 

@@ -1,19 +1,10 @@
-"""Quality gates checked while infer runs, so a broken run stops before the rest of the compute is spent.
+"""Quality gates checked while infer runs (``infer.gates``: config.Gates), so a broken run stops before the rest of the
+compute is spent.
 
-``infer.gates`` in params.yaml:
-    warmup          first check once this many records are complete, then every ``every`` more, and at the end
-    every           records between checks after the first
-    min_reasoning   least share of records with reasoning (only when target.reasoning expects reasoning): non-empty,
-                    and closed unless the output was cut short. A block that never closes although the model
-                    stopped is what a prefilled ``<think>`` leaves when the thinking was dropped, or when the model
-                    does not think: it is not counted as reasoning
-    max_truncated   most share of records finished by length (the breach says how many of them end inside a
-                    reasoning block that never closed: thinking past the limit, or no thinking at all after a
-                    prefilled opening tag, which look the same in the ids)
-    max_empty       most share of records with neither reasoning nor answer text (special tokens do not count)
-
-A breach raises GateBreach naming the gate, the observed rate, the limit and a few record ids. infer keeps every
-generated record in its cache (for ``make inspect``-style inspection) and publishes nothing.
+A record has reasoning when its reasoning is non-empty and closed, unless the output was cut short (a block that
+never closes although the model stopped is what a prefilled ``<think>`` leaves when the thinking was dropped); it is
+empty with neither reasoning nor answer text (special tokens do not count). A breach raises GateBreach naming the
+gate, the observed rate, the limit and a few record ids; infer then keeps its cache and publishes nothing.
 """
 from __future__ import annotations
 
@@ -39,8 +30,7 @@ class GateBreach(UserError, RuntimeError):
 
 
 def cut_in_reasoning_hint(n: int) -> str:
-    """max_truncated, when some truncated records end inside an unclosed reasoning block: under a template that
-    prefills the opening tag, a model that does not think at all looks exactly like one thinking past the limit."""
+    """max_truncated's hint when ``n`` truncated records end inside a reasoning block that never closed."""
     return (f"{HINTS['max_truncated']}. {n} of them end inside a reasoning block that never closed: either the model "
             "thinks past infer.max_new_tokens, or (when the chat template prefills the opening tag) it does not think "
             "at all and its whole answer reads as reasoning; `make inspect` shows which")

@@ -24,9 +24,8 @@ def file_hash(path) -> str:
 
 
 def code_hash(paths) -> str:
-    """sha256 hex digest of Python modules' syntax trees without their docstrings, in the order given: what the
-    caches' fingerprints hash of the code that decides their contents, so that a comment, a docstring or a
-    reformatting keeps days of cached answers and states, and any change to what the code does starts afresh."""
+    """sha256 hex digest of Python modules' syntax trees without their docstrings, in the order given (what cache
+    fingerprints hash of code): comments, docstrings and layout do not change it."""
     h = hashlib.sha256()
     for path in paths:
         with open(path, "rb") as f:

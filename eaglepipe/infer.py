@@ -1,17 +1,14 @@
 """The infer run: prompts -> the target's own tokens -> records, resumable and incremental.
 
-``infer.turns: last`` answers each prompt's last turn; ``all`` answers a conversation's turns in waves, turn k of
-every conversation once turn k - 1 of each is known, each in the context of the target's own earlier answers
-(turns.py). A turn that fails, is aborted, breaks a limit or calls a tool (no dataset turn answers the target's own
-call) ends its conversation there (the turns left unanswered are counted); a resumed run reuses every finished turn
-and goes on at the first missing one.
+``infer.turns: last`` answers each prompt's last turn; ``all`` answers a conversation's turns in waves (turn k of
+every conversation after turn k - 1 of each), each in the context of the target's own earlier answers (turns.py). A
+turn that fails, is aborted, breaks a limit or calls a tool ends its conversation there (the turns left unanswered are
+counted).
 
-Every finished generation is appended (and fsync'd) to a cache file keyed by a fingerprint of everything that
-decides the ids: the model, the engine, the sampling parameters, the chat-template arguments and the code that
-renders and generates. A rerun with the same fingerprint reuses what is there (resume after Ctrl-C or kill -9;
-adding a source generates only its prompts); a different fingerprint gets a fresh cache, so records made under
-different code, params or models never mix. Readable fields (text, reasoning, content, tool calls) are derived from
-the ids when the output is published, so changing how they are derived regenerates nothing.
+Every finished generation is appended (and fsync'd) to a cache keyed by a fingerprint of everything that decides the
+ids: the model, the engine, the sampling parameters, the chat-template arguments and the code that renders and
+generates. A rerun with the same fingerprint reuses what is there; a different one gets a fresh cache. Readable
+fields (text, reasoning, content, tool calls) are derived from the ids when the output is published.
 """
 from __future__ import annotations
 
@@ -37,17 +34,15 @@ from .records import (Generation, Prompt, RecordError, Response, generation_from
 
 log = logging.getLogger(__name__)
 PACKAGE = Path(__file__).resolve().parent
-# The code that decides which ids a prompt gets; a change to what it does (not to a comment or docstring:
-# hashing.code_hash) starts a new cache. Under infer.turns: all, the code that turns an answer into the next turn's
-# history decides them too.
+# The code that decides which ids a prompt gets (hashing.code_hash); under infer.turns: all, HISTORY_CODE too.
 GENERATION_CODE = ["chat.py", "target.py", "engines/__init__.py"]
 HISTORY_CODE = ["turns.py", "derive.py", "reasoning.py", "harmony.py"]
 
 
 def fingerprint(model_fp: str, engine_name: str, engine_identity: dict, sampling: Sampling, template_kwargs: dict,
                 history: Spec | None = None) -> str:
-    """The cache's key. ``history``: the reasoning spec that splits an answer into the next turn's history, for
-    ``infer.turns: all`` (None for last)."""
+    """The cache's key. ``history``: the reasoning spec that splits an answer into the next turn's history
+    (``infer.turns: all``; None for last)."""
     h = hashlib.sha256()
     h.update(code_hash([PACKAGE / name for name in
                         GENERATION_CODE + [f"engines/{engine_name}.py"] + (HISTORY_CODE if history else [])]).encode())
@@ -67,8 +62,8 @@ class Cache:
         self.failures_path = folder / "failures.jsonl"
 
     def load(self) -> tuple[dict, Counter]:
-        """Finished generations by id. A torn last line (a kill mid-write) is dropped and counted; a duplicate id
-        keeps its first record and is counted."""
+        """(finished generations by id, counts). A torn last line is dropped and a duplicate id keeps its first
+        record, both counted, and the file is rewritten without them."""
         done, counts = {}, Counter()
         if not self.path.exists():
             return done, counts
@@ -89,7 +84,7 @@ class Cache:
                 good.append(raw.rstrip(b"\n"))
         if torn is not None:
             counts["torn_last_line"] += 1
-        if counts:  # rewrite without the torn line / duplicates so appends start on a clean line
+        if counts:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_bytes(b"".join(g + b"\n" for g in good))
             os.replace(tmp, self.path)
@@ -111,7 +106,7 @@ class Cache:
 
 @dataclass(frozen=True)
 class Limits:
-    """What is known before any generation about which prompts can give a trainable sequence."""
+    """The limits a prompt must be within to be generated for (``admit``)."""
     context_length: int | None = None   # the target's (max_position_embeddings): prompt + max_new_tokens must fit
     max_length: int | None = None       # merge.max_length: the prompt must leave room for an answer (has_room)
     on_error: str = "fail"              # infer.on_error: a prompt that breaks a limit stops the run, or is left out
@@ -120,8 +115,8 @@ class Limits:
 
 @dataclass(frozen=True)
 class Ask:
-    """One prompt to answer: its record and line in the prompts file, the turn (0 under ``infer.turns: last``), the
-    samples that share these ids (all of them up to turn 1; one each after, as their histories differ) and the ids."""
+    """One prompt to answer: its line and record in the prompts file, the turn (0 under ``infer.turns: last``), the
+    samples that share these ids (all up to turn 1, one after) and the ids."""
     line: int
     prompt: Prompt
     turn: int

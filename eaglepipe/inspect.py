@@ -1,16 +1,12 @@
-"""What a user checks by eye before trusting a run: a few random records with prompt, reasoning, content and tool
-calls shown apart, their token counts, and whether each still re-derives from its ids (``make inspect``).
+"""What a user checks by eye before trusting a run (``make inspect``): a few random records with prompt, reasoning,
+content and tool calls shown apart, their token counts, and whether each still re-derives from its ids.
 
-The prompt is the record's own ``prompt_ids`` decoded with special tokens kept (what the target saw, chat template
-included); a long one shows its start (the system turn) and mostly its end (the last user turn), like every long
-field abbreviated to ``max_chars``.
+The prompt is the record's own ``prompt_ids`` decoded with special tokens kept; a long field shows its start and its
+end (a prompt mostly its end), ``max_chars`` in all. A record that answers one turn of a conversation (``infer.turns:
+all``, ids ``<id>@<turn>``) is shown with every turn of its conversation, in order.
 
-A record that answers one turn of a conversation (``infer.turns: all``, ids ``<id>@<turn>``) is shown with every
-turn of its conversation, in order: each turn's prompt holds the target's own earlier answers.
-
-It reads published responses, or the generations in an infer cache (``.cache/infer/<fingerprint>/generations.jsonl``,
-what a run stopped by a gate leaves), deriving their readable fields from the ids. The file is read twice without
-holding it, once to count its lines and once to parse only the sampled ones, so it works on a run of any size.
+It reads published responses, or the generations in an infer cache (``.cache/infer/<fingerprint>/generations.jsonl``),
+deriving their readable fields from the ids; the file is streamed, never held, so it works on a run of any size.
 """
 from __future__ import annotations
 
@@ -72,9 +68,7 @@ def sample(path: Path, n: int, seed: int, source: str | None = None, tokenizer=N
 
 def conversations(path: Path, picked: list, tokenizer=None, spec=None) -> list[list]:
     """Each picked record alone, or with every turn of its conversation in turn order when it answers one (a
-    conversation picked twice is shown once). The file is read once more, for those turns only; a line that does not
-    parse (the torn last line a killed run leaves in its cache) and a repeated id (which the cache's reader drops
-    too) are passed over."""
+    conversation picked twice is shown once); a line that does not parse and a repeated id are passed over."""
     key = lambda r: (prompt_of(r.id), r.sample)  # noqa: E731
     wanted = {key(r) for r in picked if r.turn}
     turns, seen = defaultdict(list), set()
@@ -83,10 +77,10 @@ def conversations(path: Path, picked: list, tokenizer=None, spec=None) -> list[l
             for line_no, _, obj in scan_jsonl(f):
                 if not isinstance(obj, dict) or obj.get("id") in seen or not isinstance(obj.get("id"), str):
                     continue
-                if (prompt_of(obj["id"]), obj.get("sample", 0)) in wanted:
+                conversation = (prompt_of(obj["id"]), obj.get("sample", 0))
+                if conversation in wanted:
                     seen.add(obj["id"])
-                    turns[(prompt_of(obj["id"]), obj.get("sample", 0))].append(
-                        record(obj, path, line_no, tokenizer, spec))
+                    turns[conversation].append(record(obj, path, line_no, tokenizer, spec))
     out, shown = [], set()
     for r in picked:
         if not r.turn:
@@ -143,12 +137,11 @@ def show(r, tokenizer=None, spec=None, max_chars: int = 1200, index: str = "") -
         check = " | re-derived from ids: " + ("ok" if bad is None else f"MISMATCH in '{bad}'")
     turn = f" | turn {r.turn}" if r.turn else ""
     head = f"== {index}id {r.id}{turn} | source {r.source} | finish {r.finish_reason} "
+    errors = toolcalls.count_errors(r.tool_calls)
     lines = [head + "=" * max(3, RULE - len(head)),
              f"tokens: prompt {len(r.prompt_ids)} | output {len(r.output_ids)} (reasoning "
              f"{tokens(tokenizer, r.reasoning)}, content {tokens(tokenizer, r.content)}) | tool calls "
-             f"{len(r.tool_calls) - toolcalls.count_errors(r.tool_calls)}"
-             + (f" + {toolcalls.count_errors(r.tool_calls)} unparsed" if toolcalls.count_errors(r.tool_calls) else "")
-             + check]
+             f"{len(r.tool_calls) - errors}" + (f" + {errors} unparsed" if errors else "") + check]
     if tokenizer is not None:
         lines += section("prompt (its prompt_ids decoded)", tokenizer.decode(r.prompt_ids, skip_special_tokens=False),
                          max_chars, PROMPT_TAIL_SHARE)

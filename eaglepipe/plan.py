@@ -2,25 +2,23 @@
 and the time at given or measured speeds. Reads a config.json and the params; loads no model, writes nothing.
 
 Target: ``--target`` a bare ``config.json``, a model folder, ``embedded`` or a ``.gguf`` file (default: the params'
-``target.model``). Its text config is read with plain json: a composite (multimodal) config's ``text_config``, else
-the file itself; ``hidden_size``, ``num_hidden_layers`` and ``vocab_size`` must be there.
+``target.model``); its config's ``text_config`` (else the file itself) must hold ``hidden_size``,
+``num_hidden_layers`` and ``vocab_size``.
 
-Counts: samples (the sequences trained on, the ``samples`` of metrics/merge.json) = ``--samples``, else
-sum(prepare.sources n) x infer.samples; prompts = samples / infer.samples. Per sample, the prompt and answer tokens
-are ``--prompt-tokens`` / ``--answer-tokens``, else the means of the measured run (metrics/infer.json) when the
-target is the params' own and metrics/hidden.json has its width, else the bounds: ``infer.max_new_tokens`` for
-an answer, ``merge.max_length`` less the answer for a prompt. Answers are capped at ``infer.max_new_tokens`` and
-sequences at ``merge.max_length``, as infer and merge do. The train split is ``1 - merge.valid_fraction`` of the
-tokens, run ``train.epochs`` times.
+Counts: samples (the sequences trained on) = ``--samples``, else sum(prepare.sources n) x infer.samples; prompts =
+samples / infer.samples. Per sample, the prompt and answer tokens are ``--prompt-tokens`` / ``--answer-tokens``, else
+the means of the measured run (metrics/infer.json) when the target is the params' own and metrics/hidden.json has its
+width, else the bounds: ``infer.max_new_tokens`` for an answer, ``merge.max_length`` less the answer for a prompt.
+Answers are capped at ``infer.max_new_tokens``, sequences at ``merge.max_length``; train runs ``train.epochs`` times
+over ``1 - merge.valid_fraction`` of the tokens.
 
-Bytes per token stored by hidden (features.py): ``aux`` 3·H and ``final`` H in ``hidden.dtype``, plus 9 bytes of
-``input_ids`` (int32), ``loss_mask`` (uint8) and ``top`` (int32); shard headers and offsets are not counted, and
-sequences stored once per content can make the measured figure a little lower. ``hidden.dtype: float8_e4m3fn``
-stores 1-byte values plus one float32 scale per token for each of the 4 states. Online training stores nothing.
+Bytes per token stored by hidden (features.py): ``aux`` 3·H and ``final`` H in ``hidden.dtype`` (float8_e4m3fn: 1
+byte each plus a float32 scale per token and state), plus 9 bytes of ``input_ids``, ``loss_mask`` and ``top``; shard
+headers are not counted, and sequences stored once per content can make the measured figure lower. Online training
+stores nothing.
 
-Time: tokens / (tokens/s) per stage, from ``--generate-tokens-per-s`` / ``--hidden-tokens-per-s`` /
-``--train-tokens-per-s``, else this machine's last run of the params' own target (metrics/timings/*.json, under the
-same condition as the means); each figure is printed with where it came from.
+Time: tokens / (tokens/s) per stage, from the ``--*-tokens-per-s`` options, else this machine's last run of the
+params' own target (metrics/timings/*.json, same condition as the means); each figure says where it came from.
 """
 from __future__ import annotations
 

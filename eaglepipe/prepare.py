@@ -1,21 +1,18 @@
 """Prepare: read every prompt source, drop duplicates, sample ``n`` prompts per source, and report what happened.
 
-Stability rules (downstream caches key on prompt ids, so a selection must not move for unrelated reasons):
+Stability rules (downstream caches key on prompt ids):
   * each source is sampled with its own RNG, seeded from ``seed`` and the source's name, and takes the first ``n``
     of a shuffled candidate list: changing another source's ``n``, or adding a source, never changes this source's
     pick, and raising this source's ``n`` only adds prompts;
   * duplicates (same id) are removed from a source's candidates before sampling, against every valid record of the
-    sources listed before it (and earlier records of its own file), so the first source in list order wins and the
-    result does not depend on what the earlier sources happened to pick.
+    sources listed before it (and earlier records of its own file): the first source in list order wins, whatever
+    the earlier sources picked.
 
-No benchmark prompt enters training: with ``prepare.exclude_benchmarks`` a record any of whose user turns is, after
-whitespace normalisation, a prompt of a set evaluate decodes (``benchmarks.excluded_texts``: MT-bench, HumanEval,
-the held-out file) is kept out and counted as ``benchmark``; so is one where a blank-line-separated part of a user
-turn is one (consecutive user turns are merged with a blank line, formats.py).
+With ``prepare.exclude_benchmarks`` a record is kept out (counted as ``benchmark``) when a user turn, or a
+blank-line-separated part of one, is after whitespace normalisation a prompt evaluate decodes
+(``benchmarks.excluded_texts``: MT-bench, HumanEval, the held-out file).
 
-A ``pkg:`` source lies outside the repository, where DVC does not look: its package is pinned in requirements.txt
-(a prepare dependency in dvc.yaml), and the report records the package's version and the file's sha256, so a
-changed file shows in ``make diff``.
+For a ``pkg:`` source the report records the package's version and the file's sha256 (``sources.package_file``).
 """
 from __future__ import annotations
 

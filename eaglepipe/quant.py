@@ -1,14 +1,9 @@
 """Quantized targets: which ones the in-process engine loads here, and the weights train reads from them, in floats.
 
-A target folder whose config.json has a ``quantization_config`` is loaded by transformers' quantizer for its
-``quant_method``. ``loadable`` refuses, before anything is loaded, a method whose package is not installed
-(``NEEDS``; compressed-tensors' packed INT4 experts of Kimi-K2.5, for one), naming the engines that serve it.
-FP8 block-quantized checkpoints (``quant_method: fp8`` with ``weight_block_size``, DeepSeek-V3's format) need
-nothing more: on a GPU transformers runs them with FP8 kernels, elsewhere it dequantizes them on loading.
-
-``dequantize`` is what train applies to a weight stored that way (float8 values and a ``<name>_scale_inv`` of one
-scale per block): ``value * scale`` blockwise in float32, the values transformers' dequantizing load computes, so a
-drafter started from such a layer is the layer the in-process target runs.
+``loadable`` refuses, before anything is loaded, a ``quantization_config.quant_method`` whose package (``NEEDS``) is
+not installed. FP8 block-quantized weights (``quant_method: fp8`` with ``weight_block_size``: float8 values and a
+``<name>_scale_inv`` of one scale per block) are read by ``dequantize``: ``value * scale`` blockwise in float32, as
+transformers' dequantizing load computes.
 """
 from __future__ import annotations
 

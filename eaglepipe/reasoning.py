@@ -6,18 +6,14 @@
     harmony  gpt-oss: the ``analysis`` channel is reasoning, every other message is content
 docs/reasoning-and-tools.md records each family's markers and template behaviour, with sources.
 
-The output is decoded with special tokens kept and split on the markers; nothing is dropped. Every character of the
-decoded output lands in exactly one segment (``reasoning``, ``content`` or ``marker``), in order, so the record can
-always be re-derived from its ids and ``"".join(segments) == text``. Cases handled (``think`` and custom specs):
-- the template ends the prompt with the opening marker (DeepSeek-R1, Qwen3-Thinking-2507, Qwen3.5, Kimi K2.5): the
-  output starts inside the reasoning block and only the closing marker appears;
-- the output closes a block it never opened (DeepSeek-R1 before its template opened the tag): everything before the
-  first closing marker is reasoning;
-- the model writes the opening marker again although the template opened the block: the repeat is a marker;
+Every character of the output (decoded with special tokens kept) lands in exactly one segment (``reasoning``,
+``content`` or ``marker``), in order: ``"".join(segments) == text``. Cases (``think`` and custom specs):
+- the prompt ends with the opening marker: the output starts inside the reasoning block;
+- the output closes a block it never opened: everything before the first closing marker is reasoning;
+- the opening marker repeated at the start of a block the template opened is a marker;
 - no closing marker (a truncated output): everything after the opening marker is reasoning, ``closed`` is False;
-- a tool-call section that starts inside an unclosed block (Kimi K2, GLM-4.5, Qwen3.5 do this) ends the reasoning
-  there: the call is content (SGLang's reasoning parsers do the same);
-- no markers at all (a template without think tags, or thinking switched off): everything is content;
+- a tool-call opener (``Spec.interrupts``) inside an unclosed block ends the reasoning there: the call is content;
+- no markers at all: everything is content;
 - several blocks: every block's body is reasoning (joined by a newline); the text between blocks is content.
 """
 from __future__ import annotations
@@ -100,8 +96,7 @@ def _split_tags(text: str, spec: Spec, tail: str) -> Split:
             segs += [("content", text[pos:s], None), ("marker", start, None)]
             pos, in_block, fresh = s + len(start), True, True
             continue
-        # Repeats of the opening marker at a block's start are markers (DeepSeek-R1-0528 writes <think> although
-        # the template opened it already).
+        # Repeats of the opening marker at a block's start are markers.
         m = repeat.match(text, pos) if fresh else None
         if m:
             segs += [("reasoning", m.group(0)[:-len(start)], block), ("marker", start, None)]
@@ -128,8 +123,7 @@ def _split_tags(text: str, spec: Spec, tail: str) -> Split:
 # --- gpt-oss harmony --------------------------------------------------------------------------------------------
 
 def _split_harmony(text: str, tail: str) -> Split:
-    # The prompt ends with an open header (``<|start|>assistant``, maybe more): parse it together with the output,
-    # then drop the prompt's part from the segments.
+    # The prompt ends with an open header (``<|start|>assistant``): parse it with the output, then drop its part.
     i = tail.rfind(harmony.START)
     head = tail[i:] if i >= 0 and not any(t in tail[i:] for t in harmony.TERMINATORS) else ""
     full = head + text

@@ -1,6 +1,4 @@
-"""Every record the pipeline writes, defined once.
-
-Stages read and write only through this module, so a field means the same thing everywhere.
+"""Every record the pipeline writes, defined once: stages read and write records only through this module.
 
 Prompt (``data/prompts/prompts.jsonl`` written by prepare; the held-out ``data/eval/heldout.jsonl`` has the same
         turns, read only by evaluate)

@@ -1,13 +1,10 @@
-"""Remote code: the Python files a model folder's ``auto_map`` entries name, which transformers runs only when told to
-trust them (a target whose config, model or tokenizer class is not in transformers, e.g. Kimi-K2.5's tokenizer).
+"""Remote code: the Python files a model folder's ``auto_map`` entries name, run only when trusted.
 
-``target.trust_remote_code`` (default false) decides, once per process, in ``admit`` (``target.resolve`` calls it):
-off, a folder that needs code stops the stage before anything is loaded, naming the files and the key; on, the folder
-is recorded as trusted, and every loader of the pipeline passes ``trust_remote_code=trusted(folder)`` (so it is true
-for exactly those folders), and a server the pipeline launches for the target gets ``--trust-remote-code``. The
-sha256 of every ``.py`` file in the folder (``hashes``) is part of ``target.fingerprint`` and of infer's engine.json:
-changed remote code invalidates every cache the target decides. Code from another repository (``repo--module.Class``)
-is refused: nothing is downloaded.
+``target.trust_remote_code`` decides, in ``admit`` (``target.resolve`` calls it): off, a folder that needs code stops
+the stage before anything is loaded, naming the files and the key; on, the folder is recorded as trusted, every loader
+passes ``trust_remote_code=trusted(folder)``, and a server launched for the target gets ``--trust-remote-code``. The
+``.py`` files are part of ``target.fingerprint``, and their sha256 (``hashes``) of infer's engine.json. Code from
+another repository (``repo--module.Class``) is refused.
 """
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """``make repro`` and ``make <stage>``: ``dvc repro`` with a plan before it and a summary after it, in the
 project's root (the working directory).
 
-Before: the stages DVC will run, in order (``dvc status --with-deps``: those whose code, params or inputs changed;
-the stages below them run too when those outputs change), each with an estimate of its minutes: the wall time it
-took on this machine last time (``metrics/timings/stages.json``, written here, not in git), else the reference run's
-(``metrics/reference_timings.json``: the default params from empty caches) scaled by a one-second probe of this
-machine's float32 matrix speed against the reference machine's.
-During: DVC's output passes through; each stage's start is stamped with the time spent so far, and its wall time
-recorded.
+Before: the stages DVC will run, in order (``dvc status --with-deps``; the stages below them run too when those
+outputs change), each with an estimate of its minutes: its last wall time on this machine
+(``metrics/timings/stages.json``, not in git), else the reference run's (``metrics/reference_timings.json``) scaled by
+a one-second probe of this machine's float32 matrix speed against the reference machine's.
+During: DVC's output passes through, each stage's start stamped with the time spent so far; its wall time is recorded.
 After: per benchmark the drafter's acceptance length against the n-gram baseline (``metrics/eval.json``), the serve
 check's verdict (``metrics/serve.json``), where the drafter is, and the next commands.
 """
@@ -140,14 +138,13 @@ def run(targets: tuple[str, ...]) -> int:
     if current and code == 0:
         timed[current] = time.monotonic() - last
     if timed:
-        path = MEASURED
-        measured = json.loads(path.read_text()) if path.exists() else {}
+        measured = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
         at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         measured.update({s: {"seconds": round(t, 1), "at": at} for s, t in timed.items()})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(measured, indent=2) + "\n")
-    click.echo(f"\nmake repro: {'done' if code == 0 else f'failed (exit {code})'} in {minutes(time.monotonic() - start)}"
-               + "".join(f"; {s} {minutes(t)}" for s, t in timed.items()))
+        MEASURED.parent.mkdir(parents=True, exist_ok=True)
+        MEASURED.write_text(json.dumps(measured, indent=2) + "\n")
+    click.echo(f"\nmake repro: {'done' if code == 0 else f'failed (exit {code})'} in "
+               f"{minutes(time.monotonic() - start)}" + "".join(f"; {s} {minutes(t)}" for s, t in timed.items()))
     if code:
         click.echo("make repro: the failing stage's message is above; a rerun resumes, keeping what finished.")
     return code

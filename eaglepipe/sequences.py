@@ -67,10 +67,9 @@ def build(r: Response, end_of_turn: int, max_length: int, counts: Counter):
 
 def join_turns(turns: list, counts: Counter) -> list:
     """The built turns of one conversation, (id, source, ids, mask) in turn order, as training sequences: a turn whose
-    ids extend the sequence before it token for token (its prompt is that sequence: the template rendered the
-    earlier answers back to the very ids the target generated) joins it as one more masked segment, and the joined
-    sequence takes its id; any other turn (a template that drops or rewrites history, a turn before it cut at
-    max_length) starts a sequence of its own. Counted as ``turns_joined`` and ``turns_apart`` (later turns only)."""
+    ids extend the sequence before it token for token joins it as one more masked segment (the joined sequence takes
+    its id); any other turn starts a sequence of its own. Counted as ``turns_joined`` and ``turns_apart`` (later
+    turns only)."""
     out = []
     for rid, source, ids, mask in turns:
         if out:
@@ -104,9 +103,8 @@ def pack(seqs) -> dict[str, torch.Tensor]:
 
 
 def write(folder: Path, splits: dict, shard_tokens: int, policy: dict) -> dict:
-    """Store the splits; ``policy`` holds the numbers the sequences were built with (the rules are this module's
-    docstring: data holds facts, not prose, so a reworded docstring changes no output). An empty split gets one
-    empty shard."""
+    """Store the splits and index.json under ``folder`` and return the index; ``policy``: the numbers the sequences
+    were built with. An empty split gets one empty shard."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     index = {"policy": policy}

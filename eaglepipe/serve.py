@@ -1,27 +1,20 @@
-"""The serve check: a real engine (vLLM) serves the target with the trained drafter, on exactly the prompts evaluate
-decoded, and must agree with evaluate.
+"""The serve check: vLLM serves the target with the trained drafter on exactly the prompts evaluate decoded, at
+temperature 0, one request at a time after a short warm-up, and must agree with evaluate.
 
-One server, started here and always stopped (engines/vllm.py, launch.py): the target with the drafter
-(``--speculative-config`` ``{"method": "eagle3", "model": <drafter>, "num_speculative_tokens": evaluate.num_steps}``;
-without ``method`` vLLM silently picks another one). It gets every prompt of ``data/decoded`` at temperature 0, one
-request at a time (speculative decoding's use: one stream), after one short warm-up request. Evaluate's outputs are
-plain greedy decoding's (its checking forward), so equal outputs need no plain run; where one differs, a second server
+One server, started here and always stopped (engines/vllm.py, launch.py), with ``--speculative-config`` ``eagle3``.
+Evaluate's outputs are plain greedy decoding's, so equal outputs need no plain run; where one differs, a second server
 serves the target alone on the same prompts, to tell the drafter's path from vLLM's numerics (``mismatches`` names
-the run of each difference). Speed against plain decoding is ``make bench``'s (bench/bench_vllm.py).
+the run of each difference).
 
-Acceptance length in the engine, per verification step like evaluate's (speculative.py): the tokens the engine's
-verification steps emitted (each request's output less the prefill's first token) over its verification steps
-(``num_spec_steps``, vLLM's per-request counts, ``--per-request-spec-decode-metrics``). vLLM's own "mean acceptance
-length" (1 + accepted / drafts) also counts draft tokens accepted past the stop id or the length limit on a
-request's last step, so it is reported beside it (``engine_reported_acceptance_length``) and not compared. The
-server's global counters (``/metrics``, ``vllm:spec_decode_*``) must add up to the per-request counts.
+Acceptance length in the engine, per verification step like evaluate's (speculative.py): the tokens the verification
+steps emitted (each request's output less the prefill's first token) over its verification steps (``num_spec_steps``,
+vLLM's per-request counts). vLLM's own "mean acceptance length" (1 + accepted / drafts) also counts draft tokens
+accepted past the stop id or the length limit, so it is reported (``engine_reported_acceptance_length``), not
+compared.
 
-The target layers vLLM feeds the drafter are read from its log ("Using auxiliary layers from speculative config",
-which it writes when the checkpoint names them; without that line it uses ``(2, L // 2, L - 3)``).
-
-The check fails when any engine output differs from evaluate's plain greedy output,
-when vLLM feeds the drafter other layers than evaluate did, when the acceptance length differs from evaluate's on the
-same prompts by more than ``serve.tolerance`` (relative), or when the server's counters do not add up.
+The check fails when any engine output differs from evaluate's, when vLLM feeds the drafter other layers than evaluate
+did (``engine_layers``), when the acceptance length differs from evaluate's on the same prompts by more than
+``serve.tolerance`` (relative), or when the server's counters (``/metrics``) do not add up to the per-request counts.
 """
 from __future__ import annotations
 
@@ -74,6 +67,7 @@ def counters(url: str) -> dict:
 
 
 def delta(after: dict, before: dict) -> dict:
+    """``counters`` after less before."""
     d = {k: int(after[k] - before[k]) for k in COUNTERS}
     d["num_accepted_tokens_per_pos"] = [int(a - (before["num_accepted_tokens_per_pos"][i]
                                                  if i < len(before["num_accepted_tokens_per_pos"]) else 0))
@@ -180,6 +174,7 @@ def per_step(rows: list[dict], outputs: list, spec: list) -> dict:
 
 
 def evaluate_figures(rows: list[dict]) -> dict:
+    """Evaluate's acceptance length, steps and rate per draft position over ``rows`` (its decoded records)."""
     steps = sum(r["eagle"]["steps"] for r in rows)
     emitted = sum(r["eagle"]["emitted"] for r in rows)
     width = max(len(r["eagle"]["proposed"]) for r in rows)
@@ -237,24 +232,33 @@ def compare(rows: list[dict], eagle: dict, tolerance: float, num_layers: int, pl
     }
 
 
+def refusal(folder, target_config: dict, drafter, p: config.Serve) -> str | None:
+    """Why vLLM (``p.python``) cannot run the serve check of ``drafter`` beside the target in ``folder``, and what to do
+    instead, or None: one row per known limit, checked in seconds before any server starts (the composite targets'
+    torchvision: engines/vllm.py, at launch)."""
+    rows = (
+        (lambda: families.of(target_config).mla and not drafter.mla and cpu_build(p.python),
+         f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter beside {folder}: the "
+         "target's MLA attention (CPU_MLA) pages its KV cache in blocks of 16 tokens, the drafter's attention "
+         "(CPU_ATTN) in multiples of 32, and vLLM needs one block size for both. Train the MLA drafter (train.drafter: "
+         "deepseek_mla, auto's choice), or run the serve check with a GPU build of vLLM (serve.python)"),
+        (lambda: (quant.method(folder) or {}).get("quant_method") == "fp8" and p.dtype == "float32",
+         f"vLLM serves the FP8 target {folder} in bfloat16 or float16 only (vLLM 0.32: \"torch.float32 is not "
+         "supported for quantization method fp8\"; its CPU build's FP8 block kernels also need AMX), and the check "
+         "compares with evaluate's float32 decoding token for token. Set serve.dtype: bfloat16 to run it anyway: "
+         "where bfloat16 rounds a greedy choice otherwise, its outputs will differ"),
+    )
+    return next((why for refused, why in rows if refused()), None)
+
+
 def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve, num_steps: int,
           max_new_tokens: int) -> dict:
     """The run with the drafter (``evaluate.num_steps`` draft tokens per step, ``evaluate.max_new_tokens`` per
-    prompt, as evaluate decoded ``rows``), the plain run where an output differs, and their comparison (``compare``)."""
+    prompt, as evaluate decoded ``rows``), the plain run where an output differs, and their comparison (``compare``);
+    a check vLLM cannot run is refused first (``refusal``)."""
     target_config = families.load_config(folder)
-    drafter = read_config(draft)
-    if families.of(target_config).mla and not drafter.mla and cpu_build(p.python):  # attention of another KV layout
-        raise UserError(f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter beside "
-                        f"{folder}: the target's MLA attention (CPU_MLA) pages its KV cache in blocks of 16 tokens, "
-                        "the drafter's attention (CPU_ATTN) in multiples of 32, and vLLM needs one block size for "
-                        "both. Train the MLA drafter (train.drafter: deepseek_mla, auto's choice), or run the serve "
-                        "check with a GPU build of vLLM (serve.python)")
-    if (quant.method(folder) or {}).get("quant_method") == "fp8" and p.dtype == "float32":
-        raise UserError(f"vLLM serves the FP8 target {folder} in bfloat16 or float16 only (vLLM 0.32: \"torch.float32 "
-                        "is not supported for quantization method fp8\"; its CPU build's FP8 block kernels also need "
-                        "AMX), and the check compares with evaluate's float32 decoding token for token. Set "
-                        "serve.dtype: bfloat16 to run it anyway: where bfloat16 rounds a greedy choice otherwise, its "
-                        "outputs will differ")
+    if why := refusal(folder, target_config, read_config(draft), p):
+        raise UserError(why)
     sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stop_ids)))
     num_layers = families.text_config(target_config).num_hidden_layers
     eagle = decode(folder, tokenizer, p, rows, sampling, eagle3(draft, num_steps), "eagle")

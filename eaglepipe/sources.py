@@ -1,16 +1,10 @@
-"""Source readers: where a source's records come from, and ``read_source``, which turns each into a Prompt by its
-format (eaglepipe/formats.py).
+"""Source readers: a source's raw records (``raw_records``), streamed, and each as a Prompt by its format
+(``read_source``, formats.py).
 
-Where records come from (``raw_records``), told by the path: a JSON Lines or JSON array file, gzip-compressed when its
-name ends in ``.gz``, streamed (memory does not grow with its size); a file cut short, or a JSON array broken so that
-no later record can be found, ends in a ``Damage``: its byte offset, its size and the records read before it. A
-``datasets`` ``save_to_disk`` folder, a ``.parquet`` or ``.arrow`` file, or a folder of them, read through the
-``datasets`` library with the hub switched off: arrow memory-mapped, parquet streamed. ``pkg:<package>/<path>`` is a
-file inside an installed package, found without importing it (``resolve``).
-
-A record that cannot be read, or that its format's converter refuses (``formats.BadRecord``, ``formats.LeftOut``),
-becomes a ``records.RecordError`` naming file, line (or JSON array index, or dataset row) and field, and carrying the
-reason so the prepare report can count it (``read_source``).
+A source is a JSON Lines or JSON array file (gzipped when named ``.gz``), a ``datasets`` ``save_to_disk`` folder, a
+``.parquet`` or ``.arrow`` file or a folder of them (read offline), or ``pkg:<package>/<path>``, a file inside an
+installed package (``resolve``). A record that cannot be read or converted becomes a ``records.RecordError`` naming
+file, position and field, with the reason the prepare report counts.
 """
 from __future__ import annotations
 
@@ -39,9 +33,8 @@ from eaglepipe.records import LineError, Prompt, RecordError, content_id, scan_j
 
 def resolve(path: str) -> Path:
     """The file or folder a source's ``path`` names. ``pkg:<package>/<file>`` is ``<file>`` inside the installed
-    top-level package ``<package>``, found with ``importlib.util.find_spec``, which locates a top-level package
-    without running it (a package's own imports may need what is not installed: the data packages are installed
-    ``--no-deps``). Raises FileNotFoundError when the package is not installed or lacks the file."""
+    top-level package ``<package>``, found without importing it. Raises FileNotFoundError when the package is not
+    installed or lacks the file."""
     match = PACKAGE_PATH.fullmatch(path)
     if not match:
         return Path(path)
@@ -78,10 +71,9 @@ def package_file(path: str) -> dict:
 
 
 class Damage(BadRecord):
-    """The unreadable tail of a file: it starts at byte ``offset`` and runs to the end of the file (``size`` bytes),
-    after ``records_before`` records read whole. ``damage`` is its entry in the prepare report. In a gzipped file
-    the bytes are those of the decompressed data (``decompressed: true``): a break in a gzip stream cannot be
-    placed on a byte of the compressed file, and nothing after it can be decompressed."""
+    """The unreadable tail of a file: from byte ``offset`` to its end (``size`` bytes), after ``records_before``
+    records read whole. ``damage`` is its entry in the prepare report; in a gzipped file the bytes are those of the
+    decompressed data (``decompressed: true``)."""
 
     def __init__(self, offset: int, size: int, records_before: int, cause: str, gzipped: bool = False):
         data = " of its decompressed data" if gzipped else ""
@@ -204,8 +196,7 @@ def _first_line(error: Exception) -> str:
 
 def _tail_start(f: BinaryIO, count: int, ended_in: int) -> int:
     """Where the unreadable tail of a JSON array file starts: the first byte after its first ``count`` items and the
-    separator after them (whitespace, a comma). The file is parsed again up to ``ended_in``, the chunk in which the
-    last of those items ended, and that chunk one byte at a time."""
+    separator after them. ``ended_in``: the offset of the chunk in which the last of those items ended."""
     if count == 0:
         return _skip(f, _skip(f, 0, comma=False) + 1, comma=False)
     done = _Count()
@@ -258,16 +249,10 @@ def _json_records(path: Path) -> Iterator[tuple[int, str | None, dict | BadRecor
 DATASET_FILES = (".parquet", ".arrow")
 
 
-def _is_dataset(path: Path) -> bool:
-    """Whether ``path`` is read through ``datasets``: a folder, or a .parquet or .arrow file."""
-    return path.is_dir() or path.suffix in DATASET_FILES
-
-
 def _open_dataset(path: Path):
-    """The rows of a Hugging Face dataset on disk as an iterable: a ``save_to_disk`` folder (``load_from_disk``) or
-    ``.arrow`` files (``Dataset.from_file``), memory-mapped; ``.parquet`` files, streamed a record batch at a time
-    (``load_dataset("parquet", streaming=True)``, which copies nothing). Offline: the hub is switched off before
-    ``datasets`` is imported."""
+    """The rows of a Hugging Face dataset on disk as an iterable: a ``save_to_disk`` folder or ``.arrow`` files
+    memory-mapped, ``.parquet`` files streamed; the hub is switched off. Raises UserError for a split dataset or a
+    folder of neither kind."""
     os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     import datasets
 
@@ -321,7 +306,7 @@ def raw_records(path, columns: tuple = ()) -> Iterator[tuple[int, str | None, di
     from 0; unit ``JSON array index``), anything else JSON Lines (position: the line number, from 1; unit None); a file
     that cannot be read to its end ends with a ``Damage``."""
     path = resolve(str(path))
-    yield from _dataset_records(path, columns) if _is_dataset(path) else _json_records(path)
+    yield from _dataset_records(path, columns) if path.is_dir() or path.suffix in DATASET_FILES else _json_records(path)
 
 
 # -------------------------------------------------------------------------------------------------------- prompts

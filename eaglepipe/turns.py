@@ -1,16 +1,12 @@
 """A conversation's assistant turns, each answered by the target in the context of its own earlier answers.
 
-A prompt's ``messages`` (records.py) hold the dataset's conversation up to its last user (or tool) turn. Its turns
-are cut at the assistant messages that answer in words (``asks``): turn k's prompt is the conversation up to the
-k-th such message, with the answers to turns 1..k-1 replaced by the target's own (``interleave``). An assistant
-message that calls tools is not a turn: the tool results after it answer exactly its calls, so it stays as the
-dataset has it, as context.
+A prompt's ``messages`` are cut at the assistant messages that answer in words (``asks``): turn k's prompt is the
+conversation up to the k-th such message, with the answers to turns 1..k-1 replaced by the target's own as a
+serving engine returns them (``interleave``, ``derive.answer_message``). An assistant message that calls tools is
+not a turn: it stays as the dataset has it, as context.
 
-A turn's answer enters the next turn's context as a serving engine returns it (``derive.answer_message``); the chat
-template then renders that history as it renders any chat (a template that drops history reasoning drops it).
-
-This module and derive.py decide the prompt ids of every turn after the first, so they are part of infer's
-fingerprint under ``infer.turns: all`` (infer.py).
+This module and derive.py decide the prompt ids of every turn after the first: infer's fingerprint hashes them
+under ``infer.turns: all``.
 """
 from __future__ import annotations
 

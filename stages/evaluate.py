@@ -1,14 +1,12 @@
-"""evaluate: speculative decoding with the trained drafter on the benchmarks of evaluate.benchmarks (the held-out
-prompts, MT-bench's two turns, HumanEval: eaglepipe/benchmarks.py), against plain greedy decoding and a
-prompt-lookup (n-gram) drafter, with the real target (definitions: eaglepipe/speculative.py). Fails when any
-speculative output differs from plain greedy. Runs as one process or under torchrun, whose ranks share the
-conversations (eaglepipe/runtime.py)."""
+"""evaluate: speculative decoding with the trained drafter on the benchmarks of evaluate.benchmarks
+(eaglepipe/benchmarks.py), against plain greedy decoding and a prompt-lookup (n-gram) drafter, with the real target
+(definitions: eaglepipe/speculative.py). Fails when any speculative output differs from plain greedy. Runs as one
+process or under torchrun, whose ranks share the conversations (eaglepipe/runtime.py)."""
 import logging
+from pathlib import Path
 
 import click
 import torch
-
-from pathlib import Path
 
 from eaglepipe import benchmarks, cli, config, derive, evaluate, runtime, target
 from eaglepipe.errors import UserError

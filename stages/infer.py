@@ -31,7 +31,6 @@ def main(params, prompts, out, report, timings, cache):
     tokenizer = target.load_tokenizer(folder)
     sampling = Sampling.from_params(p, target.stop_ids(folder, tokenizer))
     with runtime.start(cfg.runtime.device) as rt, table.create(p, folder, tokenizer, rt) as engine:
-        # leaving the engine closes it (and a server it launched)
         template_kwargs = cfg.target.chat_template_kwargs
         fp = infer.fingerprint(target.fingerprint(folder), engine.name, engine.identity(), sampling, template_kwargs,
                                spec if p.turns == "all" else None)

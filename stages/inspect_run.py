@@ -6,8 +6,7 @@ Reads data/responses/responses.jsonl (or --responses: another run's, or the gene
 in .cache/infer/<fingerprint>/generations.jsonl), params.yaml for the tokenizer and target.reasoning / tool_calls, and
 metrics/infer.json if present. Writes nothing.
 """
-# Not named stages/inspect.py: a script there would shadow the standard library's inspect module for every stage
-# script run from stages/ (their directory comes first on sys.path), and break them all.
+# Not stages/inspect.py: a script there would shadow the standard library's inspect for every script in stages/.
 import json
 import logging
 from pathlib import Path

@@ -1,6 +1,5 @@
 """prepare: mix the prompt sources of `prepare.sources` into one prompts file (quotas, de-duplication, seeded
-sampling; the rules are in eaglepipe/prepare.py), keep every benchmark prompt out, and count every record read,
-skipped or chosen."""
+sampling: eaglepipe/prepare.py), benchmark prompts kept out, every record read, skipped or chosen counted."""
 import logging
 
 import click

@@ -49,8 +49,7 @@ class Failure:
 
 
 def seed_for(seed: int, record_id: str) -> int:
-    """The sampling seed of one record: every engine draws a record's tokens from its own generator seeded with
-    this, so an answer depends on the model, the sampling params, ``infer.seed`` and the record's id (which names
-    its prompt and sample index) only: not on its batch mates, the order, a resume or the concurrency."""
+    """The seed of record ``record_id``'s own sampling generator in every engine: an answer depends on the model,
+    the sampling params, ``seed`` and the record id only, never on batch mates, order, resumes or concurrency."""
     return int(hashlib.sha256(f"{seed}:{record_id}".encode()).hexdigest()[:8], 16)
 

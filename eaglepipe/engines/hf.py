@@ -1,16 +1,10 @@
-"""In-process Hugging Face engine for the embedded model or any Hugging Face model folder.
+"""In-process Hugging Face engine (``infer.engine: hf``): a decoding loop over the model's forward with a KV cache.
 
-A hand-written decoding loop over the model's forward with a KV cache (not ``model.generate``), for three reasons:
-  - finished rows leave the batch (whenever a quarter of it has finished: each removal copies the KV cache), so
-    finished answers cost little while the long ones run on (``generate`` keeps every row to the end of the
-    longest), and each record is yielded as soon as its row finishes;
-  - identical prompts next to each other (the samples of one prompt, ``infer.samples``) share one prefill;
-  - nothing from the model folder's ``generation_config.json`` (a ``repetition_penalty``, a ``top_k``, ...) leaks
-    in: the logits are those of the forward pass, processed only by the explicit ``Sampling``.
-Prompts are left-padded within a batch; position ids count real tokens only, so every row sees the positions it
-would see alone. The model runs where it was loaded (``model.device``); sampling runs on the CPU, each row drawing from
-its own seeded CPU generator, so a row's draws do not depend on the device or its batch. Sampling follows SGLang's
-order: temperature, then top-k, top-p and min-p on the probabilities.
+Guarantees: each record is yielded as soon as its row finishes (finished rows leave the batch once a quarter of it
+has finished); adjacent identical prompts (the samples of one prompt) share one prefill; only the explicit
+``Sampling`` processes the logits (nothing from ``generation_config.json``). Prompts are left-padded and position ids
+count real tokens only, so a row sees the positions it would see alone. The model runs on ``model.device``; sampling
+runs on the CPU, each row from its own seeded generator, in SGLang's order: temperature, then top-k, top-p, min-p.
 """
 from __future__ import annotations
 
@@ -34,8 +28,7 @@ class HFEngine:
         self.batch_tokens = batch_tokens
 
     def identity(self) -> dict:
-        """What, beyond the model files, decides this engine's ids (part of the infer cache's fingerprint). The
-        batch size does not: each row samples from its own generator (``seed_for``) and attends only to itself."""
+        """What, beyond the model files, decides this engine's ids (part of the infer cache's fingerprint)."""
         return {"dtype": str(self.model.dtype)}
 
     def describe(self) -> dict:
@@ -43,10 +36,9 @@ class HFEngine:
         return {"engine": self.name, "model": type(self.model).__name__, **self.identity()}
 
     def stream(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
-        """Generate in batches of similar length (less padding), longest first; yield (index, Output) as rows
-        finish, or (index, Failure) for a record that fails alone (``isolated``). A batch holds at most
-        ``batch_size`` rows and ``batch_tokens`` tokens of KV cache (rows x (its longest prompt + max_new_tokens)):
-        64 rows of 2,000-token chats would otherwise hold gigabytes of cache, copied at every step."""
+        """Yield (index, Output) as rows finish, or (index, Failure) for a record that fails alone (``isolated``).
+        Batches are formed longest first, of at most ``batch_size`` rows and ``batch_tokens`` tokens of KV cache
+        (rows x (longest prompt + max_new_tokens))."""
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: duplicates stay adjacent
         batch = []
         for i in order:
@@ -60,10 +52,8 @@ class HFEngine:
             yield from self.isolated(batch, prompts, sampling, rids)
 
     def isolated(self, batch: list[int], prompts, sampling: Sampling, rids):
-        """Decode ``batch`` (indices into ``prompts``); when it fails (out of memory, a bad id, ...), the rows not yet
-        finished are retried in two halves, down to a single record, which becomes a Failure with the reason: a
-        poison record never takes its batch mates down. A retried row gives the answer it gives alone (its sampling
-        generator restarts from its own seed)."""
+        """Decode ``batch`` (indices into ``prompts``); on an error the unfinished rows are retried in halves, down to
+        a single record, which becomes a Failure with the reason. A retried row gives the answer it gives alone."""
         finished = set()
         try:
             for row, out in self._decode([prompts[i] for i in batch], sampling, [rids[i] for i in batch]):
@@ -86,7 +76,7 @@ class HFEngine:
         meta = {"engine": self.name}
         stops = set(sampling.stop_token_ids)
 
-        # Prefill each distinct prompt once (the samples of a prompt are adjacent), then give every row its copy.
+        # Prefill each distinct prompt once, then give every row its copy.
         unique, source = [], []
         for ids in prompts:
             if not unique or unique[-1] != ids:
@@ -134,9 +124,8 @@ class HFEngine:
 
 
 def pick(logits: torch.Tensor, sampling: Sampling, rngs: list) -> torch.Tensor:
-    """The next token of every row: argmax when greedy; else a draw, from row i's own generator ``rngs[i]``, from the
-    temperature-scaled probabilities without the tokens that top-k, top-p (mass ranked above a token > top_p) or
-    min-p (below min_p x the top probability) rule out, as SGLang's sampler does."""
+    """The next token of every row: argmax when greedy; else a draw with ``rngs[i]`` from the temperature-scaled
+    probabilities less what top-k, top-p (mass ranked above > top_p) or min-p (below min_p x the top) rule out."""
     if sampling.temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / sampling.temperature, -1)

@@ -1,6 +1,5 @@
-"""A server the pipeline starts itself and always stops: SGLang for ``infer.sglang.launch``, vLLM for
-``infer.vllm.launch`` and for the serve check, its arguments completed by ``servers`` (the model, --dtype,
---trust-remote-code). The ``launch`` params (config.Launch):
+"""A server the pipeline starts and always stops (SGLang for ``infer.sglang.launch``, vLLM for ``infer.vllm.launch``
+and the serve check), its arguments completed by ``servers``. The ``launch`` params (config.Launch):
 
     launch:
       model_path: /models/Kimi-K2.5   # the model served; default the target's folder
@@ -13,9 +12,8 @@
       log: null                       # the server's output; default .cache/<engine>/server-<port>.log
       stop_timeout_s: 60              # SIGTERM, then SIGKILL after this long
 
-The server runs in its own process group, stopped as a group (SGLang and vLLM start worker processes); on Linux it
-also gets SIGTERM if the stage dies without cleaning up (kill -9). This file is not part of the cache fingerprint:
-how a server is started does not decide its ids (the engines read what the server reports instead).
+The server runs in its own process group and is stopped as a group; on Linux it also gets SIGTERM when the stage
+dies (kill -9). Not part of any cache fingerprint (the engines read what the server reports instead).
 """
 from __future__ import annotations
 
@@ -26,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from .. import remote
@@ -98,24 +97,20 @@ class LaunchedServer:
         for sig, wait in ((signal.SIGTERM, self.stop_timeout_s), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
                 self.proc.wait(timeout=wait)
                 break
+            except ProcessLookupError:
+                break
             except subprocess.TimeoutExpired:
-                continue
-        try:  # children left in the group after the leader exited
+                pass
+        with suppress(ProcessLookupError):  # children left in the group after the leader exited
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def servers(section, folder, dtype: str = "auto"):
-    """An ``infer.<engine>`` section (config.Servers) as the engine gets it. Its launch, if any, serves ``folder`` (the
-    target's) unless it names another model, with ``--dtype`` when ``dtype`` (infer.dtype, auto resolved by
-    runtime.compute_dtype) is not auto, ``--trust-remote-code`` when ``folder``'s remote code is trusted (remote.py)
-    and, serving a composite target, ``--language-model-only`` (text-only: no vision tower, no image processor)."""
+    """An ``infer.<engine>`` section (config.Servers) as the engine gets it: its launch, if any, serves ``folder`` (the
+    target's) unless it names another model, with ``--dtype`` when ``dtype`` is not auto, ``--trust-remote-code``
+    when remote.trusted(folder), and ``--language-model-only`` for a composite target."""
     launch = section.launch
     if launch is None:
         return section

@@ -1,23 +1,18 @@
-"""The servers of an engine whose target runs on servers (``ServerPool``, which ``ServerEngine`` in server.py builds
-on): which servers there are, whether each is healthy and serves what the run expects, which one takes the next
-request, and a server the run launched itself (engines/launch.py).
+"""``ServerPool``, the servers of a server engine (server.py builds on it): which there are, whether each is healthy
+and serves what the run expects, which takes the next request, and a server the run launched (launch.py).
 
-Before the first request, for every server in ``urls`` (or the one it launched, ``launch``):
-    /health      waited for (``health_timeout_s``; servers answer 503 or nothing while they start)
-    identity     what the server says it serves (the engine's ``_read_server``): kept for the engine's ``describe()``
-                 (the stage writes it to engine.json) and reduced to its ``identity()`` (what decides the ids: model,
-                 weights, dtype, quantization, server version; never urls or concurrency, so a resumed run against a
-                 restarted or an added server reuses the cache). All servers must agree on it.
-    tokenizer    probe strings (``tokenizer_probes``): the server's tokenizer (the engine's ``_server_tokens``) must
-                 give the local tokenizer's ids, or the run stops saying which probes differ.
+Before the first request, for every server in ``urls`` (or the launched one):
+    /health      waited for (``health_timeout_s``)
+    identity     what the server says it serves (the engine's ``_read_server``): kept for ``describe()`` (engine.json)
+                 and reduced to ``identity()`` (what decides the ids: model, weights, dtype, quantization, server
+                 version; never urls or concurrency). All servers must agree on it.
+    tokenizer    the server's ids of the probe strings (``tokenizer_probes``, the engine's ``_server_tokens``) must be
+                 the local tokenizer's, or the run stops naming the probes that differ.
 
 The next request goes to the healthy server with the fewest in flight (``_acquire``). A server that refuses
-connections or answers 503 is taken out of rotation (``_mark_down``) and watched: back within ``health_timeout_s`` it
-is checked again (identity and tokenizer) and rejoins; a server that comes back serving something else stops the run;
-when no server is left the run stops (everything finished is already in the driver's cache).
-
-A launched server is stopped when the pool is released (``_release``), also on SIGTERM. Everything async here runs on
-the engine's event loop; ``_get_info`` and ``_post_json`` are what the engines' protocol reads servers with.
+connections or answers 503 leaves the rotation (``_mark_down``); back within ``health_timeout_s`` and checked again,
+it rejoins; back serving something else, it stops the run; with no server left the run stops. A launched server is
+stopped when the pool is released (``_release``), also on SIGTERM. Everything async runs on the engine's event loop.
 """
 from __future__ import annotations
 
@@ -85,12 +80,9 @@ class _Server:
 
 
 class ServerPool:
-    """The servers of one engine; ``params`` is the engine's section of ``infer`` (config.Servers). In order:
-    ``_open`` (launch if asked, list the servers), ``_connect`` (check them all, on the event loop), then
-    ``_acquire``/``_mark_down`` per request, ``_disconnect`` and ``_release`` at the end.
-
-    The engine's module states how to talk to its servers: ``name``/``title``, ``_launcher``, ``_read_server`` and
-    ``_server_tokens``. ``stats`` counts servers leaving and coming back (the engine adds its requests)."""
+    """The servers of one engine; ``params``: its section of ``infer`` (config.Servers). Called in order: ``_open``,
+    ``_connect`` (on the event loop), ``_acquire``/``_mark_down`` per request, ``_disconnect``, ``_release``. A
+    subclass gives ``name``/``title``, ``_launcher``, ``_read_server`` and ``_server_tokens``."""
     name = title = "server"
 
     def __init__(self, params, tokenizer):
@@ -112,9 +104,11 @@ class ServerPool:
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     def _open(self) -> None:
-        """Launch the server if asked (then ``urls`` is its url); tokenize the probes; list the servers."""
+        """Launch the server if asked (then ``urls`` is its url, and SIGTERM a SystemExit); list the servers."""
         if self.launch:
-            self._catch_sigterm()
+            if threading.current_thread() is threading.main_thread() and \
+                    signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # SystemExit: the engine's close stops it
+                self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
             self._launched = self._launcher()
             self._launched.start()
             self.urls = [self._launched.url]
@@ -130,12 +124,6 @@ class ServerPool:
         if self._old_sigterm is not None:
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
-
-    def _catch_sigterm(self):
-        """A launched server is stopped on SIGTERM too: turn it into SystemExit so the engine's ``close`` runs."""
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     async def _disconnect(self, tasks) -> None:
         """Stop watching the servers out of rotation, wait for them and for ``tasks`` (the engine's requests still on
@@ -285,10 +273,7 @@ class ServerPool:
         while True:
             if self._fatal is not None:
                 raise self._fatal
-            best = None
-            for s in self._servers:
-                if s.up and (best is None or (s.inflight, s.sent) < (best.inflight, best.sent)):
-                    best = s
+            best = min((s for s in self._servers if s.up), key=lambda s: (s.inflight, s.sent), default=None)
             if best is not None:
                 return best
             if all(s.dead for s in self._servers):

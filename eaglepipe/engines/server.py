@@ -1,20 +1,13 @@
-"""What every engine whose target runs on servers does, whatever the server (sglang.py and vllm.py state their
-protocols): ``ServerEngine`` sends the prompts to its servers (pool.py: which servers, their checks, which one takes
-a request, a launched one), retries what fails and checks every answer.
+"""``ServerEngine``: an engine whose target runs on servers (the protocols: sglang.py, vllm.py; the servers: pool.py).
 
-Every request carries token ids and every sampling parameter explicit; at most ``concurrency`` requests are in
-flight, each sent to the server the pool chooses; every answer is checked (the engine's ``_check``) before the driver
-keeps it.
+Every request carries token ids and every sampling parameter explicit; at most ``concurrency`` are in flight, each to
+the server the pool chooses; every answer is checked (the engine's ``_check``) before the driver keeps it.
 
 Faults: timeouts, refused/reset connections, HTTP 408/429/5xx, malformed JSON and answers that fail a check are
-retried ``retries`` times with exponential backoff and jitter (tenacity), then the prompt is a ``Failure`` with every
-attempt's reason. Another 4xx is retried once (with a fresh request id), then it is a failure. A request given up on
-(a timeout) or left behind when the run stops early (a gate, Ctrl-C) is cancelled on the server, so the servers do not
-go on generating answers nobody will keep. A refused connection or an HTTP 503 takes the server out of rotation
-(pool.py says when it comes back, and when the run stops for want of servers).
-
-The engine modules import from here what they build on: ``ServerEngine``, ``BadAnswer``, ``check_ids``, and the
-pool's ``ServerError`` and ``_Server``.
+retried ``retries`` times with exponential backoff and jitter, then the prompt is a ``Failure`` with every attempt's
+reason. Another 4xx is retried once (with a fresh request id), then it is a failure. A request given up on (a timeout)
+or left behind when the run stops early (a gate, Ctrl-C) is cancelled on the server. A refused connection or an HTTP
+503 takes the server out of rotation (pool.py).
 """
 from __future__ import annotations
 
@@ -26,7 +19,7 @@ import threading
 import time
 
 import aiohttp
-import orjson  # JSON at 256 requests in flight: the client's CPU time matters
+import orjson
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from ..config import CACHE
@@ -39,8 +32,7 @@ log = logging.getLogger(__name__)
 
 
 def portable(value):
-    """``value`` (JSON) with the cache folder's path written ``<cache>``: a launched server's model (the embedded
-    target is converted there) and log lie under it, whose path differs between clones while the files do not."""
+    """``value`` (JSON) with the cache folder's path written ``<cache>`` (it differs between clones)."""
     if isinstance(value, str):
         return value.replace(str(CACHE), "<cache>")
     if isinstance(value, dict):
@@ -61,9 +53,9 @@ class _Permanent(Exception):
 
 
 def check_ids(ids: list, finish: str, sampling: Sampling) -> str:
-    """The checks of every engine's answer once its ids and its finish (``stop`` or ``length``) are read: at most
-    ``max_new_tokens`` ids, exactly that many on ``length``, no stop id before the end. Returns the record's
-    finish_reason: an answer whose last allowed id is a stop id is a ``stop``, as in the embedded engine."""
+    """Check an answer's ``ids`` and ``finish`` (``stop`` or ``length``): at most ``max_new_tokens`` ids, exactly that
+    many on ``length``, no stop id before the end; BadAnswer otherwise. Returns the record's finish_reason (``stop``
+    when the last allowed id is a stop id, as in the hf engine)."""
     stops = set(sampling.stop_token_ids)
     if len(ids) > sampling.max_new_tokens:
         raise BadAnswer(f"{len(ids)} output ids for max_new_tokens={sampling.max_new_tokens}")
@@ -76,12 +68,10 @@ def check_ids(ids: list, finish: str, sampling: Sampling) -> str:
 
 
 class ServerEngine(ServerPool):
-    """An engine whose target runs on servers; ``params`` is the engine's section of ``infer`` (config.Servers). Use as
-    a context manager (the stage does, through ``engines.table.create``): entering launches the server if asked, waits
-    for health and checks every server; leaving closes the connections and stops a launched server.
-
-    A subclass states the protocol: what ServerPool asks (``name``/``title``, ``_launcher``, ``_read_server``,
-    ``_server_tokens``) and ``_sampling``, ``_request``, ``_check``, ``_meta`` and ``_abort_request``."""
+    """An engine whose target runs on servers; ``params``: its section of ``infer`` (config.Servers). A context
+    manager: entering launches the server if asked and checks every server; leaving closes the connections and stops
+    a launched server. A subclass gives what ServerPool asks and ``_sampling``, ``_request``, ``_check``, ``_meta``,
+    ``_abort_request``."""
 
     def __init__(self, params, tokenizer):
         super().__init__(params, tokenizer)
@@ -109,7 +99,12 @@ class ServerEngine(ServerPool):
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name=f"{self.name}-client", daemon=True)
             self._thread.start()
-            self._call(self._connect())
+            fut = asyncio.run_coroutine_threadsafe(self._connect(), self._loop)
+            try:
+                fut.result()
+            except BaseException:
+                fut.cancel()
+                raise
         except BaseException:
             self.close()
             raise
@@ -127,14 +122,6 @@ class ServerEngine(ServerPool):
             if not self._thread.is_alive():
                 loop.close()
         self._release()
-
-    def _call(self, coro):
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return fut.result()
-        except BaseException:
-            fut.cancel()
-            raise
 
     # ---- the engine interface --------------------------------------------------------------------------------
     def identity(self) -> dict:
@@ -182,11 +169,8 @@ class ServerEngine(ServerPool):
             if not fut.done():  # the consumer stopped early (a gate, Ctrl-C): cancel what is in flight
                 fut.cancel()
                 finished.wait(timeout=30)
-            self._log_stats()
-
-    def _log_stats(self):
-        if self.stats:
-            log.info("%s client: %s", self.name, ", ".join(f"{k}={v}" for k, v in sorted(self.stats.items())))
+            if self.stats:
+                log.info("%s client: %s", self.name, ", ".join(f"{k}={v}" for k, v in sorted(self.stats.items())))
 
     # ---- requests --------------------------------------------------------------------------------------------
     async def _produce(self, prompts, sampling: Sampling, rids, put) -> None:
@@ -208,7 +192,7 @@ class ServerEngine(ServerPool):
         """One prompt: attempts until an answer passes the checks; a Failure when retries are spent."""
         params = self._sampling(sampling, record_id)
         reasons: list[str] = []
-        try:  # the first attempt outside tenacity: it is nearly always the only one, and the client's hot path
+        try:  # the first attempt outside tenacity (the hot path)
             return await self._attempt(prompt_ids, params, sampling, record_id, 1, reasons)
         except _Permanent:
             return self._failed(reasons)
@@ -287,8 +271,7 @@ class ServerEngine(ServerPool):
                                     **self._meta(meta), "latency_s": round(latency, 4)})
 
     def _abort(self, server: _Server, rid: str) -> None:
-        """Best effort: tell the server to stop working on a request this client gave up on (servers also abort a
-        request whose client went away, but only when they next look, and some finish it)."""
+        """Best effort: ask the server to cancel request ``rid``, which this client gave up on."""
         path, body = self._abort_request(rid)
 
         async def abort():

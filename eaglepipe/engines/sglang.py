@@ -1,26 +1,18 @@
-"""SGLang engine (``infer.engine: sglang``): the target runs on SGLang servers; the client (server.py: requests,
-retries; pool.py: the servers, their checks, failover) sends token ids to their native ``POST /generate``.
+"""SGLang engine (``infer.engine: sglang``): token ids to SGLang's native ``POST /generate`` (ids in, ids out).
 
-Why the native API with ``input_ids``: ids in, ids out, nothing re-tokenised and nothing parsed out of text (the
-OpenAI-compatible endpoints split reasoning only with ``--reasoning-parser`` and drop it silently without one).
+The protocol: /model_info and /server_info (else the older /get_model_info, /get_server_info) give the identity
+(model path, weight version, dtype, quantization, KV-cache dtype, SGLang version); /tokenize takes the tokenizer
+probes in one request; /abort_request cancels.
 
-The protocol: /model_info and /server_info (falling back to SGLang's older /get_model_info, /get_server_info) give
-the identity (model path, weight version, dtype, quantization, KV-cache dtype, SGLang version); /tokenize takes the
-tokenizer probes in one request; /abort_request cancels.
-
-Every request: ``input_ids``, every sampling parameter explicit (SGLang fills missing ones from the model's
-generation_config.json), ``stop_token_ids`` = infer's stop ids, ``skip_special_tokens: false``, ``rid`` = the record id
-(a retry sends ``<id>#<attempt>``: SGLang rejects, or in older versions hangs on, a rid that is still in flight).
+Every request: ``input_ids``, every sampling parameter explicit, ``stop_token_ids`` = infer's stop ids,
+``skip_special_tokens: false``, ``rid`` = the record id (a retry sends ``<id>#<attempt>``).
 
 Every answer (``check_answer``): a known ``finish_reason`` (an abort is retried); ``meta_info.id`` and
-``prompt_tokens`` match what was sent; ``output_ids`` do not start with the prompt's last ids (sglang #10896, #17240:
-the detokenizer's context ids leaked into ``output_ids``); ``len(output_ids) == completion_tokens``; no stop id before
-the end; a stop on an id outside infer's stop ids is refused. Records keep the matched stop id at the end of
-``output_ids``, as the embedded engine does: SGLang's scheduler appends the sampled id before it checks it against the
-stop ids (``Req.check_finished``; ``output_ids_through_stop``: "stop position is included") and trims it only from
-``text`` (``DetokenizerManager.trim_matched_stop``), so it is in ``output_ids``; a server that leaves it out but counts
-it gets it put back. SGLang checks ``max_new_tokens`` before the stop ids, so an answer whose last allowed id is a
-stop id says ``length``; the record says ``stop``, like the embedded engine.
+``prompt_tokens`` match what was sent; ``output_ids`` do not start with the prompt's last ids (sglang #10896, #17240);
+``len(output_ids) == completion_tokens``; no stop id before the end; a stop on an id outside infer's stop ids is
+refused. Records keep the matched stop id at the end of ``output_ids``, as the hf engine does (a server that leaves it
+out but counts it gets it put back); an answer whose last allowed id is a stop id is a ``stop`` (SGLang says
+``length``).
 """
 from __future__ import annotations
 
@@ -37,7 +29,7 @@ IDENTITY_KEYS = ("dtype", "quantization", "kv_cache_dtype")
 
 
 def sampling_params(s: Sampling, record_id: str) -> dict:
-    """Every sampling parameter /generate takes that changes ids, explicit (plus the text flags the issue asks for)."""
+    """Every sampling parameter /generate takes that changes ids, explicit, plus the text flags."""
     sp = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
           "min_p": s.min_p, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
           "min_new_tokens": 0, "stop_token_ids": list(s.stop_token_ids), "ignore_eos": False,

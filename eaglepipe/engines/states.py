@@ -1,19 +1,15 @@
-"""``hidden.engine: vllm``: the target's hidden states from a vLLM server instead of an in-process forward (a target
-too big for one, served with the engine's own tensor and expert parallelism).
+"""``hidden.engine: vllm``: the target's hidden states from a vLLM server instead of an in-process forward.
 
 The server runs vLLM's ``extract_hidden_states`` method with the project's KV connector (``server_args``; the
-connector and its file format: states_connector.py). Each sequence is one request of its token ids to vLLM's
-token-in token-out ``/inference/v1/generate`` (the client of infer's vLLM engine: its retries, failover, checks and
-launched server), asking for one greedy token and naming the file its states go to. The server captures the inputs of
-the layers ``features.layer_ids`` names and the last layer's output; ``VLLMStates`` turns them into what the hf engine
+connector and its file format: states_connector.py). Each sequence is one request of its token ids through infer's
+vLLM client, asking for one greedy token and naming the file its states go to. The server captures the inputs of the
+layers ``features.layer_ids`` names and the last layer's output; ``VLLMStates`` turns them into what the hf engine
 computes: ``aux`` the three layers' states, ``final`` the last one through the target's final RMS norm, ``top`` the
-argmax of the target's head over it (both norm and head read from the checkpoint, float32). The ids the server ran
-must be the ids sent, and its layers the ones asked, or the sequence fails with the reason. The server's own greedy
-token at the last position is compared with ``top`` there: a disagreement is counted (``last_token_disagreements``;
-a near tie can flip it) and, on most sequences, stops the stage (a norm or head read wrongly).
-
-A server given by url must share this machine's filesystem and run with ``server_args``. Sequences are sent in
-shards (hidden.py's resume unit); a killed stage or server loses at most the shard in flight.
+argmax of the target's head over it (norm and head read from the checkpoint, float32). The ids the server ran must be
+the ids sent, and its layers the ones asked, or the sequence fails with the reason. The server's own greedy token at
+the last position is compared with ``top``: disagreements are counted (``last_token_disagreements``) and, on more than
+``MOST_DISAGREEMENTS`` of 8 or more sequences, stop the stage. A server given by url must share this machine's
+filesystem and run with ``server_args``.
 """
 from __future__ import annotations
 
@@ -37,7 +33,7 @@ from .vllm import VLLMEngine, check_answer, launched
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent.parent
-MOST_DISAGREEMENTS = 0.5  # the share of sequences whose last token may differ from the server's before the stage stops
+MOST_DISAGREEMENTS = 0.5  # the share of sequences whose last token may differ from the server's
 
 
 def server_args(layers: list[int]) -> list[str]:
@@ -53,7 +49,7 @@ def server_args(layers: list[int]) -> list[str]:
 class StatesEngine(VLLMEngine):
     """vLLM's client whose requests name the file of their states (``folder/<record id>.safetensors``) and whose
     answers must say where the server wrote it; a launched server gets ``server_args`` and this repository on its
-    PYTHONPATH (for the connector)."""
+    PYTHONPATH."""
     name, title = "vllm", "vLLM (hidden states)"
 
     def __init__(self, params, tokenizer, layers: list[int], folder: Path, interpreter: str | None = None):
@@ -105,8 +101,8 @@ def _states_path(answer) -> str | None:
 
 
 class VLLMStates:
-    """hidden.run's states source on vLLM (the hf one: hidden.Forward). Use as a context manager: it starts the
-    engine (and a launched server) and removes its folder of files in flight at the end."""
+    """hidden.run's states source on vLLM (the hf one: hidden.Forward); a context manager that closes the engine (and
+    a launched server) and removes its folder of files in flight at the end."""
 
     def __init__(self, folder: Path, params, compute_dtype: str, cache_root: Path, interpreter: str | None = None):
         """``params``: the ``hidden`` section (config.Hidden); ``compute_dtype``: the served dtype (--dtype)."""

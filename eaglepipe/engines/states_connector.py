@@ -2,16 +2,13 @@
 ``StatesConnector``) that writes a finished request's hidden states to a file, and that file's format, read back by
 ``read`` (the hidden stage's side, eaglepipe/engines/states.py).
 
-How vLLM 0.32 captures them: with ``--speculative-config {"method": "extract_hidden_states", "draft_model_config":
+The capture (vLLM 0.32): with ``--speculative-config {"method": "extract_hidden_states", "draft_model_config":
 {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}`` the target's forward also returns the states at the
-inputs of the decoder layers ``ids`` (``hidden_states + residual``, what Hugging Face calls ``hidden_states[i]``; id
-L, one past the last layer, is the last layer's output before the final norm), and a cache-only attention layer
-stores them, one head per id, in paged blocks ``[blocks, len(ids), block_size, H]``. When a request finishes, vLLM
-asks the connector whether to hold its blocks (``request_finished``); this one does, its worker copies the request's
-rows out of the blocks (``rows``) and writes them, then reports the request done and vLLM frees the blocks. The copy is
-synchronous on the worker (a plain tensor index and ``.cpu()``), so the CPU build and CUDA run the same code; vLLM's
-example connector copies on CUDA streams into pinned memory, which the CPU build cannot. Under tensor parallelism
-every rank holds the whole states and rank 0 writes them.
+inputs of the decoder layers ``ids`` (Hugging Face's ``hidden_states[i]``; id L, one past the last layer, is the last
+layer's output before the final norm), stored by a cache-only attention layer, one head per id, in paged blocks
+``[blocks, len(ids), block_size, H]``. The connector holds a finished request's blocks (``request_finished``); its
+worker copies the request's rows out synchronously (``rows``), writes them, and reports the request done. Under
+tensor parallelism rank 0 writes.
 
 The file (safetensors, written to ``<path>.tmp`` and renamed, so a file that exists is whole; the answer can reach
 the client before it exists):

@@ -1,8 +1,8 @@
-"""The table of engines ``infer.engine`` chooses from (``ENGINES``: a name and the function that builds the engine
-from the ``infer`` params), and ``create``. A new engine is one entry here plus its module, and its name among
-``infer.engine``'s values in config.py (with, for a server engine, its ``infer.<name>`` section);
-tests/test_config.py checks that the two name the same engines. Only the infer stage imports this table, so no other
-stage's code includes the engines'.
+"""The engines ``infer.engine`` chooses from (``ENGINES``: name -> builder from the ``infer`` params), and ``create``.
+
+A new engine is one entry here plus its module, and its name among ``infer.engine``'s values in config.py (with, for
+a server engine, its ``infer.<name>`` section; tests/test_config.py checks both name the same engines). Only the infer
+stage imports this table.
 """
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ def _hf(params, folder, tokenizer, rt):
 
 
 def _server(engine):
-    """A server engine (``engine``: SGLangEngine, SGLang's native /generate; VLLMEngine, vLLM's token-in token-out
-    /inference/v1/generate) over the servers of ``infer.<engine.name>``, a launched one completed by ``servers`` with
-    infer.dtype resolved as the hf engine resolves it (runtime.compute_dtype)."""
+    """The builder of server engine class ``engine`` over the servers of ``infer.<engine.name>`` (a launched one
+    completed by ``servers``, infer.dtype resolved by runtime.compute_dtype)."""
     def build(params, folder, tokenizer, rt):
         from .. import runtime
 
@@ -38,7 +37,6 @@ ENGINES = {"hf": _hf, "sglang": _server(SGLangEngine), "vllm": _server(VLLMEngin
 
 
 def create(params, folder, tokenizer, rt):
-    """The engine ``params.engine`` names (``params``: the ``infer`` section, config.Infer), as a context manager:
-    ``with create(...) as engine:``. Leaving it releases what the engine holds (connections, a server it launched),
-    also on errors. A launched server is started as ``servers`` says."""
+    """The engine ``params.engine`` names (``params``: config.Infer) as a context manager; leaving it, also on
+    errors, releases what the engine holds (connections, a server it launched)."""
     return ENGINES[params.engine](params, folder, tokenizer, rt)

