@@ -1,25 +1,24 @@
-"""The EAGLE-3 drafter: config, module, draft vocabulary, export in the layout SGLang and vLLM load (its start from
-the target's weights, ``train.init``: draft_init.py).
+"""The EAGLE-3 drafter: config, module, draft vocabulary, checkpoint in the layout SGLang and vLLM load (its start
+from the target's weights: draft_init.py).
 
-Architecture (one decoder layer over the target's features, as in SafeAILab/EAGLE ``traineagle3/cnets.py`` and
-SGLang ``models/llama_eagle3.py``)::
+Architecture (one decoder layer over the target's features, as SafeAILab/EAGLE ``traineagle3/cnets.py`` and SGLang
+``models/llama_eagle3.py``)::
 
     g  = fc(aux)                                    aux = cat(low, mid, high) [.., 3H] -> g [.., H]
     x  = cat(input_layernorm(embed(token)), hidden_norm(h))       [.., 2H]   (h = g at step 0)
     a  = h + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))   q/k/v take 2H inputs; RoPE; GQA
-                                            (the qwen3 drafter: RMS norms q_norm, k_norm on each head before RoPE;
-                                             the deepseek_mla drafter: DeepSeek's MLA, ``MLAttention``)
+                                            (qwen3: RMS norms q_norm, k_norm on each head before RoPE;
+                                             deepseek_mla: DeepSeek's MLA, ``MLAttention``)
     h' = a + mlp(post_attention_layernorm(a))                     pre-norm output, fed back as h
     draft_logits = lm_head(norm(h'))                               [.., draft_vocab_size]
 
-``embed_tokens`` is the target's input embedding, frozen, kept as a non-persistent buffer: it is neither trained nor
-saved (SGLang and vLLM give the drafter the target's embedding when the checkpoint has none). Everything is float32.
+``embed_tokens`` is the target's input embedding, frozen, a non-persistent buffer: neither trained nor saved (SGLang
+and vLLM give the drafter the target's embedding). Everything is float32.
 
-Inference API (what the evaluate stage calls; chain drafting, top-1, batch rows share one length)::
+Inference API (chain drafting, top-1, batch rows share one length)::
 
-    model = draft.load("models/draft", target_embeddings)   # Eagle3Draft in eval mode; target_embeddings [V, H] =
-        # target_model.get_input_embeddings().weight, or train.target_tensors(folder, 0)["embed"] (no model load)
-    model.aux_layers                   # [2, 15, 27]: HF output_hidden_states indices to concatenate (low, mid, high)
+    model = draft.load("models/draft", target_embeddings)   # Eagle3Draft in eval mode; target_embeddings [V, H]
+    model.aux_layers                   # HF output_hidden_states indices to concatenate (low, mid, high)
     g = model.project(aux)             # aux [B, T, 3H] (any float dtype) -> [B, T, H] float32
     logits, h_out, cache = model(input_ids, hidden, cache=None, position_ids=None)
         input_ids [B, T] target-vocabulary ids, hidden [B, T, H] (project(aux) or a previous h_out),
@@ -29,18 +28,14 @@ Inference API (what the evaluate stage calls; chain drafting, top-1, batch rows 
     cache.crop(n); len(cache)          # keep the first n positions / number of positions held
 
 Alignment (the same in training): the target's hidden state at position t is paired with the token at t + 1, and the
-drafter's output there predicts the token at t + 2. Position ids are the hidden state's position: ``t`` for a pair
-built from the target's own hidden state at t, and ``t + k`` at draft step k of a chain that starts from it
-(training-time test unrolls exactly these steps). Hence the cache length always equals the next position id.
+drafter's output there predicts the token at t + 2. Position ids are the hidden state's position: ``t`` for the
+target's own state at t, ``t + k`` at draft step k of a chain that starts from it; so the cache length always equals
+the next position id.
 
-Chain drafting, prompt x_0..x_{n-1}, the target's prefill gives aux_0..aux_{n-1} and its own next token x_n:
-    1. extend:  logits, h, cache = model(x[1..n], project(aux[0..n-1]))          positions 0..n-1
-               d_1 = model.to_target(logits[:, -1].argmax(-1))                     (drafts x_{n+1})
-    2. step k = 1..K-1:  logits, h, cache = model(d_k[:, None], h[:, -1:], cache)  position n-1+k
-               d_{k+1} = model.to_target(logits[:, -1].argmax(-1))
-    3. the target verifies x_n, d_1..d_K, accepts m drafts and appends its bonus token; then cache.crop(n)
-       (drop the chain) and extend with the tokens x_{n+1}..x_{n+m+1} paired with project(aux[n..n+m]) (the
-       target's states at the verified positions), positions n..n+m; n becomes n+m+1; go to 2.
+Chain drafting (speculative.EagleDrafter), after a prefill of x_0..x_{n-1} and the target's next token x_n: extend
+with x[1..n] paired with project(aux[0..n-1]); each draft step feeds ``to_target(logits[:, -1].argmax(-1))`` with
+``h[:, -1:]``; after verification (m drafts accepted, plus the bonus token) ``cache.crop(n)`` drops the chain and
+x_{n+1}..x_{n+m+1} paired with project(aux[n..n+m]) extend it.
 
 Draft vocabulary: the N most frequent loss-masked (trained) token ids, sorted ascending (ties: lower id first), padded
 with the lowest unused ids when the data has fewer distinct ids. ``d2t`` int64 [N]: target_id = draft_id +
@@ -57,8 +52,8 @@ kv_b_proj}.weight``, DeepSeek's names), ``midlayer.mlp.{gate,up,down}_proj.weigh
 ``deepseek_eagle3.py``, with the target's ``MLA_KEYS``), ``num_hidden_layers: 1``, ``tie_word_embeddings: false``
 (SGLang would make lm_head the embedding otherwise), ``vocab_size`` (target), ``draft_vocab_size``, the target's Llama
 fields (sizes, heads, head_dim, rms_norm_eps, rope_theta/rope_scaling and rope_parameters, max_position_embeddings,
-hidden_act) and the aux layer ids once per engine, each where only that engine reads it, so that neither can serve the
-drafter with other layers than it was trained on (both engines give the same ids different meanings):
+hidden_act) and the aux layer ids once per engine, each where only that engine reads it (the engines give the same ids
+different meanings):
     ``eagle_aux_hidden_state_layer_ids`` (top level): the HF indices ([2, 15, 27]). vLLM 0.32 reads this key first
         (``gpu_model_runner._get_eagle3_aux_layers_from_config``; its newer runner reads only this one) as HF
         ``hidden_states`` indices; SGLang never reads it.
@@ -70,7 +65,6 @@ drafter with other layers than it was trained on (both engines give the same ids
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -85,14 +79,11 @@ from torch import nn
 from . import families
 from .errors import UserError
 
-log = logging.getLogger(__name__)
-
 DRAFTERS = {"llama": ("LlamaForCausalLMEagle3", "llama"),  # the Llama layer: SGLang's and vLLM's
             "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3"),  # with Qwen3's q_norm/k_norm: vLLM's only
             "deepseek_mla": ("Eagle3DeepseekV2ForCausalLM", "deepseek_v2")}  # MLA and a dense MLP: vLLM's only
-"""train.drafter's layers: name -> (the ``architectures`` name, the ``model_type`` their config.json gets). The MLA
-drafter's model_type is deepseek_v2 for DeepseekV2 and V3 targets alike: vLLM turns a drafter config of type
-deepseek_v3 into its multi-token-prediction model (``SpeculativeConfig.hf_config_override``)."""
+"""train.drafter's layers: name -> (config.json's ``architectures`` name, ``model_type``). deepseek_mla's is
+deepseek_v2 for V2 and V3 targets alike: vLLM makes a drafter of type deepseek_v3 its multi-token-prediction model."""
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 """The MLA drafter's attention sizes, the target's (its config.json keys)."""
 MROPE = ("mrope_section", "mrope_interleaved")  # a multimodal target's RoPE keys: text positions make them 1-D RoPE
@@ -122,9 +113,8 @@ class DraftConfig:
 
     @classmethod
     def from_target(cls, config, draft_vocab_size: int, aux_layers: list, drafter: str = "llama") -> "DraftConfig":
-        """The ``drafter``'s config from the target's (a transformers config): same widths, heads and RoPE; of an
-        M-RoPE (a composite's language model) the 1-D RoPE its text positions make, so the engines give the drafter
-        plain positions."""
+        """The ``drafter``'s config from the target's (a transformers config): same widths, heads and RoPE (an
+        M-RoPE made the 1-D RoPE of text positions)."""
         c = families.text_config(config)
         rope = {k: v for k, v in c.rope_parameters.items() if k not in MROPE}
         mla = None
@@ -180,8 +170,8 @@ class DraftConfig:
 
 
 def aux_layers_of(d: dict) -> list:
-    """The HF indices a checkpoint's config.json names, from both engines' keys (module docstring), which must
-    agree."""
+    """The HF indices a checkpoint's config.json names in both engines' keys (module docstring); ValueError unless
+    both are there and agree."""
     vllm_ids = d.get("eagle_aux_hidden_state_layer_ids")
     sglang_ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if vllm_ids is None or sglang_ids is None:
@@ -193,7 +183,6 @@ def aux_layers_of(d: dict) -> list:
     return list(vllm_ids)
 
 
-# ------------------------------------------------------------------------------------------------- draft vocabulary
 def build_vocab(counts: Counter, size: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 [size], t2d bool [vocab_size]) from token counts of the loss-masked tokens."""
     if not 0 < size <= vocab_size:
@@ -207,7 +196,6 @@ def build_vocab(counts: Counter, size: int, vocab_size: int) -> tuple[torch.Tens
     return ids - torch.arange(size), t2d
 
 
-# ------------------------------------------------------------------------------------------------------------ module
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -226,9 +214,8 @@ def rotate(x, cos, sin):
 
 
 def rotate_pairs(x, cos, sin):
-    """RoPE over interleaved pairs (x0, x1), (x2, x3), .. (DeepSeek's layout; vLLM's ``is_neox_style=False``): the
-    pairs gathered into halves, then ``rotate``. The result is in the halves' order, the same for queries and keys,
-    so their products are those of the interleaved rotation."""
+    """RoPE over interleaved pairs (x0, x1), (x2, x3), .. (DeepSeek's layout; vLLM's ``is_neox_style=False``), the
+    result in rotate-half order: query-key products equal the interleaved rotation's."""
     return rotate(x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2), cos, sin)
 
 
@@ -274,12 +261,11 @@ class Attention(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention over the 2H input, as vLLM's ``DeepseekV2MLAAttention`` in its EAGLE-3 layer
-    computes it: queries through q_a_proj, an RMS norm and q_b_proj; keys and values through the compressed latent
-    (kv_a_proj_with_mqa, an RMS norm, kv_b_proj); RoPE (``rotate_pairs``) on the last qk_rope_head_dim of each query
-    head and on one rope key all heads share, none on the rest (qk_nope_head_dim); softmax scale (qk_nope + qk_rope
-    head dims) ** -0.5 times YaRN's mscale squared. Training attends with the keys and values expanded per head
-    (the same numbers as vLLM's latent form)."""
+    """Multi-head latent attention over the 2H input, as vLLM's ``DeepseekV2MLAAttention`` computes it: queries
+    through q_a_proj, an RMS norm and q_b_proj; keys and values through the latent (kv_a_proj_with_mqa, an RMS norm,
+    kv_b_proj); RoPE (``rotate_pairs``) on the last qk_rope_head_dim of each query head and on one shared rope key;
+    softmax scale (qk_nope + qk_rope head dims) ** -0.5 times YaRN's mscale squared. Keys and values are expanded per
+    head."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -428,7 +414,6 @@ class Eagle3Draft(nn.Module):
         return self.logits(h), h, cache
 
 
-# ------------------------------------------------------------------------------------------------------- save / load
 def save(model: Eagle3Draft, folder) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -443,8 +428,6 @@ def read_config(folder) -> DraftConfig:
 
 
 def load(folder, target_embeddings: torch.Tensor) -> Eagle3Draft:
-    folder = Path(folder)
-    cfg = read_config(folder)
-    model = Eagle3Draft(cfg, target_embeddings)
-    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
+    model = Eagle3Draft(read_config(folder), target_embeddings)
+    model.load_state_dict(load_file(str(Path(folder) / "model.safetensors")), strict=True)
     return model.eval()

@@ -1,25 +1,18 @@
-"""How an EAGLE-3 drafter (draft.py) starts from the target's weights instead of noise.
+"""How an EAGLE-3 drafter (draft.py) starts from the target's weights (``train.init``; the default, ``fresh``, keeps
+the seeded default init of every weight; one log line per run says which).
 
-Under ``train.init: target`` (``init_from_target``; the default, ``fresh``, keeps the seeded default init of every
-weight, and ``head`` starts lm_head and norm alone as below, ``init_head``; one log line per run says which): fc passes
-the high aux state through, lm_head = the target's rows of the draft vocabulary, norm = the target's final norm, and
-the midlayer starts from the target's decoder layer that consumes the high state, each part where the target's weights
-for it are there with the drafter's shapes and stored as floats: the attention (q/k/v on the hidden-state half, the
-embedding half zero; o_proj; hidden_norm = its input norm; the qwen3 drafter's q_norm/k_norm; the deepseek_mla
-drafter's q_a/kv_a projections on the hidden-state half, the rest of the MLA as it is) and the MLP (post-attention
-norm, gate/up/down). A part that does not fit starts fresh: the attention from the seeded default init, the MLP from
-seeded gate/up and a zero down_proj (it adds nothing until training grows it). The init is *exact*, step 0 computing
-exactly that target layer over the target's states (within the target's sliding window, if it has one: the drafter
-attends to every position), when both parts fit, no weight of the layer is left over and the family's layer is the
-drafter's (``families.Family.layer``: another family with the same weight names may compute something else from them).
-Otherwise the log says not exact and names what it dropped or started fresh, e.g.:
-    Qwen3, Qwen3-MoE under the llama drafter: q_norm/k_norm (RMS norms on each head's q and k) have no place in the
-        Llama layer: dropped, the projections copied (the qwen3 drafter, their default, copies them).
-    Qwen2: the q/k/v biases are dropped (a bias cannot be folded into a projection of normed inputs).
-    MoE (experts and a router instead of a dense ``mlp.*``): the MLP starts fresh, at the drafter's size, the target
-        config's ``intermediate_size`` (Qwen3-MoE's dense MLP size, not ``moe_intermediate_size``, one expert's).
-    DeepseekV3 under the deepseek_mla drafter: the MLA attention copied, the MLP fresh where the layer is MoE; exact
-        where it is one of the dense first layers (``first_k_dense_replace``).
+``target`` (``init_from_target``): fc passes the high aux state through, lm_head = the target's rows of the draft
+vocabulary, norm = the target's final norm (``head``, ``init_head``, does these two alone), and the midlayer starts
+from the target's decoder layer that consumes the high state, each part where the target's weights for it are there
+with the drafter's shapes and stored as floats: the attention (q/k/v on the hidden-state half, the embedding half
+zero; o_proj; hidden_norm = its input norm; the qwen3 drafter's q_norm/k_norm; the deepseek_mla drafter's q_a/kv_a
+projections on the hidden-state half, the rest of the MLA as it is) and the MLP (post-attention norm, gate/up/down).
+A part that does not fit starts fresh: the attention from the seeded default init, the MLP from seeded gate/up and a
+zero down_proj. The init is *exact* (step 0 computes that target layer over the target's states, within its sliding
+window if it has one) when both parts fit, no weight of the layer is left over and the family's layer is the
+drafter's (``families.Family.layer``). Otherwise the log says not exact and names what it dropped (e.g. Qwen3's
+q_norm/k_norm under the llama drafter, Qwen2's q/k/v biases) or started fresh (e.g. an MoE layer's MLP, at the target
+config's ``intermediate_size``).
 """
 from __future__ import annotations
 

@@ -23,13 +23,13 @@ Layout (a sharded dataset, format: ``shards.py``):
 The folder holds data only (no fingerprint, no code version): the same sequences, model and ``hidden`` params,
 extracted from an empty store, give the same bytes.
 
-Layer ids (``layer_convention: hf_hidden_states``; checked by tests/test_hidden.py against a bare forward): ids are
-Hugging Face ``output_hidden_states`` indices. ``hidden_states[0]`` is the embedding output and ``hidden_states[i]``
-is the input of decoder layer ``i`` (= the output of layer ``i - 1``); ``hidden_states[L]`` is *not* the last
-layer's raw output in transformers 5.x: it is replaced by the final normed state. ``auto`` = ``[2, L // 2, L - 3]``
-(EAGLE-3's official choice, what SGLang and vLLM capture when a drafter names no layers) where those ids are valid
-(L >= 7; smaller targets: ``layer_ids``). vLLM's ``eagle_aux_hidden_state_layer_ids`` are these ids; SGLang's and
-SpecForge's count layer *outputs*, so they are these ids minus one (``[1, L // 2 - 1, L - 4]``); draft.py writes both.
+Layer ids (``layer_convention: hf_hidden_states``): ids are Hugging Face ``output_hidden_states`` indices.
+``hidden_states[0]`` is the embedding output and ``hidden_states[i]`` is the input of decoder layer ``i`` (= the output
+of layer ``i - 1``); ``hidden_states[L]`` is *not* the last layer's raw output in transformers 5.x: it is replaced by
+the final normed state. ``auto`` = ``[2, L // 2, L - 3]`` (EAGLE-3's official choice, what SGLang and vLLM capture when
+a drafter names no layers) where those ids are valid (L >= 7; smaller targets: ``layer_ids``). vLLM's
+``eagle_aux_hidden_state_layer_ids`` are these ids; SGLang's and SpecForge's count layer *outputs*, so they are these
+ids minus one (``[1, L // 2 - 1, L - 4]``); draft.py writes both.
 """
 from __future__ import annotations
 
@@ -62,13 +62,10 @@ def columns(dtype: str) -> tuple[str, ...]:
 def layer_ids(value, num_layers: int) -> list[int]:
     """The three layer ids (low, mid, high) for ``hidden.layers``: ``auto`` or explicit ids.
 
-    ``auto`` = ``[2, L // 2, L - 3]`` for L >= 7 layers. Below 7 those ids collide, and ``auto`` is the three
-    consecutive ids around the middle, ``[L // 2 - 1, L // 2, L // 2 + 1]`` ([1, 2, 3] for 4 or 5 layers, [2, 3, 4]
-    for 6, the default's value at 7): never id 0 (the embedding output, which several SGLang and vLLM models cannot
-    capture: they add a residual that does not exist yet), so ``auto`` needs at least 4 layers. The drafter's config
-    names its layers for both engines (draft.py), so ids other than the engines' default are served as they are.
-    Explicit ids must be three strictly increasing integers in ``[0, L - 1]`` (inputs of decoder layers; index ``L``
-    would be the normed final state, which is stored separately)."""
+    ``auto`` = ``[2, L // 2, L - 3]`` for L >= 7 layers, else ``[L // 2 - 1, L // 2, L // 2 + 1]``; never id 0 (the
+    embedding output, which several SGLang and vLLM models cannot capture), so ``auto`` needs at least 4 layers.
+    Explicit ids must be three strictly increasing integers in ``[0, L - 1]`` (index ``L`` would be the normed final
+    state, stored separately). ValueError otherwise."""
     L = int(num_layers)
     if value is None or value == "auto":
         if L < 4:

@@ -3,17 +3,15 @@ seeding of torch's random generators, and what depends on the world: wrapping a 
 (``Runtime.wrap``: DDP above one process) and saving and loading a checkpoint (``Runtime.save``, ``Runtime.load``).
 Code takes its device from its inputs (``model.device``, a tensor's ``.device``); this module alone chooses it.
 
-One process (``python stages/hidden.py ...``) is rank 0 of a world of 1. Under torchrun (``RANK``, ``WORLD_SIZE`` and
-``LOCAL_RANK`` in the environment) with more than one process, ``start`` joins the process group (gloo on CPU, nccl
-on CUDA) and each rank takes the GPU ``cuda:LOCAL_RANK``. The device, the number of processes and the threads are
-speed knobs, tracked by no DVC entry and no fingerprint: they decide how fast a stage computes, not what (hidden
-publishes the same bytes at any number of processes; another device or thread count may round differently). The
-compute dtype decides the numbers: ``hidden.compute_dtype`` is a result knob.
+One process is rank 0 of a world of 1. Under torchrun (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` in the
+environment) with more than one process, ``start`` joins the process group (gloo on CPU, nccl on CUDA) and each rank
+takes the GPU ``cuda:LOCAL_RANK``. The device, the number of processes and the threads are speed knobs, tracked by no
+DVC entry and no fingerprint (another device or thread count may round differently); the compute dtype decides the
+numbers: ``hidden.compute_dtype`` is a result knob.
 
-dvc.yaml runs a stage as ``python -m eaglepipe.runtime stages/<stage>.py ARGS``: the script itself, or, when
-``EAGLEPIPE_NPROC`` is above 1 (``NPROC=8 make hidden`` sets it), ``torchrun --standalone --nproc-per-node 8`` on it
-(without ``--standalone`` when ``PET_NNODES`` is set: a job across nodes, whose rendezvous torchrun reads from its
-``PET_*`` variables; docs/distributed.md).
+``python -m eaglepipe.runtime stages/<stage>.py ARGS`` (dvc.yaml's commands) runs the script itself, or, when
+``EAGLEPIPE_NPROC`` is above 1, ``torchrun --standalone --nproc-per-node N`` on it (without ``--standalone`` when
+``PET_NNODES`` is set: a job across nodes, whose rendezvous torchrun reads from its ``PET_*`` variables).
 """
 from __future__ import annotations
 
@@ -59,8 +57,8 @@ class Runtime:
         return total.to(tensor.device)
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        """``module`` as this world trains it: itself in a world of 1, else DistributedDataParallel, which averages
-        the ranks' gradients in backward. Buffers are not broadcast: the callers' buffers are constants."""
+        """``module`` as this world trains it: itself in a world of 1, else DistributedDataParallel (gradients
+        averaged over the ranks; buffers not broadcast)."""
         if self.world == 1:
             return module
         from torch.nn.parallel import DistributedDataParallel
@@ -123,7 +121,7 @@ def device(name: str = "auto", local_rank: int = 0, world: int = 1) -> torch.dev
 
 def native_bf16(dev: torch.device) -> bool:
     """Whether ``dev`` multiplies bf16 matrices natively: a CUDA GPU that supports bf16, or a CPU with AVX512-BF16 or
-    AMX (elsewhere torch emulates bf16 matmuls, slower than float32)."""
+    AMX."""
     if dev.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

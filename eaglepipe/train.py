@@ -1,16 +1,14 @@
-"""Training the EAGLE-3 drafter on the target's hidden states, with training-time test (TTT).
+"""Training the EAGLE-3 drafter on the target's hidden states (layout: ``features.py``) with training-time test (the
+objective: ``ttt.py``).
 
-Data (layout and layer ids: ``features.py``, ``shards.py``): per sample ``input_ids``, ``loss_mask`` (1 on tokens the
-target generated), ``aux`` [n, 3H] (layers low/mid/high), ``final`` [n, H] (the target's normed last state; its logits
-are ``final @ lm_head.T`` with the target's own head) and ``top`` [n] (the target's greedy next token, from the
-unrounded state). The objective (alignment, loss mask, attention at each step, loss): ``ttt.py``.
 ``train.autocast: bfloat16`` runs the forward, the target's logits included, in bf16 matmuls under ``torch.autocast``
 (``auto``: where the device has native bf16 matmuls, ``resolved``); weights, optimizer, softmax and loss stay float32.
+AdamW, linear warmup then cosine decay to 0, gradient clipping, seeded.
 
 Features (``train.features``): ``offline`` reads ``data/hidden`` (``features.Stored``); ``online`` runs the frozen
-target on ``data/sequences`` (``Online``) with hidden's own extraction (``hidden.extract_shard``, the ``hidden`` params)
-and writes nothing. Either way the ids and masks stay in memory (5 bytes a token) and a batch's states are read, or
-computed, when it is collated. The draft vocabulary is counted from the ids.
+target on ``data/sequences`` (``Online``) with hidden's own extraction and params, and writes nothing. Either way the
+ids and masks stay in memory and a batch's states are read, or computed, when it is collated. The draft vocabulary is
+counted from the ids.
 
 Batches: each epoch shuffles the samples (seeded by seed and epoch), sorts them by length within windows of 64 and
 cuts right-padded batches of at most ``batch_tokens`` (rows x longest), in shuffled order: a global batch, whatever
@@ -53,9 +51,9 @@ WINDOW = 64  # samples sorted by length together (plan_batches)
 
 
 class Online:
-    """Online features: the frozen target ``model`` runs on each batch of the sequences in ``folder``
-    (``data/sequences``) and computes what hidden would store with ``params`` (config.Hidden); a sequence the target
-    cannot run stops the run (hidden would leave it out)."""
+    """Online features: the frozen target ``model`` computes, for each batch of the sequences in ``folder``
+    (``data/sequences``), what hidden would store with ``params`` (config.Hidden); a sequence it cannot run is a
+    UserError."""
 
     def __init__(self, folder, model, params):
         self.folder, self.model, self.params = Path(folder), model.eval().requires_grad_(False), params
@@ -65,8 +63,7 @@ class Online:
 
     def identity(self) -> dict:
         return {"data": shards.dataset_hash(self.folder), "hidden": self.params.tracked(), "layers": self.layers,
-                "model_dtype": str(self.model.dtype),
-                "code": code_hash(deps.code(hidden.__file__))}
+                "model_dtype": str(self.model.dtype), "code": code_hash(deps.code(hidden.__file__))}
 
     def states(self, samples: list[features.Sample]) -> list[dict]:
         tensors, failed = hidden.extract_shard(self.model, [(s.id, s.ids, s.mask) for s in samples], self.layers,
@@ -80,14 +77,13 @@ class Online:
                 for i in range(len(samples))]
 
 
-# ------------------------------------------------------------------------------------------------------------- data
 def target_tensors(folder, layer: int) -> dict:
-    """From the target's safetensors files (the model is not loaded; the headers tell which file holds what):
-    ``embed`` (input embedding), ``head`` (output head; the embedding when tied), ``norm`` (final norm), float32, and
-    for ``draft_init.init_from_target``: ``layer`` {name: weight as stored} of decoder layer ``layer``'s weights
-    among ``draft_init.LAYER_WEIGHTS``, ``layer_names`` every weight name of that layer, ``layer_index`` and
-    ``model_type`` (its language model's). Names as compat.names finds them (a composite's under its wrapper's prefix).
-    A weight stored in FP8 blocks with its scales is read dequantized to float32 (quant.py)."""
+    """From the target's safetensors files (the model is not loaded): ``embed`` (input embedding), ``head`` (output
+    head; the embedding when tied), ``norm`` (final norm), float32, and for ``draft_init.init_from_target``:
+    ``layer`` {name: weight as stored} of decoder layer ``layer``'s weights among ``draft_init.LAYER_WEIGHTS``,
+    ``layer_names`` every weight name of that layer, ``layer_index`` and ``model_type`` (its language model's). Names
+    as compat.names finds them (a composite's under its wrapper's prefix). A weight stored in FP8 blocks with its
+    scales is read dequantized to float32 (quant.py)."""
     folder = Path(folder)
     stored = compat.weights(folder)
     names = compat.names(stored)
@@ -106,12 +102,9 @@ def target_tensors(folder, layer: int) -> dict:
 
 
 def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[features.Sample]:
-    """Every sample of ``split`` with at least one trained position.
-    ``positions``: "generated" trains chains over the loss mask only (the official recipe); "all" over every token
-    of the sequence, prompt included: the stored states and logits there are the target's own too, and the drafter
-    learns the target's distribution from about three times as many positions of the same data. A prompt is
-    trained once: further answers to it (``infer.samples``) train on their own tokens only. ``keep(id)``, when
-    given, picks the samples to load (bench/bench_scale.py trains on parts of the data)."""
+    """Every sample of ``split`` with at least one trained position. ``positions``: "generated" runs chains over the
+    loss mask only; "all" over every token of a prompt's first sample, prompt included (further answers to it,
+    ``infer.samples``, over their own tokens only). ``keep(id)``, when given, picks the samples to load."""
     folder, samples, prompts = Path(folder), [], set()
     for entry, spans, t in shards.columns(folder, split, ("input_ids", "loss_mask")):
         for sid, (start, end) in zip(entry["ids"], spans):
@@ -119,9 +112,8 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
                 continue
             mask = t["loss_mask"][start:end].bool()
             prompt = records.prompt_of(sid)
-            first = prompt not in prompts
+            chain = torch.ones_like(mask) if positions == "all" and prompt not in prompts else mask
             prompts.add(prompt)
-            chain = torch.ones_like(mask) if positions == "all" and first else mask
             if not chain_masks(chain, 1)[0].any():
                 continue
             samples.append(features.Sample(sid, t["input_ids"][start:end], mask, chain, folder / entry["file"],
@@ -154,14 +146,6 @@ def plan_batches(lengths: list[int], batch_tokens: int, seed: int | None = None,
     return batches if rng is None else [batches[i] for i in rng.permutation(len(batches))]
 
 
-# ------------------------------------------------------------------------------------------------------------ steps
-def share(batch: list[int], rt: runtime.Runtime) -> tuple[list[int], float]:
-    """(this rank's rows of a global batch, the weight of its loss): rows rank, rank + W, ..; a rank left without a
-    row gets the first at weight 0."""
-    rows = batch[rt.rank::rt.world]
-    return (rows, float(rt.world)) if rows else (batch[:1], 0.0)
-
-
 def summarize(stats: torch.Tensor) -> list[dict]:
     """[{step, loss, acc}], one per TTT step, from summed stats [steps, 4] (None where the step had no positions)."""
     return [{"step": k, "loss": round(loss / n_loss, 5) if n_loss else None,
@@ -170,8 +154,7 @@ def summarize(stats: torch.Tensor) -> list[dict]:
 
 
 def last_epoch(history: list[dict], split: str) -> dict:
-    """{loss_k, acc_k} (and ``acc_se_k`` where measured) of ``split``'s rows in the last epoch of ``history`` ({}
-    when it has none)."""
+    """{loss_k, acc_k, and acc_se_k where measured} of ``split``'s rows in ``history``'s last epoch ({} for none)."""
     last = history[-1]["epoch"]
     return {f"{m}_{r['step']}": r[m] for r in history if r["epoch"] == last and r["split"] == split
             for m in ("loss", "acc", "acc_se") if m in r}
@@ -181,8 +164,7 @@ def last_epoch(history: list[dict], split: str) -> dict:
 def evaluate(model, feats, samples, steps, head_draft, batch_tokens, bf16: bool = False,
              rt: runtime.Runtime = runtime.Runtime()) -> list[dict]:
     """Per-step loss and accuracy over ``samples`` (their states from ``feats``), their batches dealt round-robin to
-    the ranks; each accuracy with its standard error over the samples (``acc_se``, uncertainty.py: positions of
-    one sequence are not independent)."""
+    the ranks; each accuracy with its standard error over the samples (``acc_se``, uncertainty.py)."""
     model.eval()
     stats, per_sample = torch.zeros(steps, 4), {}
     for idx in plan_batches([s.ids.shape[0] for s in samples], batch_tokens)[rt.rank::rt.world]:
@@ -198,7 +180,6 @@ def evaluate(model, feats, samples, steps, head_draft, batch_tokens, bf16: bool 
                  is None else round(se, 5)} for k, r in enumerate(summarize(rt.all_sum(stats)))]
 
 
-# ------------------------------------------------------------------------------------------------------ the run
 def lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warmup over ``warmup`` steps, then cosine decay to 0 at ``total``."""
     if step < warmup:
@@ -207,17 +188,15 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 def optimizer(model, p) -> torch.optim.AdamW:
-    """AdamW over the drafter's trained weights (all but a frozen head: ``train.freeze_head``), as the train params
-    set it."""
+    """AdamW over the drafter's trained weights (a frozen head left out: ``train.freeze_head``), as ``p`` sets it."""
     return torch.optim.AdamW([w for w in model.parameters() if w.requires_grad], lr=p.lr, betas=p.betas,
                              weight_decay=p.weight_decay)
 
 
 def fingerprint(feats, params, target_fp: str) -> str:
-    """Hash of the features' inputs (``feats.identity()``: the shards' bytes, and online the hidden params), the
-    train params, the code that reads and trains (this module and what it imports, deps.code), and the target."""
-    code = code_hash(deps.code(__file__))
-    blob = json.dumps({"features": feats.identity(), "code": code, "params": params.tracked(),
+    """Hash of the features' inputs (``feats.identity()``), the train params, the code that reads and trains (this
+    module and what it imports, deps.code), torch's version and the target's fingerprint."""
+    blob = json.dumps({"features": feats.identity(), "code": code_hash(deps.code(__file__)), "params": params.tracked(),
                        "target": target_fp, "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -238,8 +217,7 @@ def uses_bf16(p) -> bool:
 
 
 def autocast(bf16: bool, device: torch.device):
-    """The context the drafter's forward runs in on ``device``: bf16 matmuls under ``torch.autocast`` when
-    ``bf16``."""
+    """The context the drafter's forward runs in on ``device``: bf16 matmuls under ``torch.autocast`` if ``bf16``."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
@@ -334,15 +312,15 @@ def resume(t: Training, path: Path, rt: runtime.Runtime) -> None:
 
 def checkpoint(t: Training, path: Path, rt: runtime.Runtime) -> None:
     """Save where the run is (every rank's sums added up), for ``resume``."""
-    total = rt.all_sum(t.running)
     rt.save(path, {"model": t.model.state_dict(), "optimizer": t.opt.state_dict(), "schedule": t.sched.state_dict(),
                    "rng": runtime.rng_state(), "epoch": t.epoch, "batch": t.batch, "history": t.history,
-                   "running": total})
+                   "running": rt.all_sum(t.running)})
 
 
 def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
-    """One optimizer step on the global batch ``idx``, this rank computing its share of the rows."""
-    rows, weight = share(idx, rt)
+    """One optimizer step on the global batch ``idx``, this rank computing its rows (module docstring)."""
+    rows = idx[rt.rank::rt.world]
+    rows, weight = (rows, float(rt.world)) if rows else (idx[:1], 0.0)  # no row: the first, at weight 0
     mine = [t.train_set[i] for i in rows]
     batch = collate(mine, t.feats.states(mine), t.p.ttt_steps, t.head_draft, t.model.t2d)
     if t.p.feature_noise:
@@ -395,11 +373,10 @@ def report(t: Training, seconds: float, rt: runtime.Runtime) -> dict:
 
 def run(feats, target_folder, params, checkpoints, keep=None, rt: runtime.Runtime = runtime.Runtime()):
     """Train the drafter on ``feats`` (a ``Stored`` or ``Online``, or hidden's folder) on ``rt``'s device and rank,
-    resuming from the checkpoint in ``checkpoints`` when there is one. Returns (model on the CPU, report, history).
-    ``keep``: see ``load_samples`` (training samples only). ``history`` holds one row ``{epoch, split, step, loss,
-    acc}`` per epoch, split (``train``: running means over the epoch's batches; ``valid``: after the epoch) and TTT
-    step: the plot rows of metrics/train_curves.json, whose plots name no step and so draw whatever steps were trained.
-    Every rank returns the same model, report and history."""
+    resuming from the checkpoint in ``checkpoints`` when there is one. Returns (model on the CPU, report, history),
+    the same on every rank. ``keep``: see ``load_samples`` (training samples only). ``history`` holds one row
+    ``{epoch, split, step, loss, acc}`` (valid: and ``acc_se``) per epoch, split (``train``: running means over the
+    epoch's batches; ``valid``: after the epoch) and TTT step: the rows of metrics/train_curves.json."""
     if params.threads:
         torch.set_num_threads(params.threads)
     params = resolved(params, rt.device)
