@@ -134,9 +134,11 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: 
         cos, sin = model.rope(act + k)
         if k:
             x = layer.attn_input(model.embed(ids[rows, (act + 1 + k).clamp(max=T - 1)]), h)
+        q = attn.queries(x, cos, sin)  # before the keys: the graph's order fixes backward's sums, so the trained bits
+        if k:
             diag.append(attn.keys_values(x, cos, sin))                       # this step's own keys and values
         own = [torch.stack(d, -2) for d in zip(*diag)] if k else (None, None)  # [B, heads, A, k, d]
-        out = attention(attn.queries(x, cos, sin), k0, v0, act, *own, attn.scale)
+        out = attention(q, k0, v0, act, *own, attn.scale)
         h = layer.finish(attn.merge(out), h)
 
         b, a = torch.nonzero(masks[k], as_tuple=True)
