@@ -154,9 +154,9 @@ def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concur
             continue
         with serve.Served(folder, tokenizer, cfg.serve, spec, f"bench-{method}", concurrency) as server:
             for name, s in sets.items():
-                run = s["decoded"][method] = server.decode(s["rows"], sampling)
-                results[name][method] = {"seconds": run["seconds"], "tokens": run["tokens"],
-                                         **report(s["conversations"], s["rows"], run, s["plain"])}
+                got = s["decoded"][method] = server.decode(s["rows"], sampling)
+                results[name][method] = {"seconds": got["seconds"], "tokens": got["tokens"],
+                                         **report(s["conversations"], s["rows"], got, s["plain"])}
                 logging.info("%s %s: acceptance length %s", method, name, results[name][method]["acceptance_length"])
     paired = {name: versus(s["conversations"], s["rows"], s["decoded"]["eagle3"], s["decoded"]["ngram"])
               for name, s in sets.items() if {"eagle3", "ngram"} <= s["decoded"].keys()}

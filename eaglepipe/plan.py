@@ -14,8 +14,8 @@ over ``1 - merge.valid_fraction`` of the tokens.
 
 Bytes per token stored by hidden (features.py): ``aux`` 3·H and ``final`` H in ``hidden.dtype`` (float8_e4m3fn: 1
 byte each plus a float32 scale per token and state), plus 9 bytes of ``input_ids``, ``loss_mask`` and ``top``; shard
-headers are not counted, and sequences stored once per content can make the measured figure lower. Online training
-stores nothing.
+headers and offsets are not counted (hidden's measured ``bytes_per_token``, over the tokens it stores, includes them).
+Online training stores nothing.
 
 Time: tokens / (tokens/s) per stage, from the ``--*-tokens-per-s`` options, else this machine's last run of the
 params' own target (metrics/timings/*.json, same condition as the means); each figure says where it came from.

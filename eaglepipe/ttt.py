@@ -134,7 +134,7 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: 
         cos, sin = model.rope(act + k)
         if k:
             x = layer.attn_input(model.embed(ids[rows, (act + 1 + k).clamp(max=T - 1)]), h)
-        q = attn.queries(x, cos, sin)  # before the keys: the graph's order fixes backward's sums, so the trained bits
+        q = attn.queries(x, cos, sin)  # before the keys: autograd's node order fixes backward's sums
         if k:
             diag.append(attn.keys_values(x, cos, sin))                       # this step's own keys and values
         own = [torch.stack(d, -2) for d in zip(*diag)] if k else (None, None)  # [B, heads, A, k, d]

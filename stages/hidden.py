@@ -42,8 +42,8 @@ def main(params, seq_folder, out, report, timings, cache):
             rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
     if rt.is_main:
         cli.publish(rep, report, timings)
-        logging.info("hidden: %d tokens, %s bytes/token, layers %s", rep["tokens"], rep["bytes_per_token"],
-                     rep["layers"])
+        logging.info("hidden: %d tokens (%d stored: each distinct sequence once), %s bytes per stored token, layers %s",
+                     rep["tokens"], rep["stored_tokens"], rep["bytes_per_token"], rep["layers"])
 
 
 if __name__ == "__main__":

@@ -104,7 +104,8 @@ class ServerPool:
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     def _open(self) -> None:
-        """Launch the server if asked (then ``urls`` is its url, and SIGTERM a SystemExit); list the servers."""
+        """Launch the server if asked (then ``urls`` is its url, and in the main thread, where SIGTERM has its default
+        action, SIGTERM a SystemExit); tokenize the probes; list the servers."""
         if self.launch:
             if threading.current_thread() is threading.main_thread() and \
                     signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # SystemExit: the engine's close stops it
