@@ -237,18 +237,18 @@ def refusal(folder, target_config: dict, drafter, p: config.Serve) -> str | None
     instead, or None: one row per known limit, checked in seconds before any server starts (the composite targets'
     torchvision: engines/vllm.py, at launch)."""
     rows = (
-        (lambda: families.of(target_config).mla and not drafter.mla and cpu_build(p.python),
+        (families.of(target_config).mla and not drafter.mla and cpu_build(p.python),
          f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter beside {folder}: the "
          "target's MLA attention (CPU_MLA) pages its KV cache in blocks of 16 tokens, the drafter's attention "
          "(CPU_ATTN) in multiples of 32, and vLLM needs one block size for both. Train the MLA drafter (train.drafter: "
          "deepseek_mla, auto's choice), or run the serve check with a GPU build of vLLM (serve.python)"),
-        (lambda: (quant.method(folder) or {}).get("quant_method") == "fp8" and p.dtype == "float32",
+        ((quant.method(folder) or {}).get("quant_method") == "fp8" and p.dtype == "float32",
          f"vLLM serves the FP8 target {folder} in bfloat16 or float16 only (vLLM 0.32: \"torch.float32 is not "
          "supported for quantization method fp8\"; its CPU build's FP8 block kernels also need AMX), and the check "
          "compares with evaluate's float32 decoding token for token. Set serve.dtype: bfloat16 to run it anyway: "
          "where bfloat16 rounds a greedy choice otherwise, its outputs will differ"),
     )
-    return next((why for refused, why in rows if refused()), None)
+    return next((why for refused, why in rows if refused), None)
 
 
 def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve, num_steps: int,
