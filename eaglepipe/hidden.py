@@ -277,9 +277,7 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
     computed_tokens, seconds = sum(r[0] for r in ranks), max(r[1] for r in ranks)
     total_bytes = sum((store / f).stat().st_size for f in used)
     tokens = sum(index[split]["tokens"] for split in seqs)
-    left_out = {f["id"] for f in failures}
-    stored = sum({key: len(ids) for items in seqs.values() for rid, ids, _mask, key in items
-                  if rid not in left_out}.values())  # a sequence sampled twice is stored once
+    stored = sum(shards.tokens_held(store / f) for f in used)  # with the rows a reused shard holds for other data
     H = cfg.hidden_size
     return {"layers": layers, "hidden_size": H, "samples": sum(index[s]["samples"] for s in seqs),
             "tokens": tokens, "train_tokens": index.get("train", {}).get("tokens", 0),

@@ -101,6 +101,12 @@ def read_rows(path, names, spans: list[tuple[int, int]]) -> list[dict[str, torch
         return [{name: s[start:end] for name, s in slices.items()} for start, end in spans]
 
 
+def tokens_held(path) -> int:
+    """How many token rows a shard file holds."""
+    with safe_open(str(path), framework="pt") as f:
+        return int(f.get_tensor("offsets")[-1])
+
+
 def files(folder) -> list[str]:
     """Every shard file a dataset's index names, once each, in index order."""
     index = load_index(folder)

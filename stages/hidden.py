@@ -42,7 +42,7 @@ def main(params, seq_folder, out, report, timings, cache):
             rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
     if rt.is_main:
         cli.publish(rep, report, timings)
-        logging.info("hidden: %d tokens (%d stored: each distinct sequence once), %s bytes per stored token, layers %s",
+        logging.info("hidden: %d tokens (%d stored in the published shards), %s bytes per stored token, layers %s",
                      rep["tokens"], rep["stored_tokens"], rep["bytes_per_token"], rep["layers"])
 
 

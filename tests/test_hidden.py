@@ -166,6 +166,23 @@ def test_a_sequence_sampled_twice_is_stored_once_and_bytes_per_token_counts_it_o
     assert valid["id"] == "twin" and torch.equal(valid["aux"], first["aux"])
 
 
+def test_stored_tokens_count_the_rows_a_reused_shard_holds_for_other_data(tmp_path, model):
+    """Data that drops a sequence but reuses its shard publishes that shard whole: ``stored_tokens`` counts every
+    row the published files hold, so ``bytes_per_token`` stays the bytes of one stored token."""
+    items = make_sequences(tmp_path / "unused", n=6)
+    one_shard = PARAMS.model_copy(update={"shard_tokens": 10_000})
+    sequences.write(tmp_path / "seq1", {"train": items[:4], "valid": items[4:5]}, shard_tokens=1000, policy={})
+    sequences.write(tmp_path / "seq2", {"train": items[1:5], "valid": items[5:]}, shard_tokens=1000, policy={})
+    first = hidden.run(tmp_path / "seq1", tmp_path / "out1", model, one_shard, "fp", tmp_path / "cache")
+    second = hidden.run(tmp_path / "seq2", tmp_path / "out2", model, one_shard, "fp", tmp_path / "cache")
+    assert second["run"]["reused_shards"] == 1 and second["run"]["computed_sequences"] == 1
+    assert second["tokens"] == sum(len(i[2]) for i in items[1:])
+    assert second["stored_tokens"] == sum(len(i[2]) for i in items), "the dropped sequence's rows are published too"
+    assert second["bytes"] > first["bytes"] and second["bytes_per_token"] == round(second["bytes"] / sum(
+        len(i[2]) for i in items), 2)
+    assert abs(second["bytes_per_token"] - first["bytes_per_token"]) < 0.02 * first["bytes_per_token"]
+
+
 def test_resume_keeps_finished_shards_and_a_changed_param_reuses_nothing(tmp_path, model, monkeypatch):
     make_sequences(tmp_path / "seq")
     real = hidden.extract_shard
