@@ -11,7 +11,8 @@ which PyPI ships for vLLM's CPU build only as source. GSM8K is left out: no pack
 Per benchmark, per category and, for MT-bench, per turn: acceptance length (tokens emitted over decode steps,
 evaluate's definition, where a step that proposed nothing emits one token) with its standard error over conversations
 (eaglepipe/uncertainty.py), and whether each output equals plain decoding's; the drafter's minus prompt lookup's,
-paired over the same conversations, and whether it exceeds twice its error; per benchmark and method, tokens/s at
+paired over the same conversations, and whether it exceeds twice its error (with ``--against LABEL=PATH``, another
+drafter, a lever's, decoded too and compared with both); per benchmark and method, tokens/s at
 ``--concurrency`` requests in flight and its ratio to plain. Greedy outputs can differ from plain where batched
 float rounding flips a near-tie, so equality is counted, not required; evaluate (make repro) stays the lossless
 check. Writes the figures as JSON (``--out``) and prints the table.
@@ -30,11 +31,21 @@ from eaglepipe.records import write_json
 SETS = ("heldout", "mtbench", "humaneval")
 
 
-def methods(e: config.Evaluate, draft: Path) -> dict[str, dict]:
-    """The speculative configs compared with plain decoding."""
+def methods(e: config.Evaluate, draft: Path, against: dict[str, Path]) -> dict[str, dict]:
+    """The speculative configs compared with plain decoding: the drafter, prompt lookup, then each other drafter
+    (``eagle3:<label>``)."""
     return {"eagle3": serve.eagle3(draft, e.num_steps),
             "ngram": {"method": "ngram", "num_speculative_tokens": e.num_steps, "prompt_lookup_max": e.ngram.max,
-                      "prompt_lookup_min": e.ngram.min}}
+                      "prompt_lookup_min": e.ngram.min},
+            **{f"eagle3:{label}": serve.eagle3(path, e.num_steps) for label, path in against.items()}}
+
+
+def comparisons(methods: list[str]) -> list[tuple[str, str]]:
+    """The paired differences reported, (a, b) for a − b: every drafter against prompt lookup, each other drafter
+    against the drafter."""
+    drafters = [m for m in methods if m.startswith("eagle3")]
+    return [(m, "ngram") for m in drafters if "ngram" in methods] + \
+        [(m, "eagle3") for m in drafters if m != "eagle3" and "eagle3" in methods]
 
 
 def turns_of(conversations, chat, answers: dict | None = None) -> list[dict]:
@@ -125,7 +136,7 @@ def flat(by_group: dict) -> list[tuple[str, dict]]:
 
 
 def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concurrency: int, limit: int | None = None,
-        only: tuple = ()) -> dict:
+        only: tuple = (), against: dict[str, Path] | None = None) -> dict:
     e = cfg.evaluate
     stops = target.stop_ids(folder, tokenizer)
     chat = evaluate.Chat(tokenizer, cfg.target.chat_template_kwargs, derive.spec_from_params(cfg.target.reasoning),
@@ -149,17 +160,20 @@ def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concur
             results[name]["plain"] = {"seconds": first["seconds"] + rest["seconds"],
                                       "tokens": first["tokens"] + rest["tokens"]}
             logging.info("plain %s: %d turns", name, len(s["rows"]))
-    for method, spec in methods(e, draft).items():
-        if only and method not in only:
+    ran = []
+    for method, spec in methods(e, draft, against or {}).items():
+        if only and method.split(":")[0] not in only:
             continue
+        ran.append(method)
         with serve.Served(folder, tokenizer, cfg.serve, spec, f"bench-{method}", concurrency) as server:
             for name, s in sets.items():
                 got = s["decoded"][method] = server.decode(s["rows"], sampling)
                 results[name][method] = {"seconds": got["seconds"], "tokens": got["tokens"],
                                          **report(s["conversations"], s["rows"], got, s["plain"])}
                 logging.info("%s %s: acceptance length %s", method, name, results[name][method]["acceptance_length"])
-    paired = {name: versus(s["conversations"], s["rows"], s["decoded"]["eagle3"], s["decoded"]["ngram"])
-              for name, s in sets.items() if {"eagle3", "ngram"} <= s["decoded"].keys()}
+    paired = {f"{a} - {b}": {name: versus(s["conversations"], s["rows"], s["decoded"][a], s["decoded"][b])
+                             for name, s in sets.items()}
+              for a, b in comparisons(ran)}
     for name, by_method in results.items():
         plain_tps = by_method["plain"]["tokens"] / by_method["plain"]["seconds"]
         for m in by_method.values():
@@ -167,7 +181,7 @@ def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concur
             m["speedup"] = round(m["tokens_per_s"] / plain_tps, 3)
             m["seconds"] = round(m["seconds"], 2)
     return {"max_new_tokens": max_new, "concurrency": concurrency, "num_steps": e.num_steps,
-            "ngram": {"max": e.ngram.max, "min": e.ngram.min}, "benchmarks": results, "eagle3_vs_ngram": paired}
+            "ngram": {"max": e.ngram.max, "min": e.ngram.min}, "benchmarks": results, "paired": paired}
 
 
 def figure(value: float | None, se: float | None, signed: bool = False) -> str:
@@ -191,12 +205,13 @@ def table(result: dict) -> str:
                              f"{figure(g['acceptance_length'], g['acceptance_length_se'])} | "
                              f"{g['equal_to_plain']}/{g['turns']} | "
                              + " | ".join(speed) + " |")
-    if result["eagle3_vs_ngram"]:
-        lines += ["", "| benchmark | group | drafter − n-gram ± SE (paired over conversations) | beyond 2 SE |",
-                  "|---|---|---:|---|"]
-        lines += [f"| {name} | {group} | {figure(d['difference'], d['se'], signed=True)} | "
+    if result["paired"]:
+        lines += ["", "| a − b | benchmark | group | difference ± SE (paired over conversations) | beyond 2 SE |",
+                  "|---|---|---|---:|---|"]
+        lines += [f"| {pair} | {name} | {group} | {figure(d['difference'], d['se'], signed=True)} | "
                   f"{'yes' if d['beyond_2se'] else 'no'} |"
-                  for name, by_group in result["eagle3_vs_ngram"].items() for group, d in flat(by_group)]
+                  for pair, by_name in result["paired"].items() for name, by_group in by_name.items()
+                  for group, d in flat(by_group)]
     return "\n".join(lines)
 
 
@@ -210,17 +225,26 @@ def table(result: dict) -> str:
 @click.option("--concurrency", default=16, show_default=True, help="Requests in flight.")
 @click.option("--methods", "only", multiple=True, type=click.Choice(["eagle3", "ngram"]),
               help="Only these methods beside plain decoding [default: all].")
+@click.option("--against", multiple=True, metavar="LABEL=PATH",
+              help="Another drafter, decoded as eagle3:LABEL and compared with --draft paired (a lever's drafter).")
 @click.option("--limit", type=int, default=None, help="Only the first N conversations of each benchmark (a smoke run).")
 @click.option("--out", default="metrics/timings/bench.json", show_default=True, type=click.Path(dir_okay=False),
               help="The figures as JSON (not in git: they hold this machine's speeds).")
-def main(params, draft, prompts, max_new_tokens, concurrency, only, limit, out):
+def main(params, draft, prompts, max_new_tokens, concurrency, only, against, limit, out):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = config.load(params)
-    if not (Path(draft) / "config.json").exists():
-        sys.exit(f"no drafter at {draft}: run make repro first (or give --draft)")
+    if bad := [a for a in against if "=" not in a]:
+        sys.exit(f"--against takes LABEL=PATH, got {bad}")
+    others = dict(a.split("=", 1) for a in against)
+    if len(others) != len(against):
+        sys.exit(f"--against: a label given twice in {list(against)}")
+    for path in [draft, *others.values()]:
+        if not (Path(path) / "config.json").exists():
+            sys.exit(f"no drafter at {path}: run make repro first (or give --draft)")
     folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     result = run(cfg, folder, target.load_tokenizer(folder), Path(draft).resolve(), Path(prompts),
-                 max_new_tokens or cfg.evaluate.max_new_tokens, concurrency, limit, only)
+                 max_new_tokens or cfg.evaluate.max_new_tokens, concurrency, limit, only,
+                 {label: Path(path).resolve() for label, path in others.items()})
     write_json(out, result)
     print(table(result))
 

@@ -236,13 +236,14 @@ def test_e2e_ctrl_c_stops_the_server(served, tmp_path):
 def test_e2e_make_bench_measures_the_drafter_plain_and_ngram_in_vllm(served, tmp_path):
     """bench/bench_vllm.py on the first two conversations of each benchmark (held-out, MT-bench, HumanEval): every
     method's acceptance length with its error, per turn and category, its outputs against plain decoding's, its speed
-    against plain."""
+    against plain; a second drafter (--against, here the same one) compared paired with both."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["serve"] = {**params.get("serve", {}), "python": str(VLLM), "port": 8014}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     out = subprocess.run([sys.executable, "bench/bench_vllm.py", "--params", str(tmp_path / "params.yaml"),
                           "--draft", str(served["folder"] / "draft"), "--limit", "2", "--max-new-tokens", "12",
-                          "--concurrency", "2", "--out", str(tmp_path / "bench.json")], cwd=ROOT, capture_output=True,
+                          "--concurrency", "2", "--against", f"again={served['folder'] / 'draft'}",
+                          "--out", str(tmp_path / "bench.json")], cwd=ROOT, capture_output=True,
                          text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     assert port_closed(8014)
@@ -250,17 +251,20 @@ def test_e2e_make_bench_measures_the_drafter_plain_and_ngram_in_vllm(served, tmp
     result = full["benchmarks"]
     assert set(result) == {"heldout", "mtbench", "humaneval"}
     for name, by_method in result.items():
-        assert set(by_method) == {"plain", "eagle3", "ngram"} and by_method["plain"]["speedup"] == 1.0
-        for method in ("eagle3", "ngram"):
+        assert set(by_method) == {"plain", "eagle3", "ngram", "eagle3:again"} and by_method["plain"]["speedup"] == 1.0
+        for method in ("eagle3", "ngram", "eagle3:again"):
             m = by_method[method]
             assert m["turns"] == (4 if name == "mtbench" else 2) and 0 <= m["equal_to_plain"] <= m["turns"]
             assert 1 <= m["acceptance_length"] <= 4 and m["acceptance_length_se"] is not None
             assert m["tokens_per_s"] > 0 and m["speedup"] > 0
         assert set(by_method["eagle3"].get("per_turn", {})) == ({"1", "2"} if name == "mtbench" else set())
     assert "| mtbench | turn 2 | eagle3 |" in out.stdout and "| humaneval | all | ngram |" in out.stdout
-    for name, d in full["eagle3_vs_ngram"].items():  # paired: the difference of the two lengths, per group
-        assert abs(d["difference"] - (result[name]["eagle3"]["acceptance_length"] -
-                                      result[name]["ngram"]["acceptance_length"])) < 1e-3
-        assert d["se"] is not None and d["beyond_2se"] == (abs(d["difference"]) > 2 * d["se"])
-    assert set(full["eagle3_vs_ngram"]["mtbench"]["per_turn"]) == {"1", "2"}
-    assert "| mtbench | turn 1 | " in out.stdout.split("drafter − n-gram")[1]
+    pairs = [("eagle3", "ngram"), ("eagle3:again", "ngram"), ("eagle3:again", "eagle3")]
+    assert list(full["paired"]) == [f"{a} - {b}" for a, b in pairs]
+    for a, b in pairs:  # paired: the difference of the two lengths, per group
+        for name, d in full["paired"][f"{a} - {b}"].items():
+            assert abs(d["difference"] - (result[name][a]["acceptance_length"] -
+                                          result[name][b]["acceptance_length"])) < 1e-3
+            assert d["se"] is not None and d["beyond_2se"] == (abs(d["difference"]) > 2 * d["se"])
+        assert set(full["paired"][f"{a} - {b}"]["mtbench"]["per_turn"]) == {"1", "2"}
+    assert "| eagle3 - ngram | mtbench | turn 1 | " in out.stdout.split("paired over conversations")[1]
