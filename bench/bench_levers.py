@@ -86,6 +86,8 @@ POINTS = {
     "answers-8": ("params.yaml with 8 answers per prompt", {"infer.samples": 8}),
     "answers-8-3-epochs": ("params.yaml with 8 answers per prompt, 3 epochs", {"infer.samples": 8, "train.epochs": 3}),
     "answers-16": ("params.yaml with 16 answers per prompt", {"infer.samples": 16}),
+    "sharegpt-200-answers-2": ("params.yaml with 200 ShareGPT first turns (not 40), 2 answers per prompt",
+                               {"prepare.sources.sharegpt.n": 200, "infer.samples": 2}),
     "default-2-turns-all": ("params.yaml with every turn answered in order, its ShareGPT chats cut after 2 user turns",
                             {"prepare.sources.sharegpt.max_turns": 2, "infer.turns": "all"}),
     "shipped-1": ("the shipped prompts, 1 answer each", {"infer.samples": 1}),

@@ -184,7 +184,7 @@ class Infer(Section):
                             "depend on it (per-record sampling seeds)", ge=1)
     batch_tokens: int = speed(32768, "hf engine: at most this many tokens of KV cache per batch (rows x (longest "
                               "prompt + max_new_tokens)), so long chats run in smaller batches", ge=1)
-    samples: int = Field(4, ge=1, description="answers per prompt (record ids <prompt id>, <prompt id>.1, ...); more "
+    samples: int = Field(2, ge=1, description="answers per prompt (record ids <prompt id>, <prompt id>.1, ...); more "
                          "than one needs temperature > 0")
     max_new_tokens: int = Field(128, ge=1, description="longest answer, in tokens")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
