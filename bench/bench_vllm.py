@@ -238,9 +238,10 @@ def main(params, draft, prompts, max_new_tokens, concurrency, only, against, lim
     others = dict(a.split("=", 1) for a in against)
     if len(others) != len(against):
         sys.exit(f"--against: a label given twice in {list(against)}")
-    for path in [draft, *others.values()]:
-        if not (Path(path) / "config.json").exists():
-            sys.exit(f"no drafter at {path}: run make repro first (or give --draft)")
+    if not (Path(draft) / "config.json").exists():
+        sys.exit(f"no drafter at {draft}: run make repro first (or give --draft)")
+    if missing := [f"{label}={path}" for label, path in others.items() if not (Path(path) / "config.json").exists()]:
+        sys.exit(f"--against: no drafter at {missing}")
     folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     result = run(cfg, folder, target.load_tokenizer(folder), Path(draft).resolve(), Path(prompts),
                  max_new_tokens or cfg.evaluate.max_new_tokens, concurrency, limit, only,
