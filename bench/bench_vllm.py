@@ -12,12 +12,14 @@ Per benchmark, per category and, for MT-bench, per turn: acceptance length (toke
 evaluate's definition, where a step that proposed nothing emits one token) with its standard error over conversations
 (eaglepipe/uncertainty.py), and whether each output equals plain decoding's; the drafter's minus prompt lookup's,
 paired over the same conversations, and whether it exceeds twice its error (with ``--against LABEL=PATH``, another
-drafter, a lever's, decoded too and compared with both); per benchmark and method, tokens/s at
+drafter, a lever's, decoded too and compared with both; with ``--crossing LABEL=RATIO``, where a straight line in
+log2 of the trained tokens through the two drafters reaches prompt lookup); per benchmark and method, tokens/s at
 ``--concurrency`` requests in flight and its ratio to plain. Greedy outputs can differ from plain where batched
 float rounding flips a near-tie, so equality is counted, not required; evaluate (make repro) stays the lossless
 check. Writes the figures as JSON (``--out``) and prints the table.
 """
 import logging
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -129,6 +131,26 @@ def versus(conversations, rows, a: dict, b: dict) -> dict:
     return out
 
 
+def crossings(sets: dict, ratios: dict[str, float]) -> dict:
+    """Per drafter ``eagle3:LABEL`` whose trained tokens are RATIO times the drafter's (``ratios``), per benchmark and
+    group (``place``): where a straight line in log2(trained tokens) through the two drafters' acceptance lengths
+    reaches prompt lookup's (uncertainty.extrapolate, paired over the conversations): ``slope`` per doubling, ``gap``
+    (prompt lookup's lead over LABEL's drafter) and ``beyond`` (doublings beyond LABEL's drafter, negative where the
+    line crossed before it; None where the slope is not positive), each with its SE."""
+    out = {}
+    for label, ratio in ratios.items():
+        for name, s in sets.items():
+            for kind, key, idx in groups(s["conversations"], s["rows"]):
+                lo, hi, goal = (per_conversation(s["rows"], s["decoded"][m], idx)
+                                for m in ("eagle3", f"eagle3:{label}", "ngram"))
+                x = uncertainty.extrapolate(lo, hi, goal, math.log2(ratio)) if all(
+                    sum(steps) for _, steps in (lo, hi, goal)) else {}
+                place(out.setdefault(label, {}).setdefault(name, {}), kind, key,
+                      {k: None if x.get(k) is None or math.isinf(x[k]) else round(x[k], 4)
+                       for k in ("slope", "slope_se", "gap", "gap_se", "beyond", "beyond_se")})
+    return out
+
+
 def flat(by_group: dict) -> list[tuple[str, dict]]:
     """``report``'s or ``versus``'s groups as (label, figures) rows: all, each turn, each category."""
     return [("all", by_group)] + [(f"turn {k}", v) for k, v in by_group.get("per_turn", {}).items()] + \
@@ -136,7 +158,7 @@ def flat(by_group: dict) -> list[tuple[str, dict]]:
 
 
 def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concurrency: int, limit: int | None = None,
-        only: tuple = (), against: dict[str, Path] | None = None) -> dict:
+        only: tuple = (), against: dict[str, Path] | None = None, ratios: dict[str, float] | None = None) -> dict:
     e = cfg.evaluate
     stops = target.stop_ids(folder, tokenizer)
     chat = evaluate.Chat(tokenizer, cfg.target.chat_template_kwargs, derive.spec_from_params(cfg.target.reasoning),
@@ -181,7 +203,8 @@ def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concur
             m["speedup"] = round(m["tokens_per_s"] / plain_tps, 3)
             m["seconds"] = round(m["seconds"], 2)
     return {"max_new_tokens": max_new, "concurrency": concurrency, "num_steps": e.num_steps,
-            "ngram": {"max": e.ngram.max, "min": e.ngram.min}, "benchmarks": results, "paired": paired}
+            "ngram": {"max": e.ngram.max, "min": e.ngram.min}, "benchmarks": results, "paired": paired,
+            "crossing": crossings(sets, ratios or {})}
 
 
 def figure(value: float | None, se: float | None, signed: bool = False) -> str:
@@ -212,6 +235,14 @@ def table(result: dict) -> str:
                   f"{'yes' if d['beyond_2se'] else 'no'} |"
                   for pair, by_name in result["paired"].items() for name, by_group in by_name.items()
                   for group, d in flat(by_group)]
+    if result.get("crossing"):
+        lines += ["", "| drafter | benchmark | group | τ per doubling of the trained tokens ± SE | "
+                  "n-gram ahead by ± SE | doublings beyond it to n-gram ± SE |", "|---|---|---|---:|---:|---:|"]
+        lines += [f"| eagle3:{label} | {name} | {group} | {figure(c['slope'], c['slope_se'], signed=True)} | "
+                  f"{figure(c['gap'], c['gap_se'], signed=True)} | "
+                  f"{figure(c['beyond'], c['beyond_se']) if c['beyond'] is not None else 'never (slope <= 0)'} |"
+                  for label, by_name in result["crossing"].items() for name, by_group in by_name.items()
+                  for group, c in flat(by_group)]
     return "\n".join(lines)
 
 
@@ -227,10 +258,14 @@ def table(result: dict) -> str:
               help="Only these methods beside plain decoding [default: all].")
 @click.option("--against", multiple=True, metavar="LABEL=PATH",
               help="Another drafter, decoded as eagle3:LABEL and compared with --draft paired (a lever's drafter).")
+@click.option("--crossing", multiple=True, metavar="LABEL=RATIO",
+              help="An --against drafter trained on RATIO times the drafter's tokens (metrics/train.json's "
+                   "train_tokens, at the same epochs): extrapolate, per benchmark, where acceptance reaches prompt "
+                   "lookup's.")
 @click.option("--limit", type=int, default=None, help="Only the first N conversations of each benchmark (a smoke run).")
 @click.option("--out", default="metrics/timings/bench.json", show_default=True, type=click.Path(dir_okay=False),
               help="The figures as JSON (not in git: they hold this machine's speeds).")
-def main(params, draft, prompts, max_new_tokens, concurrency, only, against, limit, out):
+def main(params, draft, prompts, max_new_tokens, concurrency, only, against, crossing, limit, out):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = config.load(params)
     if bad := [a for a in against if "=" not in a]:
@@ -238,6 +273,14 @@ def main(params, draft, prompts, max_new_tokens, concurrency, only, against, lim
     others = dict(a.split("=", 1) for a in against)
     if len(others) != len(against):
         sys.exit(f"--against: a label given twice in {list(against)}")
+    try:
+        ratios = {label: float(ratio) for label, ratio in (c.split("=", 1) for c in crossing)}
+    except ValueError:
+        sys.exit(f"--crossing takes LABEL=RATIO (a number), got {list(crossing)}")
+    if bad := [label for label, r in ratios.items() if label not in others or not r > 0 or r == 1]:
+        sys.exit(f"--crossing {bad}: each LABEL must be an --against drafter and RATIO a positive number other than 1")
+    if ratios and only and not {"eagle3", "ngram"} <= set(only):
+        sys.exit("--crossing needs the drafter and prompt lookup decoded (--methods eagle3 --methods ngram)")
     if not (Path(draft) / "config.json").exists():
         sys.exit(f"no drafter at {draft}: run make repro first (or give --draft)")
     if missing := [f"{label}={path}" for label, path in others.items() if not (Path(path) / "config.json").exists()]:
@@ -245,7 +288,7 @@ def main(params, draft, prompts, max_new_tokens, concurrency, only, against, lim
     folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     result = run(cfg, folder, target.load_tokenizer(folder), Path(draft).resolve(), Path(prompts),
                  max_new_tokens or cfg.evaluate.max_new_tokens, concurrency, limit, only,
-                 {label: Path(path).resolve() for label, path in others.items()})
+                 {label: Path(path).resolve() for label, path in others.items()}, ratios)
     write_json(out, result)
     print(table(result))
 

