@@ -158,8 +158,6 @@ def check(s, target_folder, tokenizer, rows, draft_folder):
                        s["max_new_tokens"])
 
 
-@pytest.mark.engine
-@needs_vllm
 def bench_vllm():
     """bench/bench_vllm.py as a module (bench/ is a folder of scripts)."""
     loader = importlib.util.spec_from_file_location("bench_vllm", ROOT / "bench" / "bench_vllm.py")
@@ -188,6 +186,8 @@ def test_make_bench_extrapolates_where_the_drafters_line_reaches_prompt_lookup()
     assert got["same"]["mtbench"]["slope"] == 0 and got["same"]["mtbench"]["beyond"] is None
 
 
+@pytest.mark.engine
+@needs_vllm
 def test_e2e_vllm_serves_the_drafter_with_evaluates_layers_acceptance_and_outputs(served, target_folder, tokenizer):
     s = served
     m = check(s, target_folder, tokenizer, s["rows"], s["folder"] / "draft")
