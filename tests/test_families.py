@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
 
 from eaglepipe import (benchmarks, compat, config, draft, draft_init, evaluate, families, features, hidden, quant,
                        reasoning, sequences, speculative, target, train)
-from eaglepipe.engines import Sampling
+from eaglepipe.engines import Sampling, vllm
 from eaglepipe.errors import UserError
 
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -37,9 +38,6 @@ DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "num_key_val
                "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,  # routing, read by vLLM
                                    "original_max_position_embeddings": 64, "beta_fast": 32,
                                    "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
-MLA_BACKEND = ["--attention-backend", "CPU_MLA"]
-"""vLLM's arguments for DEEPSEEK_V3 in float32: on a CPU with AMX vLLM's CPU build picks its AMX MLA kernels, which take
-bf16, fp16 or quantized weights only (and head sizes in multiples of 32); its reference CPU MLA runs float32."""
 FAMILIES = {  # config class, its own keys; vocab and special ids are the embedded target's tokenizer's
     "qwen3": (Qwen3Config, {"num_hidden_layers": 5, "head_dim": 32}),  # train.drafter auto: qwen3; vLLM's CPU
     "qwen3_llama": (Qwen3Config, {"num_hidden_layers": 5, "head_dim": 32}),  # attention: heads of 32 and up
@@ -427,6 +425,25 @@ def test_a_quantization_this_machine_cannot_load_is_refused_in_seconds(tmp_path)
         target.load_model(tmp_path)
 
 
+def test_vllm_gets_its_reference_mla_for_a_float32_mla_target_where_it_would_pick_amx(tmp_path, monkeypatch):
+    """vllm.cpu_mla: ``--attention-backend CPU_MLA`` for an MLA target at ``--dtype float32`` on a CPU with AMX (what
+    vllm.amx reads, as /proc/cpuinfo says); nothing without AMX, for bfloat16, for another family, for a model that is
+    not a folder, or when the arguments name a backend."""
+    assert vllm.amx() == ("amx_tile" in Path("/proc/cpuinfo").read_text().split())
+    DeepseekV3Config(**DEEPSEEK_V3).save_pretrained(tmp_path / "mla")
+    LlamaConfig(**SIZES).save_pretrained(tmp_path / "llama")
+    mla = str(tmp_path / "mla")
+    for amx in (True, False):
+        monkeypatch.setattr(vllm, "amx", lambda: amx)
+        want = ["--attention-backend", "CPU_MLA"] if amx else []
+        assert vllm.cpu_mla(mla, ["--enforce-eager", "--dtype", "float32"]) == want
+        assert vllm.cpu_mla(mla, ["--dtype=float32"]) == want
+        assert vllm.cpu_mla(mla, ["--dtype", "bfloat16"]) == vllm.cpu_mla(mla, []) == []
+        assert vllm.cpu_mla(mla, ["--dtype", "float32", "--attention-backend", "AMX_MLA"]) == []
+        assert vllm.cpu_mla(str(tmp_path / "llama"), ["--dtype", "float32"]) == []
+        assert vllm.cpu_mla("deepseek-ai/DeepSeek-V3", ["--dtype", "float32"]) == []
+
+
 @pytest.mark.engine
 @pytest.mark.skipif(not (ROOT / ".venv-vllm/bin/python").exists(), reason="no .venv-vllm: run make vllm-venv")
 @pytest.mark.parametrize("family,drafter", [("llama", "auto"), ("qwen3", "auto"), ("qwen3", "llama"),
@@ -448,7 +465,6 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
     from e2e import untrained_drafter
 
     from eaglepipe import serve
-    from eaglepipe.engines import vllm
 
     build_target(tmp_path / "target", family, tokenizer)
     folder = (tmp_path / "target").resolve()
@@ -475,16 +491,13 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
     e = config.Evaluate(num_steps=3, max_new_tokens=12)
     rows = evaluate.run(conversations, chat_, model, evaluate.load_drafter(tmp_path / "draft", model),
                         e)["decoded"]["heldout"]
-    if (family, drafter) == ("deepseek_v3", "deepseek_mla") and torch.cpu._is_amx_tile_supported():
-        pytest.skip("vLLM 0.32's CPU build loads an MLA drafter with its AMX MLA kernels whatever --attention-backend "
-                    "says, and those take no float32 weights: an MLA drafter is not served at serve.dtype float32 on "
-                    "a CPU with AMX")
-    p = config.Serve(python=str(ROOT / ".venv-vllm/bin/python"), port=8015,
-                     extra_args=["--enforce-eager", *(MLA_BACKEND if family == "deepseek_v3" else [])])
+    p = config.Serve(python=str(ROOT / ".venv-vllm/bin/python"), port=8015, extra_args=["--enforce-eager"])
     no_torchvision = vllm._no_torchvision(p.python, vllm.cpu_env(p.python)) and \
         "cannot serve the composite target .* import torchvision, which fails"
     refusal = {("llama", "llama"): False, ("qwen3", "qwen3"): False,
-               ("qwen3", "llama"): False, ("qwen3_moe", "qwen3"): False, ("deepseek_v3", "deepseek_mla"): False,
+               ("qwen3", "llama"): False, ("qwen3_moe", "qwen3"): False,
+               ("deepseek_v3", "deepseek_mla"): vllm.cpu_build(p.python) and vllm.amx() and
+               "cannot serve the deepseek_mla drafter in float32 on this CPU: .* AMX MLA kernels",
                ("gpt_oss", "llama"): False, ("qwen2", "llama"): False,
                ("llama_fp8", "llama"): "FP8 target .* bfloat16 or float16 only",
                ("qwen3_vl", "llama"): no_torchvision, ("kimi_k25", "deepseek_mla"): no_torchvision,

@@ -179,13 +179,13 @@ def test_an_mla_moe_target_the_seeds_kind(tokenizer, tmp_path):
     """A tiny random DeepseekV3 (MLA attention, routed and shared experts, YaRN) through a launched server: its
     states equal the in-process forward's."""
     from eaglepipe import target
-    from test_families import MLA_BACKEND, build_target
+    from test_families import build_target
 
     build_target(tmp_path / "model", "deepseek_v3", tokenizer)
     make_sequences(tmp_path / "seq")
     p = config.Hidden(layers="auto", dtype="float32", shard_tokens=300)
     hidden.run(tmp_path / "seq", tmp_path / "hf", target.load_model(tmp_path / "model"), p, "fp", tmp_path / "c1")
-    launch = config.Launch(port=8034, log=str(tmp_path / "server.log"), extra_args=["--enforce-eager", *MLA_BACKEND])
+    launch = config.Launch(port=8034, log=str(tmp_path / "server.log"), extra_args=["--enforce-eager"])
     pv = p.model_copy(update={"engine": "vllm", "vllm": config.Servers(concurrency=4, timeout_s=120, launch=launch)})
     with states.VLLMStates(tmp_path / "model", pv, "float32", tmp_path / "c2",
                            interpreter=str(ROOT / vllm.python())) as source:

