@@ -51,21 +51,17 @@ class Split:
 
 
 def spec_of(value, tool_calls: str | None = None) -> Spec:
-    """The spec for ``target.reasoning`` (preset name or ``{start, end}``), carrying the tool-call family
-    ``tool_calls`` unchecked (``derive.spec_from_params`` checks it)."""
-    if isinstance(value, dict):
-        if set(value) - {"start", "end"} or not isinstance(value.get("start"), str) or not value.get("start") \
-                or not isinstance(value.get("end"), str) or not value.get("end") or value["start"] == value["end"]:
-            raise ValueError(f"target.reasoning {value!r}: a custom spec is {{start: <marker>, end: <marker>}}, two "
-                             "different non-empty strings")
-        return Spec("tags", value["start"], value["end"], (), tool_calls)
+    """The spec for ``target.reasoning``: a preset name, or custom markers (config.Markers, which validates them),
+    carrying the tool-call family ``tool_calls`` unchecked (``derive.spec_from_params`` checks it)."""
     if value == "none":
         return Spec("none", tools=tool_calls)
     if value == "think":
         return Spec("tags", *THINK, TOOL_OPENERS, tool_calls)
     if value == "harmony":
         return Spec("harmony", f"{harmony.CHANNEL}analysis{harmony.MESSAGE}", "<|end|>", (), tool_calls)
-    raise ValueError(f"target.reasoning={value!r}: expected one of {list(PRESETS)} or {{start, end}}")
+    if isinstance(value, str) or not (hasattr(value, "start") and hasattr(value, "end")):
+        raise ValueError(f"target.reasoning={value!r}: expected one of {list(PRESETS)} or {{start, end}}")
+    return Spec("tags", value.start, value.end, (), tool_calls)
 
 
 # --- think-style tags -------------------------------------------------------------------------------------------

@@ -12,10 +12,9 @@ import logging
 from pathlib import Path
 
 import click
-import yaml
 
 from eaglepipe import inspect as insp
-from eaglepipe import derive, target
+from eaglepipe import config, derive, target
 
 
 @click.command(help=__doc__)
@@ -33,10 +32,9 @@ def main(responses, n, seed, source, max_chars, params, report):
         raise click.ClickException(f"{responses} does not exist: run `make infer` first")
     tokenizer = spec = None
     if Path(params).exists():
-        cfg = yaml.safe_load(Path(params).read_text())
-        folder = target.resolve(cfg["target"]["model"], cfg["target"].get("trust_remote_code", False))
-        tokenizer = target.load_tokenizer(folder)
-        spec = derive.spec_from_params(cfg["target"]["reasoning"], cfg["target"].get("tool_calls", "none"))
+        cfg = config.load(params).target
+        tokenizer = target.load_tokenizer(target.resolve(cfg.model, cfg.trust_remote_code))
+        spec = derive.spec_from_params(cfg.reasoning, cfg.tool_calls)
     rep = json.loads(Path(report).read_text()) if report and Path(report).exists() else None
     click.echo(insp.render(Path(responses), n, seed, tokenizer, spec, max_chars, source, rep))
 
