@@ -157,8 +157,8 @@ class Launch(Section):
     port: int = Field(30000, ge=1, le=65535, description="its port")
     extra_args: Union[list[str], str] = Field([], description="more arguments for the server")
     command: Union[list[str], str, None] = Field(None, description="the launcher [default: python -m "
-                                                 "sglang.launch_server; vLLM: serve.python -m "
-                                                 "vllm.entrypoints.openai.api_server]")
+                                                 "sglang.launch_server; vLLM: .venv-vllm's python (the serve "
+                                                 "check's: serve.python) -m vllm.entrypoints.openai.api_server]")
     log: Union[str, None] = Field(None, description="server log [default: .cache/<engine>/server-<port>.log]")
     stop_timeout_s: float = Field(60.0, gt=0, description="SIGTERM grace before SIGKILL at the end")
 
@@ -174,6 +174,15 @@ class Servers(Section):
     backoff_s: float = Field(1.0, ge=0, description="first wait before a retry; doubles per retry, plus jitter")
     backoff_max_s: float = Field(60.0, ge=0, description="longest wait before a retry")
     launch: Union[Launch, None] = Field(None, description="start the server here instead of using running ones")
+
+
+def servers_for_the_engine(section):
+    """A section whose ``engine`` names one of its Servers fields (infer, hidden) has servers to talk to."""
+    servers = getattr(section, section.engine, None)
+    if servers is not None and not servers.urls and servers.launch is None:
+        raise ValueError(f"engine {section.engine} needs {section.engine}.urls (running servers) or "
+                         f"{section.engine}.launch (a server to start)")
+    return section
 
 
 class Infer(Section):
@@ -212,13 +221,7 @@ class Infer(Section):
                           "infer.engine: vllm (docs/engines.md); other engines ignore it. The default starts one "
                           "from .venv-vllm serving the target, eager (no compile wait on a CPU)")
 
-    @model_validator(mode="after")
-    def _servers_for_the_engine(self):
-        servers = getattr(self, self.engine, None)
-        if servers is not None and not servers.urls and servers.launch is None:
-            raise ValueError(f"engine {self.engine} needs {self.engine}.urls (running servers) or {self.engine}.launch "
-                             "(a server to start)")
-        return self
+    _servers_for_the_engine = model_validator(mode="after")(servers_for_the_engine)
 
     @model_validator(mode="after")
     def _samples_need_sampling(self):
@@ -260,6 +263,15 @@ class Hidden(Section):
     shard_tokens: int = Field(32768, ge=1, description="tokens per safetensors shard (the unit of resume)")
     max_failure_rate: float = speed(0.0, "the stage fails when more sequences than this share fail alone (each is "
                                     "left out of its shard, with its reason in failures.jsonl)", ge=0, le=1)
+
+    _servers_for_the_engine = model_validator(mode="after")(servers_for_the_engine)
+
+    @field_validator("layers")
+    @classmethod
+    def _three_layers(cls, v):
+        if v != "auto" and (len(v) != 3 or v[0] < 0 or any(b <= a for a, b in zip(v, v[1:]))):
+            raise ValueError(f"should be auto or three strictly increasing layer ids from 0, got {v}")
+        return v
 
 
 # ------------------------------------------------------------------------------------------------------------- train
@@ -315,6 +327,12 @@ class Train(Section):
 class Ngram(Section):
     max: int = Field(3, ge=1, description="longest suffix n-gram matched")
     min: int = Field(1, ge=1, description="shortest")
+
+    @model_validator(mode="after")
+    def _min_up_to_max(self):
+        if self.min > self.max:
+            raise ValueError(f"min {self.min} is above max {self.max}: prompt lookup would never draft")
+        return self
 
 
 BENCHMARKS = ("heldout", "mtbench", "humaneval")  # evaluate's sets (eaglepipe/benchmarks.py), in decoding order
