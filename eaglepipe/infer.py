@@ -13,6 +13,7 @@ fields (text, reasoning, content, tool calls) are derived from the ids when the 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -63,11 +64,11 @@ class Cache:
 
     def load(self) -> tuple[dict, Counter]:
         """(finished generations by id, counts). A torn last line is dropped and a duplicate id keeps its first
-        record, both counted, and the file is rewritten without them."""
+        record, both counted, and the file is rewritten without them (and with a last line's missing newline)."""
         done, counts = {}, Counter()
         if not self.path.exists():
             return done, counts
-        good, torn = [], None
+        good, torn, raw = [], None, b"\n"
         with open(self.path, "rb") as f:
             for n, raw, obj in scan_jsonl(f):
                 if torn is not None:  # only the last line can be torn by a kill
@@ -84,16 +85,22 @@ class Cache:
                 good.append(raw.rstrip(b"\n"))
         if torn is not None:
             counts["torn_last_line"] += 1
-        if counts:
+        if counts or not raw.endswith(b"\n"):
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_bytes(b"".join(g + b"\n" for g in good))
+            with open(tmp, "wb") as f:
+                f.write(b"".join(g + b"\n" for g in good))
+                f.flush()
+                os.fsync(f.fileno())  # the rewrite replaces fsynced records: it must be on disk first
             os.replace(tmp, self.path)
         return done, counts
 
     def _append(self, path: Path, record) -> None:
-        """Append one line and fsync it: once this returns, the record survives a kill or a power cut."""
+        """Append one line, in one write, and fsync it: once this returns, the record survives a kill or a power
+        cut."""
+        line = io.BytesIO()
+        writer(line).write(record)
         with open(path, "ab") as f:
-            writer(f).write(record)
+            f.write(line.getvalue())
             f.flush()
             os.fsync(f.fileno())
 

@@ -17,7 +17,7 @@ from eaglepipe.engines.hf import HFEngine
 from eaglepipe.errors import UserError
 from eaglepipe.gates import Gates
 from eaglepipe.hashing import code_hash
-from eaglepipe.records import (Prompt, content_id, prompt_of, read_jsonl, response_from_json, to_json,
+from eaglepipe.records import (Generation, Prompt, content_id, prompt_of, read_jsonl, response_from_json, to_json,
                                write_jsonl)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -301,6 +301,22 @@ def test_torn_last_line_and_duplicates_are_dropped_and_counted(tmp_path):
     done, counts = cache.load()
     assert list(done) == ["a"] and counts == {"duplicates": 1, "torn_last_line": 1}
     assert cache.path.read_text() == line + "\n"
+
+
+def test_a_whole_last_line_without_its_newline_is_kept_and_what_follows_resumes(tmp_path):
+    """A kill after a record's bytes and before its newline leaves a whole last line: load keeps it and ends the file
+    with its newline, so records appended after it stay on lines of their own (and a later resume reads them all)."""
+    cache = infer.Cache(tmp_path)
+    gens = [Generation(id=i, source="s", prompt_ids=[1], output_ids=[2], finish_reason="stop", sample=0)
+            for i in ("a", "b", "c")]
+    cache.add(gens[0])
+    cache.path.write_bytes(cache.path.read_bytes().rstrip(b"\n"))
+    done, counts = cache.load()
+    assert list(done) == ["a"] and not counts
+    cache.add(gens[1])
+    cache.add(gens[2])
+    done, counts = cache.load()
+    assert list(done) == ["a", "b", "c"] and not counts and cache.path.read_bytes().count(b"\n") == 3
 
 
 def write_params(tmp_path, **infer_overrides):
