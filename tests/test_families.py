@@ -425,23 +425,31 @@ def test_a_quantization_this_machine_cannot_load_is_refused_in_seconds(tmp_path)
         target.load_model(tmp_path)
 
 
-def test_vllm_gets_its_reference_mla_for_a_float32_mla_target_where_it_would_pick_amx(tmp_path, monkeypatch):
-    """vllm.cpu_mla: ``--attention-backend CPU_MLA`` for an MLA target at ``--dtype float32`` on a CPU with AMX (what
-    vllm.amx reads, as /proc/cpuinfo says); nothing without AMX, for bfloat16, for another family, for a model that is
-    not a folder, or when the arguments name a backend."""
+def test_a_launched_vllm_gets_the_flags_its_model_needs(tmp_path, monkeypatch, tokenizer):
+    """vllm.model_flags: ``--language-model-only`` for a composite target (vLLM's flag: SGLang launches never get
+    it); on the CPU build on a CPU with AMX (what vllm.amx reads, as /proc/cpuinfo says) ``--attention-backend
+    CPU_MLA`` for an MLA target at ``--dtype float32``, and nothing without AMX, for bfloat16, for another family,
+    off the CPU build, for a model that is not a folder, or when the arguments name a backend."""
+    from eaglepipe.engines.launch import servers
+
     assert vllm.amx() == ("amx_tile" in Path("/proc/cpuinfo").read_text().split())
     DeepseekV3Config(**DEEPSEEK_V3).save_pretrained(tmp_path / "mla")
     LlamaConfig(**SIZES).save_pretrained(tmp_path / "llama")
-    mla = str(tmp_path / "mla")
+    build_target(tmp_path / "kimi", "kimi_k25", tokenizer)
+    mla, f32 = str(tmp_path / "mla"), ["--enforce-eager", "--dtype", "float32"]
     for amx in (True, False):
         monkeypatch.setattr(vllm, "amx", lambda: amx)
         want = ["--attention-backend", "CPU_MLA"] if amx else []
-        assert vllm.cpu_mla(mla, ["--enforce-eager", "--dtype", "float32"]) == want
-        assert vllm.cpu_mla(mla, ["--dtype=float32"]) == want
-        assert vllm.cpu_mla(mla, ["--dtype", "bfloat16"]) == vllm.cpu_mla(mla, []) == []
-        assert vllm.cpu_mla(mla, ["--dtype", "float32", "--attention-backend", "AMX_MLA"]) == []
-        assert vllm.cpu_mla(str(tmp_path / "llama"), ["--dtype", "float32"]) == []
-        assert vllm.cpu_mla("deepseek-ai/DeepSeek-V3", ["--dtype", "float32"]) == []
+        assert vllm.model_flags(mla, f32, cpu=True) == vllm.model_flags(mla, ["--dtype=float32"], cpu=True) == want
+        assert vllm.model_flags(mla, f32, cpu=False) == []
+        assert vllm.model_flags(mla, ["--dtype", "bfloat16"], cpu=True) == vllm.model_flags(mla, [], cpu=True) == []
+        assert vllm.model_flags(mla, [*f32, "--attention-backend", "AMX_MLA"], cpu=True) == []
+        assert vllm.model_flags(str(tmp_path / "llama"), f32, cpu=True) == []
+        assert vllm.model_flags("deepseek-ai/DeepSeek-V3", f32, cpu=True) == []
+        assert vllm.model_flags(str(tmp_path / "kimi"), ["--dtype", "bfloat16"], cpu=True) == ["--language-model-only"]
+        assert vllm.model_flags(str(tmp_path / "kimi"), ["--language-model-only"], cpu=False) == []
+    sglang = servers(config.Servers(launch=config.Launch()), tmp_path / "kimi", "bfloat16")
+    assert "--language-model-only" not in sglang.launch.extra_args
 
 
 @pytest.mark.engine

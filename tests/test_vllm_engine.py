@@ -62,6 +62,18 @@ def test_e2e_a_clean_run_gives_the_embedded_engines_records(work, server, refere
     assert engine["identity"]["vllm_version"] == "0.32.0"
 
 
+def test_e2e_a_launched_server_gives_the_same_records_and_its_dtype_decides_the_cache(work, reference, tmp_path):
+    """infer.vllm.launch as shipped (a server started and stopped by the stage): the embedded engine's records, and
+    the --dtype it was started with (infer.dtype, auto: float32 on a CPU) in the identity, so in the cache's
+    fingerprint (vLLM does not report its dtype)."""
+    p = params(tmp_path, "vllm", launch={"port": 8023, "extra_args": ["--enforce-eager"], "stop_timeout_s": 30})
+    out = run_infer(tmp_path, p, work / "prompts.jsonl")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_records(records(tmp_path), reference, "vllm")
+    engine = json.loads((tmp_path / "out" / "engine.json").read_text())
+    assert engine["identity"]["dtype"] == "float32" and "--dtype" in engine["launched"]["argv"]
+
+
 def test_e2e_sampled_records_depend_on_the_seeds_only(work, server, tmp_path):
     # per-record seeds: the same records, meta included, from two runs with other concurrency (vLLM's CPU build needs
     # CPU_FLAGS here), and the same engine.json (so data/responses hashes the same in DVC)

@@ -28,7 +28,6 @@ from contextlib import suppress
 from pathlib import Path
 
 from .. import remote
-from ..families import composite, load_config
 from ..config import CACHE
 
 
@@ -109,15 +108,14 @@ class LaunchedServer:
 
 def servers(section, folder, dtype: str = "auto"):
     """An ``infer.<engine>`` section (config.Servers) as the engine gets it: its launch, if any, serves ``folder`` (the
-    target's) unless it names another model, with ``--dtype`` when ``dtype`` is not auto, ``--trust-remote-code``
-    when remote.trusted(folder), and ``--language-model-only`` for a composite target."""
+    target's) unless it names another model, with ``--dtype`` when ``dtype`` is not auto and ``--trust-remote-code``
+    when remote.trusted(folder)."""
     launch = section.launch
     if launch is None:
         return section
     given = shlex.split(launch.extra_args) if isinstance(launch.extra_args, str) else list(launch.extra_args)
     extra = [*given, *(["--dtype", dtype] if dtype != "auto" else []),
-             *(["--trust-remote-code"] if remote.trusted(folder) else []),
-             *(["--language-model-only"] if launch.model_path is None and composite(load_config(folder)) else [])]
+             *(["--trust-remote-code"] if remote.trusted(folder) else [])]
     model = launch.model_path or str(folder)
     if extra == given and model == launch.model_path:
         return section

