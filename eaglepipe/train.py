@@ -104,8 +104,9 @@ def target_tensors(folder, layer: int) -> dict:
 def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[features.Sample]:
     """Every sample of ``split`` with at least one trained position. ``positions``: "generated" runs chains over the
     loss mask only; "all" over every token of a prompt's first sample, prompt included (further answers to it,
-    ``infer.samples``, over their own tokens only). ``keep(id)``, when given, picks the samples to load."""
-    folder, samples, prompts = Path(folder), [], set()
+    ``infer.samples``, over their own tokens only). ``keep(id)``, when given, picks the samples to load; those left
+    out for want of a trained position (an answer of one token) are counted in the log."""
+    folder, samples, prompts, untrained = Path(folder), [], set(), 0
     for entry, spans, t in shards.columns(folder, split, ("input_ids", "loss_mask")):
         for sid, (start, end) in zip(entry["ids"], spans):
             if keep is not None and not keep(sid):
@@ -115,9 +116,12 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
             chain = torch.ones_like(mask) if positions == "all" and prompt not in prompts else mask
             prompts.add(prompt)
             if not chain_masks(chain, 1)[0].any():
+                untrained += 1
                 continue
             samples.append(features.Sample(sid, t["input_ids"][start:end], mask, chain, folder / entry["file"],
                                            start))
+    if untrained:
+        log.info("%s: %d samples left out, no position to train (an answer of one token)", split, untrained)
     return samples
 
 

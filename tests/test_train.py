@@ -2,6 +2,7 @@
 KV-cached inference chain, the loss decreases, and a stage run killed after a checkpoint (``kill -9``) resumes and
 ends bit-for-bit where an uninterrupted run ends."""
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -49,7 +50,7 @@ def tiny_target(folder):
     return embed
 
 
-def synthetic_hidden(folder, head, n_train=24, n_valid=4, seed=1):
+def synthetic_hidden(folder, head, n_train=24, n_valid=4, seed=1, min_output=4):
     """Sequences that follow a fixed bigram map (learnable), in the layout of data/hidden: the target's final state
     at t points at the next token (its argmax is x[t+1]), aux is noise plus the embedding of x[t], top is the argmax
     of the unrounded final state."""
@@ -62,7 +63,7 @@ def synthetic_hidden(folder, head, n_train=24, n_valid=4, seed=1):
     for split, n in (("train", n_train), ("valid", n_valid)):
         ids, masks, offsets = [], [], [0]
         for _ in range(n):
-            prompt, output = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(4, 16, (1,), generator=g))
+            prompt, output = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(min_output, 16, (1,), generator=g))
             seq = [int(succ[torch.randint(0, 200, (1,), generator=g)])]
             for _ in range(prompt + output - 1):
                 seq.append(nxt[seq[-1]])
@@ -120,6 +121,18 @@ def test_targets_aligned_with_shifted_predictions(tmp_path):
             seen.append((k, pos, int(ids[pos + 1 + k]), int(ids[pos + 2 + k])))
     assert seen[0] == (0, 2, 13, 14)   # the chain starts at the last prompt position with the first generated token
     assert [s for s in seen if s[0] == 2] == [(2, 2, 15, 16), (2, 3, 16, 17)]
+
+
+def test_a_sample_with_no_position_to_train_is_left_out_and_counted(tmp_path, caplog):
+    """An answer of one token gives no (state, next token, token after) triple: load_samples leaves it out and says
+    how many."""
+    head = tiny_target(tmp_path / "target")
+    synthetic_hidden(tmp_path / "hidden", head, n_train=64, min_output=1)
+    one_token = [s["id"] for s in features.read(tmp_path / "hidden", "train") if s["loss_mask"].sum() == 1]
+    with caplog.at_level(logging.INFO, logger="eaglepipe.train"):
+        loaded = train.load_samples(tmp_path / "hidden", "train")
+    assert one_token and len(loaded) == 64 - len(one_token) and not {s.id for s in loaded} & set(one_token)
+    assert f"train: {len(one_token)} samples left out, no position to train" in caplog.text
 
 
 def test_all_positions_train_over_the_prompt_with_the_same_vocabulary(data):
