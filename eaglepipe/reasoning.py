@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from . import harmony
+from .config import Markers
 
 THINK = ("<think>", "</think>")
 # Tool-call openers that end an unclosed think block (Qwen/Hermes/GLM, Kimi K2 (both spellings), DeepSeek).
@@ -59,7 +60,7 @@ def spec_of(value, tool_calls: str | None = None) -> Spec:
         return Spec("tags", *THINK, TOOL_OPENERS, tool_calls)
     if value == "harmony":
         return Spec("harmony", f"{harmony.CHANNEL}analysis{harmony.MESSAGE}", "<|end|>", (), tool_calls)
-    if isinstance(value, str) or not (hasattr(value, "start") and hasattr(value, "end")):
+    if not isinstance(value, Markers):
         raise ValueError(f"target.reasoning={value!r}: expected one of {list(PRESETS)} or {{start, end}}")
     return Spec("tags", value.start, value.end, (), tool_calls)
 

@@ -9,6 +9,7 @@ from eaglepipe import chat, config, derive, reasoning, toolcalls
 from eaglepipe.engines import Sampling
 from eaglepipe.records import Generation, response_from_json, to_json
 from reasoning_fixtures import ids, reasoning_tokenizer
+from test_config import with_
 
 THINK = derive.spec_from_params("think")
 HARMONY = derive.spec_from_params("harmony", "harmony")
@@ -30,9 +31,8 @@ def parts(split):
 def test_presets_and_custom_specs():
     assert not NONE.expects_reasoning and THINK.expects_reasoning and HARMONY.expects_reasoning
     assert (THINK.start, THINK.end) == ("<think>", "</think>")
-    sources = {"sources": [{"name": "a", "path": "a.jsonl", "format": "sharegpt", "n": 1}]}
-    params = config.parse({"target": {"reasoning": {"start": "<r>", "end": "</r>"}, "tool_calls": "hermes"},
-                           "prepare": sources}).target  # what the stages pass
+    params = config.parse(with_(target={"reasoning": {"start": "<r>", "end": "</r>"},
+                                        "tool_calls": "hermes"})).target  # what the stages pass
     custom = derive.spec_from_params(params.reasoning, params.tool_calls)
     assert (custom.kind, custom.start, custom.end, custom.tools) == ("tags", "<r>", "</r>", "hermes")
     assert reasoning.split("<r>why</r>answer", custom).reasoning == "why"
@@ -41,9 +41,8 @@ def test_presets_and_custom_specs():
 @pytest.mark.parametrize("bad", ["thinking", {"start": "<r>"}, {"start": "", "end": "</r>"},
                                  {"start": "<r>", "end": "<r>"}, {"start": "<r>", "end": "</r>", "x": 1}])
 def test_bad_specs_are_refused_with_the_key(bad):
-    sources = {"sources": [{"name": "a", "path": "a.jsonl", "format": "sharegpt", "n": 1}]}
     with pytest.raises(config.ConfigError, match="target.reasoning"):
-        config.parse({"target": {"reasoning": bad}, "prepare": sources})
+        config.parse(with_(target={"reasoning": bad}))
     with pytest.raises(ValueError, match="target.reasoning"):
         derive.spec_from_params(bad)
 

@@ -63,7 +63,8 @@ def synthetic_hidden(folder, head, n_train=24, n_valid=4, seed=1, min_output=4):
     for split, n in (("train", n_train), ("valid", n_valid)):
         ids, masks, offsets = [], [], [0]
         for _ in range(n):
-            prompt, output = int(torch.randint(3, 10, (1,), generator=g)), int(torch.randint(min_output, 16, (1,), generator=g))
+            prompt = int(torch.randint(3, 10, (1,), generator=g))
+            output = int(torch.randint(min_output, 16, (1,), generator=g))
             seq = [int(succ[torch.randint(0, 200, (1,), generator=g)])]
             for _ in range(prompt + output - 1):
                 seq.append(nxt[seq[-1]])
