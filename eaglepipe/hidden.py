@@ -20,8 +20,8 @@ store's files (a copy where the filesystem cannot link) and an index naming, in 
 row of the shard that holds each sample (``shards.py``). A reused sequence keeps the states of the batch it was
 computed in (another batch shape can round a few values differently): a run from an empty store, or resumed, at any
 number of processes, publishes the same bytes. A sequence that fails alone (``extract_shard``) is left out, its key and
-reason kept in its shard's metadata (not retried) and listed in ``failures.jsonl``. The published files hold data
-only: no fingerprint.
+reason kept in its shard's metadata and listed in ``failures.jsonl``; the next run tries it again. The published
+files hold data only: no fingerprint.
 """
 from __future__ import annotations
 
@@ -71,19 +71,24 @@ def shard_name(keys: list[str]) -> str:
     return f"shard-{hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:16]}.safetensors"
 
 
+def content(path: Path) -> dict:
+    """A finished shard's metadata ``content``: {keys: the samples it holds, failed: [{key, tokens, reason}]}."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    return json.loads(meta.get("content", '{"keys": [], "failed": []}'))
+
+
 def scan(store: Path) -> tuple[dict, dict]:
     """({key: (shard file, row)}, {key: {key, tokens, reason, shard}}) over the finished shards in ``store``, from
-    their metadata."""
+    their metadata; a key some shard holds is not failed, whatever an earlier attempt left."""
     held, failed = {}, {}
     for path in sorted(store.glob("shard-*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        content = json.loads(meta.get("content", '{"keys": [], "failed": []}'))
-        for row, key in enumerate(content["keys"]):
+        got = content(path)
+        for row, key in enumerate(got["keys"]):
             held.setdefault(key, (path.name, row))
-        for fail in content["failed"]:
+        for fail in got["failed"]:
             failed.setdefault(fail["key"], {**fail, "shard": path.name})
-    return held, failed
+    return held, {key: fail for key, fail in failed.items() if key not in held}
 
 
 def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -224,10 +229,10 @@ def locked(store: Path, rt: runtime.Runtime):
 def make_plan(store: Path, plan_path: Path, seqs: dict, shard_tokens: int) -> list[list[str]]:
     """The shards to compute: the saved plan of these sequences when its unfinished shards hold exactly the keys the
     store lacks (a resumed run), else a new one of those keys, in the sequences' order, saved."""
-    held, failed = scan(store)
+    held = scan(store)[0]
     todo = {}
     for key, ids in ((key, ids) for split in seqs.values() for _rid, ids, _mask, key in split):
-        if key not in held and key not in failed:
+        if key not in held:  # a sequence that failed before is tried again
             todo.setdefault(key, len(ids))
     if plan_path.exists():
         plan = json.loads(plan_path.read_text())
@@ -270,7 +275,7 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
     if len(failures) > params.max_failure_rate * total:
         raise UserError(f"hidden: {len(failures)} of {total} sequences fail alone, more than hidden.max_failure_rate "
                         f"{params.max_failure_rate} (reasons in the metadata of the shards in {store}; finished shards "
-                        "are kept, and a failed sequence is not retried)")
+                        "are kept, and a rerun tries the failed sequences again)")
     if rt.is_main:
         _publish(store, out, used, index, failures)
     rt.barrier()  # no rank ends before the output is in place
@@ -295,7 +300,8 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
 
 def _plan(store: Path, seq_folder: Path, seqs: dict, shard_tokens: int, rt: runtime.Runtime) -> tuple[list, set]:
     """(the shards of these sequences, each a list of keys; the names of the shards the store already holds). Rank 0
-    first clears what a stopped run left half-written (the lock: no other run is writing) and writes the plan."""
+    first clears what a stopped run left half-written (the lock: no other run is writing) and the shards that hold
+    only failures, so that their sequences are tried again, and writes the plan."""
     plan_path = store / "plans" / f"{shards.dataset_hash(seq_folder)[:32]}-{shard_tokens}.json"
     if rt.is_main:
         for stale in store.glob("**/*.tmp*"):
@@ -303,6 +309,9 @@ def _plan(store: Path, seq_folder: Path, seqs: dict, shard_tokens: int, rt: runt
                 shutil.rmtree(stale)
             else:
                 stale.unlink()
+        for path in store.glob("shard-*.safetensors"):
+            if not content(path)["keys"]:
+                path.unlink()
         make_plan(store, plan_path, seqs, shard_tokens)
     rt.barrier()  # the plan is written before any rank reads it
     plan = json.loads(plan_path.read_text())

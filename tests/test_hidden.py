@@ -241,7 +241,7 @@ def test_more_data_computes_only_the_new_sequences_whatever_merges_order(tmp_pat
     assert [s["id"] for s in features.read(tmp_path / "out2", "train")] == [i[0] for i in grown[:-3]]  # merge's order
     for rid, s in before.items():
         assert all(torch.equal(after[rid][name], s[name]) for name in s if name != "id"), rid
-    # a shard deleted from the store (to reclaim disk, or to retry a failed sequence): its sequences are computed anew
+    # a shard deleted from the store (to reclaim disk): its sequences are computed anew
     (store,) = (tmp_path / "cache").iterdir()
     gone = shards.files(tmp_path / "out1")[0]
     (store / gone).unlink()
@@ -287,6 +287,42 @@ def test_a_poison_sequence_is_left_out_and_its_batch_mates_are_kept(tmp_path, mo
         assert torch.equal(got[rid]["input_ids"], s["input_ids"])
         assert (got[rid]["top"] == s["top"]).float().mean() > 0.95  # batches of other shapes: near-ties may flip
         torch.testing.assert_close(got[rid]["aux"].float(), s["aux"].float(), rtol=0.02, atol=0.02)
+
+
+class Flaky(hidden.Forward):
+    """The in-process forward, with the sequence of content key ``key`` failing its first ``times`` attempts, as it
+    would when a server goes away."""
+
+    def __init__(self, model, key: str, times: int):
+        super().__init__(model)
+        self.key, self.times = key, times
+
+    def states(self, samples, layers, batch_tokens, pad_id=0):
+        for i, got in super().states(samples, layers, batch_tokens, pad_id):
+            if samples[i][0] == self.key and self.times:
+                self.times -= 1
+                got = "ConnectionError: the server went away"
+            yield i, got
+
+
+def test_a_sequence_that_failed_is_tried_again_by_the_next_run(tmp_path, model):
+    """A sequence that fails (a server fault, a passing lack of memory) stops the run at max_failure_rate 0, keeping
+    the finished shards; each rerun tries it again, after a retry that failed too as well, and the one that succeeds
+    publishes what a run without the fault does, computing that sequence only."""
+    items = make_sequences(tmp_path / "seq", n=7)
+    clean = hidden.run(tmp_path / "seq", tmp_path / "clean", model, PARAMS, "fp", tmp_path / "clean-cache")
+    flaky = Flaky(model, hidden.sequence_key(items[3][2], items[3][3]), times=2)
+    for _attempt in range(2):
+        with pytest.raises(UserError, match="1 of 7 sequences fail alone"):
+            hidden.run(tmp_path / "seq", tmp_path / "out", flaky, PARAMS, "fp", tmp_path / "cache")
+    rep = hidden.run(tmp_path / "seq", tmp_path / "out", flaky, PARAMS, "fp", tmp_path / "cache")
+    assert rep["left_out"] == 0 and rep["samples"] == clean["samples"] == 7
+    assert rep["run"]["computed_sequences"] == 1 and not (tmp_path / "out" / "failures.jsonl").exists()
+    for split in ("train", "valid"):
+        for got, want in zip(features.read(tmp_path / "out", split), features.read(tmp_path / "clean", split),
+                             strict=True):
+            assert got["id"] == want["id"] and torch.equal(got["input_ids"], want["input_ids"])
+            torch.testing.assert_close(got["aux"].float(), want["aux"].float(), rtol=0.02, atol=0.02)
 
 
 def test_fp8_storage_halves_the_bytes_and_decodes_within_its_rounding(extracted, model, tmp_path):
