@@ -11,7 +11,10 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import compat, families, quant, remote
@@ -66,16 +69,45 @@ def resolve(model: str, trust_remote_code: bool = False) -> Path:
     return folder
 
 
+TEXT_FILES = (".json", ".jinja", ".model", ".txt", ".py")  # hashed whole, with the tokenizer's files
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")  # hashed by weight_digest
+
+
 def fingerprint(folder: Path) -> str:
-    """Hash of the model's config, tokenizer, generation and remote code files, and its weight files' names and sizes
-    (not their bytes)."""
+    """Hash of the model's config, tokenizer, generation and remote code files and of its weight files' bytes
+    (``weight_digest``): a fine-tune whose files have the old ones' names and sizes gets a fingerprint of its own."""
+    files = sorted(folder.iterdir())
+    weights = [p for p in files if p.suffix in WEIGHT_FILES]
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        digests = dict(zip(weights, pool.map(weight_digest, weights)))
     h = hashlib.sha256()
-    for p in sorted(folder.iterdir()):
-        if p.suffix in (".json", ".jinja", ".model", ".txt", ".py") or p.name.startswith("tokenizer"):
+    for p in files:
+        if p.suffix in TEXT_FILES or p.name.startswith("tokenizer"):
             h.update(p.name.encode() + b"\0" + p.read_bytes())
-        elif p.suffix in (".safetensors", ".bin", ".pt", ".gguf"):
-            h.update(f"{p.name}\0{p.stat().st_size}".encode())
+        elif p in digests:
+            h.update(f"{p.name}\0{digests[p]}".encode())
     return h.hexdigest()[:16]
+
+
+def weight_digest(path: Path) -> str:
+    """sha256 of a weight file's bytes. In a Hugging Face hub cache the file links to a blob named by that hash, which
+    is taken as it is; any other file is read once and its digest kept under ``.cache/weights/``, keyed by the file's
+    resolved path, size, mtime and ctime (a rewrite changes its ctime)."""
+    real = path.resolve()
+    if real.parent.name == "blobs" and re.fullmatch("[0-9a-f]{64}", real.name):
+        return real.name
+    st = real.stat()
+    key = f"{real}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+    memo = CACHE / "weights" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    if memo.exists():
+        return memo.read_text()
+    log.info("hashing %s (%.1f GB), once", real, st.st_size / 1e9)
+    digest = file_hash(real)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(digest)
+    os.replace(tmp, memo)
+    return digest
 
 
 def checked(model: str, trust_remote_code: bool = False) -> Path:
