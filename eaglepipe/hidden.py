@@ -25,8 +25,6 @@ files hold data only: no fingerprint.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -209,23 +207,6 @@ def skip(out) -> dict:
     return {"skipped": SKIPPED, "samples": 0, "tokens": 0, "run": {"computed_tokens": 0}}
 
 
-@contextlib.contextmanager
-def locked(store: Path, rt: runtime.Runtime):
-    """Rank 0 holds ``store``'s lock file for the run: a second run on the same store (another ``dvc exp run``,
-    worktree or job) waits instead of deleting the first one's files in flight."""
-    if not rt.is_main:
-        yield
-        return
-    store.mkdir(parents=True, exist_ok=True)
-    with open(store / ".lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("hidden: another run holds %s; waiting for it", store / ".lock")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def make_plan(store: Path, plan_path: Path, seqs: dict, shard_tokens: int) -> list[list[str]]:
     """The shards to compute: the saved plan of these sequences when its unfinished shards hold exactly the keys the
     store lacks (a resumed run), else a new one of those keys, in the sequences' order, saved."""
@@ -252,7 +233,7 @@ def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.R
     model = source_of(model)
     store = Path(cache_root) / fingerprint(params.tracked(), features.layer_ids(
         params.layers, families.text_config(model.config).num_hidden_layers), model_fp, model.dtype, model.code)
-    with locked(store, rt):
+    with rt.locked(store):  # another run waits instead of deleting this one's files in flight
         return _run(seq_folder, out, model, params, store, rt)
 
 

@@ -16,6 +16,8 @@ numbers: ``hidden.compute_dtype`` is a result knob.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import os
 import pickle
 import runpy
@@ -28,6 +30,8 @@ import torch.distributed as dist
 
 from . import target
 from .errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,22 @@ class Runtime:
 
         return DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                                        broadcast_buffers=False)
+
+    @contextlib.contextmanager
+    def locked(self, folder: Path):
+        """Rank 0 holds ``folder``'s lock file while the block runs: a second run on the same resumable work (another
+        ``dvc exp run``, worktree or job) waits for it instead of writing into it alongside."""
+        with contextlib.ExitStack() as stack:
+            if self.is_main:
+                folder.mkdir(parents=True, exist_ok=True)
+                lock = stack.enter_context(open(folder / ".lock", "w"))
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    log.info("another run holds %s; waiting for it", folder / ".lock")
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+            self.barrier()  # the other ranks start once rank 0 holds it
+            yield
 
     def save(self, path: Path, state: dict) -> None:
         """Rank 0 writes ``state`` (tensors and plain data) to ``path`` atomically: a kill leaves the last one whole.

@@ -387,10 +387,11 @@ def run(feats, target_folder, params, checkpoints, keep=None, rt: runtime.Runtim
     start = time.perf_counter()
     t = build(feats, target_folder, params, keep, rt)
     path = Path(checkpoints) / "state.pt"
-    resume(t, path, rt)
-    t.model.train()
-    while t.epoch < len(t.plans):
-        epoch(t, path, rt)
+    with rt.locked(path.parent):  # another run on these checkpoints waits, then resumes from this one's end
+        resume(t, path, rt)
+        t.model.train()
+        while t.epoch < len(t.plans):
+            epoch(t, path, rt)
     rep = report(t, time.perf_counter() - start, rt)
     t.model = t.model.cpu().eval()
     return t.model, rep, t.history

@@ -36,11 +36,12 @@ def main(params, prompts, out, report, timings, cache):
                                spec if p.turns == "all" else None)
         work = Path(cache) / fp
         try:
-            responses, rep = infer.run(prompt_list, engine, tokenizer, sampling, spec,
-                                       Gates(p.gates, spec.expects_reasoning, derive.markup(tokenizer)),
-                                       infer.Cache(work), template_kwargs, p.max_failure_rate, p.samples,
-                                       infer.Limits(target.context_length(folder), cfg.merge.max_length, p.on_error,
-                                                    prompts), p.turns)
+            with rt.locked(work):  # another run on this cache waits for this one, then reuses what it generated
+                responses, rep = infer.run(prompt_list, engine, tokenizer, sampling, spec,
+                                           Gates(p.gates, spec.expects_reasoning, derive.markup(tokenizer)),
+                                           infer.Cache(work), template_kwargs, p.max_failure_rate, p.samples,
+                                           infer.Limits(target.context_length(folder), cfg.merge.max_length,
+                                                        p.on_error, prompts), p.turns)
         except UserError as e:
             raise UserError(f"{e}. Nothing was published; the records are in {work}") from None
         write_jsonl(Path(out) / "responses.jsonl", responses)

@@ -66,6 +66,27 @@ def test_one_process_is_rank_0_of_1_without_a_process_group(monkeypatch):
         rt.barrier()
 
 
+def test_one_run_at_a_time_holds_a_work_folder(tmp_path):
+    """infer's cache, hidden's store and train's checkpoints are each held by one run: a second run on the same
+    folder waits for the first to end, then goes on."""
+    import threading
+
+    events = []
+
+    def second():
+        with runtime.Runtime().locked(tmp_path / "work"):
+            events.append("second holds it")
+
+    with runtime.Runtime().locked(tmp_path / "work"):
+        waiting = threading.Thread(target=second)
+        waiting.start()
+        waiting.join(timeout=1.0)
+        assert waiting.is_alive() and not events  # still waiting
+        events.append("first ends")
+    waiting.join(timeout=10)
+    assert events == ["first ends", "second holds it"]
+
+
 def test_rng_state_restores_cpu_draws():
     runtime.seed(3)
     state = runtime.rng_state()
