@@ -20,6 +20,8 @@ argmax (mapped to a target id) equals the target's argmax over the full vocabula
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -39,12 +41,15 @@ def chain_masks(mask: torch.Tensor, steps: int) -> torch.Tensor:
     return out
 
 
-def noisy(aux: torch.Tensor, width: float) -> torch.Tensor:
-    """``aux`` [B, T, 3H] with each layer's state x plus U(-width/2, width/2) * rms(x) per element
-    (train.feature_noise); padding (zeros) stays zero. Drawn from torch's seeded RNG, which checkpoints keep."""
+def noisy(aux: torch.Tensor, width: float, key: tuple) -> torch.Tensor:
+    """One sample's ``aux`` [T, 3H] with each layer's state x plus U(-width/2, width/2) * rms(x) per element
+    (train.feature_noise), drawn from a generator seeded by ``key`` (train's: its seed, the epoch and the sample), so
+    that a sample gets the same noise at any number of processes and in a resumed run."""
+    seed = int(hashlib.sha256(repr(key).encode()).hexdigest()[:15], 16)
     states = aux.unflatten(-1, (3, -1))
     rms = states.float().pow(2).mean(-1, keepdim=True).sqrt()
-    return (states + ((torch.rand_like(rms.expand_as(states)) - 0.5) * width * rms).to(aux.dtype)).flatten(-2)
+    draws = torch.rand(states.shape, generator=torch.Generator(aux.device).manual_seed(seed), device=aux.device)
+    return (states + ((draws - 0.5) * width * rms).to(aux.dtype)).flatten(-2)
 
 
 @torch.no_grad()
