@@ -41,7 +41,7 @@ def bare(model, samples, batch_tokens, base_only):
     """The same batches through a bare forward with all hidden states (full model, or the decoder stack only)."""
     lengths = [len(s[1]) for s in samples]
     fwd = hidden.base_model(model) if base_only else model
-    for batch in hidden.plan_batches(lengths, batch_tokens):
+    for batch in sequences.plan_batches(lengths, batch_tokens):
         width = lengths[batch[0]]
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         for row, i in enumerate(batch):

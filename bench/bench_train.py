@@ -14,7 +14,7 @@ import time
 import click
 import torch
 
-from eaglepipe import config, features, target, train, ttt
+from eaglepipe import config, features, sequences, target, train, ttt
 
 
 def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
@@ -25,7 +25,7 @@ def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
     model.train()
     tokens, seconds = 0, 0.0
     for e in range(p.epochs):
-        for idx in train.plan_batches(lengths, p.batch_tokens, p.seed, e):
+        for idx in sequences.plan_batches(lengths, p.batch_tokens, p.seed, e):
             rows = [train_set[i] for i in idx]
             batch = ttt.collate(rows, features.read_states(rows), steps, head_draft, model.t2d)  # not timed
             start = time.perf_counter()

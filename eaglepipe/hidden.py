@@ -89,17 +89,6 @@ def scan(store: Path) -> tuple[dict, dict]:
     return held, {key: fail for key, fail in failed.items() if key not in held}
 
 
-def plan_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Indices grouped into right-padded batches, longest first, rows x longest <= batch_tokens (>= 1 row)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, i = [], 0
-    while i < len(order):
-        rows = max(1, batch_tokens // max(1, lengths[order[i]]))
-        batches.append(order[i:i + rows])
-        i += rows
-    return batches
-
-
 def base_model(model):
     """The decoder stack without the LM head (``LlamaModel`` for ``LlamaForCausalLM``)."""
     return getattr(model, "base_model", None) or model.model
@@ -158,7 +147,7 @@ class Forward:
                 n = lengths[i]
                 yield i, (a[row, :n], f[row, :n], greedy(model, f[row, :n]))
 
-        for batch in plan_batches(lengths, batch_tokens):
+        for batch in sequences.plan_batches(lengths, batch_tokens):
             yield from run_batch(batch)
 
 

@@ -26,6 +26,7 @@ import hashlib
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import shards
@@ -37,6 +38,7 @@ def _unit(seed: int, salt: str, rid: str) -> float:
     return int(hashlib.sha256(f"{seed}:{salt}:{rid}".encode()).hexdigest()[:12], 16) / 16 ** 12
 
 
+WINDOW = 64  # samples sorted by length together (plan_batches)
 MIN_TRAINED = 2  # output tokens a sequence needs for one trained position (the drafter predicts t+2 from t)
 
 
@@ -143,3 +145,21 @@ def stats(splits: dict, counts: Counter) -> dict:
                      "trained_tokens": sum(s["trained_tokens"] for s in per_source.values()),
                      "per_source": dict(sorted(per_source.items()))}
     return out
+
+
+def plan_batches(lengths: list[int], batch_tokens: int, seed: int | None = None, epoch: int = 0) -> list[list[int]]:
+    """Sample indices in right-padded batches of at most ``batch_tokens`` (rows x longest). With a seed: shuffled
+    (by seed and epoch), sorted by length within windows, batches in shuffled order; without: sorted by length."""
+    rng = None if seed is None else np.random.default_rng([seed, epoch])
+    order = list(range(len(lengths))) if rng is None else rng.permutation(len(lengths)).tolist()
+    window = WINDOW if rng is not None else max(1, len(order))
+    batches = []
+    for w in range(0, len(order), window):
+        batch = []
+        for i in sorted(order[w:w + window], key=lambda i: -lengths[i]):
+            if batch and (len(batch) + 1) * lengths[batch[0]] > batch_tokens:
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        batches.append(batch)
+    return batches if rng is None else [batches[i] for i in rng.permutation(len(batches))]

@@ -36,18 +36,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
-from . import (compat, deps, draft, draft_init, families, features, hidden, quant, records, runtime, shards, ttt,
-               uncertainty)
+from . import (compat, deps, draft, draft_init, families, features, hidden, quant, records, runtime, sequences, shards,
+               ttt, uncertainty)
 from .errors import UserError
 from .hashing import code_hash
 from .ttt import TTT, chain_masks, collate, ttt_forward
 
 log = logging.getLogger(__name__)
-WINDOW = 64  # samples sorted by length together (plan_batches)
 
 
 class Online:
@@ -132,24 +130,6 @@ def token_counts(samples: list[features.Sample]) -> Counter:
     return Counter(dict(zip(values.tolist(), counts.tolist())))
 
 
-def plan_batches(lengths: list[int], batch_tokens: int, seed: int | None = None, epoch: int = 0) -> list[list[int]]:
-    """Sample indices in right-padded batches of at most ``batch_tokens`` (rows x longest). With a seed: shuffled
-    (by seed and epoch), sorted by length within windows, batches in shuffled order; without: sorted by length."""
-    rng = None if seed is None else np.random.default_rng([seed, epoch])
-    order = list(range(len(lengths))) if rng is None else rng.permutation(len(lengths)).tolist()
-    window = WINDOW if rng is not None else max(1, len(order))
-    batches = []
-    for w in range(0, len(order), window):
-        batch = []
-        for i in sorted(order[w:w + window], key=lambda i: -lengths[i]):
-            if batch and (len(batch) + 1) * lengths[batch[0]] > batch_tokens:
-                batches.append(batch)
-                batch = []
-            batch.append(i)
-        batches.append(batch)
-    return batches if rng is None else [batches[i] for i in rng.permutation(len(batches))]
-
-
 def summarize(stats: torch.Tensor) -> list[dict]:
     """[{step, loss, acc}], one per TTT step, from summed stats [steps, 4] (None where the step had no positions)."""
     return [{"step": k, "loss": round(loss / n_loss, 5) if n_loss else None,
@@ -171,7 +151,7 @@ def evaluate(model, feats, samples, steps, head_draft, batch_tokens, bf16: bool 
     the ranks; each accuracy with its standard error over the samples (``acc_se``, uncertainty.py)."""
     model.eval()
     stats, per_sample = torch.zeros(steps, 4), {}
-    for idx in plan_batches([s.ids.shape[0] for s in samples], batch_tokens)[rt.rank::rt.world]:
+    for idx in sequences.plan_batches([s.ids.shape[0] for s in samples], batch_tokens)[rt.rank::rt.world]:
         rows = [samples[i] for i in idx]
         batch = collate(rows, feats.states(rows), steps, head_draft, model.t2d)
         with autocast(bf16, head_draft.device):
@@ -291,7 +271,7 @@ def build(feats, target_folder, p, keep, rt: runtime.Runtime) -> Training:
     model, head_draft = model.to(rt.device), head_draft.to(rt.device)
     net = rt.wrap(TTT(model, p.ttt_steps, p.step_weight))
     lengths = [s.ids.shape[0] for s in train_set]
-    plans = [plan_batches(lengths, p.batch_tokens, p.seed, e) for e in range(p.epochs)]
+    plans = [sequences.plan_batches(lengths, p.batch_tokens, p.seed, e) for e in range(p.epochs)]
     total_steps = sum(len(b) for b in plans)
     opt = optimizer(model, p)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup_steps, total_steps))

@@ -17,7 +17,7 @@ import yaml
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from eaglepipe import config, draft, features, shards, train, ttt
+from eaglepipe import config, draft, features, sequences, shards, train, ttt
 from eaglepipe.errors import UserError
 from e2e import ranks_of
 
@@ -321,10 +321,10 @@ def test_a_doctored_resume_state_cannot_run_code(data, tmp_path):
 
 def test_plan_batches_respects_budget_and_is_seeded():
     lengths = [5, 30, 12, 7, 40, 3, 22, 9]
-    plan = train.plan_batches(lengths, 60, seed=0, epoch=1)
+    plan = sequences.plan_batches(lengths, 60, seed=0, epoch=1)
     assert sorted(i for b in plan for i in b) == list(range(8))
     assert all(len(b) * max(lengths[i] for i in b) <= 60 or len(b) == 1 for b in plan)
-    assert plan == train.plan_batches(lengths, 60, seed=0, epoch=1) != train.plan_batches(lengths, 60, 0, 2)
+    assert plan == sequences.plan_batches(lengths, 60, seed=0, epoch=1) != sequences.plan_batches(lengths, 60, 0, 2)
 
 
 # ------------------------------------------------------------------------------------------ under torchrun (DDP)
@@ -349,7 +349,7 @@ def assert_close_runs(got, want, history, want_history, tol=TOLERANCE):
 def test_e2e_train_at_world_2_matches_world_1(data, tmp_path):
     params = config.Train(**DDP_PARAMS)
     lengths = [s.ids.shape[0] for s in train.load_samples(data / "hidden", "train")]
-    plans = [train.plan_batches(lengths, params.batch_tokens, params.seed, e) for e in range(params.epochs)]
+    plans = [sequences.plan_batches(lengths, params.batch_tokens, params.seed, e) for e in range(params.epochs)]
     assert {1, 2} <= {min(len(b), 2) for plan in plans for b in plan}  # both kinds of batch are trained
     one, report, history = train.run(data / "hidden", data / "target", params, tmp_path / "one")
     (tmp_path / "draft").mkdir()  # an earlier output whose file is a hard link into DVC's cache
