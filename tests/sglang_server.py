@@ -85,6 +85,7 @@ KNOBS = {"latency": 0.0, "fault_rate": 0.0, "faults": list(FAULTS), "fault_mode"
          "hang_s": 30.0, "batch_arrays": False, "exclude_stop": False, "old_api": False, "tokenize_skew": False,
          "unhealthy": False, "seed": 0, "fail_rids": [], "fake_stop_after": None, "reasoning": None}
 TAIL = 5  # SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET
+KEEPALIVE_S = 5.0  # SGLang's uvicorn closes a connection idle this long (http_server.py, timeout_keep_alive)
 REASONING_MODES = (None, "wrap", "drop")
 THOUGHT = "Let me think."  # the reasoning text of --reasoning wrap (short: it counts against max_new_tokens)
 
@@ -104,7 +105,7 @@ def sglang_error(status: int, message: str) -> web.Response:
 def new_stats() -> dict:
     """What GET /stats counts, from zero (at start and on ``reset_stats``)."""
     return {"generate_requests": 0, "answers": 0, "faults": {}, "aborts": 0, "aborted_rids": [], "rids": [],
-            "max_inflight": 0}
+            "max_inflight": 0, "connections": []}
 
 
 class FakeSGLang:
@@ -420,6 +421,9 @@ class FakeSGLang:
 
     async def generate(self, request: web.Request):
         self.stats["generate_requests"] += 1
+        port = request.transport.get_extra_info("peername")[1]  # the client's end of the connection
+        if port not in self.stats["connections"]:
+            self.stats["connections"].append(port)
         self.handling += 1
         self.stats["max_inflight"] = max(self.stats["max_inflight"], self.handling)
         try:
@@ -625,7 +629,8 @@ def main(argv=None):
     server = FakeSGLang(args)
     log.info("serving %s on %s:%d (%s)", server.folder, args.host, args.port,
              "no compute" if args.no_compute else "HFEngine, batch size 1")
-    web.run_app(make_app(server), host=args.host, port=args.port, access_log=None, print=None, shutdown_timeout=0.5)
+    web.run_app(make_app(server), host=args.host, port=args.port, access_log=None, print=None, shutdown_timeout=0.5,
+                keepalive_timeout=KEEPALIVE_S)
 
 
 if __name__ == "__main__":

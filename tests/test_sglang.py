@@ -9,6 +9,7 @@ import pytest
 
 from eaglepipe import config, chat, target
 from eaglepipe.engines import Failure, Output, Sampling
+from eaglepipe.engines import pool
 from eaglepipe.engines.pool import ServerError, tokenizer_probes
 from eaglepipe.engines.server import BadAnswer
 from eaglepipe.engines.sglang import SGLangEngine, check_answer, sampling_params
@@ -140,6 +141,18 @@ def test_a_clean_run_streams_every_answer_within_the_concurrency(fresh, tokenize
     info = described["servers"][0]
     assert info["model_info"]["is_generation"] and "internal_states" not in info["server_info"]
     assert info["server_info"]["version"]
+
+
+@pytest.mark.engine
+def test_a_connection_idle_for_seconds_is_not_reused(fresh, tokenizer):
+    """The server closes a connection idle for 5 s, as SGLang's and vLLM's do; the client lets one go after
+    ``pool.IDLE_S``, so it never sends a request as the server closes the connection (that request was lost to a
+    reset and sent again: ``attempts`` 2 in the records)."""
+    with engine(fresh, tokenizer, concurrency=1) as eng:
+        run(eng, prompts(tokenizer, 1))
+        time.sleep(pool.IDLE_S + 1.0)  # idle past the client's limit, within the server's
+        out = run(eng, prompts(tokenizer, 1))
+    assert out[0].meta["attempts"] == 1 and len(stats(fresh)["connections"]) == 2
 
 
 @pytest.mark.engine

@@ -33,6 +33,8 @@ from ..errors import UserError
 log = logging.getLogger(__name__)
 
 JSON = {"Content-Type": "application/json"}  # the header of every POST to a server
+IDLE_S = 2.0  # a connection idle longer is not reused: SGLang's and vLLM's uvicorn close one idle for 5 s, and a
+# request sent as the server closes its connection is lost to a reset and sent again
 
 
 class ServerError(UserError, RuntimeError):
@@ -139,7 +141,7 @@ class ServerPool:
     # ---- connecting and checking servers ---------------------------------------------------------------------
     async def _connect(self):
         self._changed = asyncio.Event()
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_S))
         deadline = time.monotonic() + self.health_timeout_s
         results = await asyncio.gather(*(self._check_server(s, deadline) for s in self._servers),
                                        return_exceptions=True)
