@@ -64,7 +64,8 @@ def tokenizer_probes(tokenizer) -> list[str]:
     if special:
         probes.append("x" + " y".join(special[:64]) + " z")
     probes += ["<think>\nreasoning\n</think>\n\nanswer", "Hello, world! The year 2024; 3.14159 ≈ π.",
-               "def f(x):\n\treturn x ** 2  # tabs, spaces  \n\n", "  leading and trailing spaces  ", "Ünïcödé 中文 🤖✓"]
+               "def f(x):\n\treturn x ** 2  # tabs, spaces  \n\n", "  leading and trailing spaces  ",
+               "Ünïcödé 中文 🤖✓"]
     return list(dict.fromkeys(p for p in probes if p))
 
 
