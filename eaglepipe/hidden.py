@@ -78,14 +78,15 @@ def content(path: Path) -> dict:
 
 def scan(store: Path) -> tuple[dict, dict]:
     """({key: (shard file, row)}, {key: {key, tokens, reason, shard}}) over the finished shards in ``store``, from
-    their metadata; a key some shard holds is not failed, whatever an earlier attempt left."""
+    their metadata. A key some shard holds is not failed, whatever an earlier attempt left; a failure names the first
+    shard that holds samples too (a published one) where there is one."""
     held, failed = {}, {}
-    for path in sorted(store.glob("shard-*.safetensors")):
-        got = content(path)
+    found = [(path.name, content(path)) for path in sorted(store.glob("shard-*.safetensors"))]
+    for name, got in sorted(found, key=lambda found: not found[1]["keys"]):  # shards with samples first
         for row, key in enumerate(got["keys"]):
-            held.setdefault(key, (path.name, row))
+            held.setdefault(key, (name, row))
         for fail in got["failed"]:
-            failed.setdefault(fail["key"], {**fail, "shard": path.name})
+            failed.setdefault(fail["key"], {**fail, "shard": name})
     return held, {key: fail for key, fail in failed.items() if key not in held}
 
 
@@ -196,22 +197,37 @@ def skip(out) -> dict:
     return {"skipped": SKIPPED, "samples": 0, "tokens": 0, "run": {"computed_tokens": 0}}
 
 
-def make_plan(store: Path, plan_path: Path, seqs: dict, shard_tokens: int) -> list[list[str]]:
-    """The shards to compute: the saved plan of these sequences when its unfinished shards hold exactly the keys the
-    store lacks (a resumed run), else a new one of those keys, in the sequences' order, saved."""
-    held = scan(store)[0]
+def shards_of(seqs: dict, wanted, shard_tokens: int) -> list[list[str]]:
+    """The keys of ``seqs`` that ``wanted(key)`` picks, each once, in the sequences' order, cut into shards of at most
+    ``shard_tokens`` tokens."""
     todo = {}
     for key, ids in ((key, ids) for split in seqs.values() for _rid, ids, _mask, key in split):
-        if key not in held:  # a sequence that failed before is tried again
+        if wanted(key):
             todo.setdefault(key, len(ids))
-    if plan_path.exists():
-        plan = json.loads(plan_path.read_text())
-        if {k for keys in plan if not (store / shard_name(keys)).exists() for k in keys} == set(todo):
-            return plan
     keys = list(todo)
-    plan = [keys[a:b] for a, b in shards.plan(list(todo.values()), shard_tokens)]
+    return [keys[a:b] for a, b in shards.plan(list(todo.values()), shard_tokens)]
+
+
+def make_plan(store: Path, plan_path: Path, seqs: dict, shard_tokens: int) -> list[list[str]]:
+    """The shards to compute: the saved plan of these sequences when its unfinished shards hold exactly the keys the
+    store lacks (a resumed run), else a new one of those keys, saved. Sequences that failed are ``retry_plan``'s."""
+    held, failed = scan(store)
+    plan = shards_of(seqs, lambda key: key not in held and key not in failed, shard_tokens)
+    if plan_path.exists():
+        saved = json.loads(plan_path.read_text())
+        unfinished = {k for keys in saved if not (store / shard_name(keys)).exists() for k in keys}
+        if unfinished == {k for keys in plan for k in keys}:
+            return saved
     write_json(plan_path, plan)
     return plan
+
+
+def retry_plan(store: Path, seqs: dict, shard_tokens: int) -> list[list[str]]:
+    """The sequences that failed in an earlier run and that no shard holds, in shards of their own: each run tries
+    them again (a server fault or a passing lack of memory heals), after the plan, so a resumed run still publishes
+    what an uninterrupted one does."""
+    failed = scan(store)[1]
+    return shards_of(seqs, lambda key: key in failed, shard_tokens)
 
 
 def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.Runtime = runtime.Runtime()) -> dict:
@@ -269,9 +285,9 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
 
 
 def _plan(store: Path, seq_folder: Path, seqs: dict, shard_tokens: int, rt: runtime.Runtime) -> tuple[list, set]:
-    """(the shards of these sequences, each a list of keys; the names of the shards the store already holds). Rank 0
-    first clears what a stopped run left half-written (the lock: no other run is writing) and the shards that hold
-    only failures, so that their sequences are tried again, and writes the plan."""
+    """(the shards of these sequences, each a list of keys: the plan, then ``retry_plan``'s; the names of the shards the
+    store already holds). Rank 0 first clears what a stopped run left half-written (the lock: no other run is
+    writing) and the shards that hold only failures, so that they are computed again, and writes the plan."""
     plan_path = store / "plans" / f"{shards.dataset_hash(seq_folder)[:32]}-{shard_tokens}.json"
     if rt.is_main:
         for stale in store.glob("**/*.tmp*"):
@@ -284,7 +300,7 @@ def _plan(store: Path, seq_folder: Path, seqs: dict, shard_tokens: int, rt: runt
                 path.unlink()
         make_plan(store, plan_path, seqs, shard_tokens)
     rt.barrier()  # the plan is written before any rank reads it
-    plan = json.loads(plan_path.read_text())
+    plan = json.loads(plan_path.read_text()) + retry_plan(store, seqs, shard_tokens)
     before = {p.name for p in store.glob("shard-*.safetensors")}
     rt.barrier()  # every rank has listed the finished shards before any is written
     return plan, before

@@ -250,6 +250,33 @@ def test_more_data_computes_only_the_new_sequences_whatever_merges_order(tmp_pat
     assert again["run"]["computed_sequences"] >= lost["samples"] and again["samples"] == 22
 
 
+def test_a_poison_sequence_is_left_out_and_its_batch_mates_are_kept(tmp_path, model):
+    """A batch that fails is retried in halves down to one sequence; the one that fails alone is left out of its
+    shard with its reason, within hidden.max_failure_rate (above it the stage stops, keeping the finished shards),
+    and every other sequence keeps the states it gets without the poison one."""
+    items = make_sequences(tmp_path / "clean", n=6)
+    poison = ("poison", "s", [1, 2, model.config.vocab_size + 3, 4, 5], [0, 0, 1, 1, 1])
+    train_items = items[:2] + [poison] + items[2:-1]
+    sequences.write(tmp_path / "seq", {"train": train_items, "valid": items[-1:]}, shard_tokens=1000, policy={})
+    with pytest.raises(UserError, match=r"hidden: 1 of 7 sequences fail alone, more than hidden.max_failure_rate 0.0"):
+        hidden.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "fp", tmp_path / "cache")
+    assert not (tmp_path / "out").exists()
+    lenient = PARAMS.model_copy(update={"max_failure_rate": 0.2})
+    rep = hidden.run(tmp_path / "seq", tmp_path / "out", model, lenient, "fp", tmp_path / "cache")
+    assert rep["left_out"] == 1 and rep["samples"] == 6 and rep["run"]["reused_shards"] >= 1  # resumed
+    (failure,) = [json.loads(line) for line in (tmp_path / "out" / "failures.jsonl").read_text().splitlines()]
+    assert failure["id"] == "poison" and failure["tokens"] == 5 and failure["reason"].startswith("IndexError")
+    clean = hidden.run(tmp_path / "clean", tmp_path / "clean-out", model, PARAMS, "fp", tmp_path / "cache")
+    assert clean["samples"] == 6
+    got = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp_path / "out", split)}
+    want = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp_path / "clean-out", split)}
+    assert sorted(got) == sorted(want)
+    for rid, s in want.items():
+        assert torch.equal(got[rid]["input_ids"], s["input_ids"])
+        assert (got[rid]["top"] == s["top"]).float().mean() > 0.95  # batches of other shapes: near-ties may flip
+        torch.testing.assert_close(got[rid]["aux"].float(), s["aux"].float(), rtol=0.02, atol=0.02)
+
+
 class Flaky(hidden.Forward):
     """The in-process forward, with the sequence of content key ``key`` failing its first ``times`` attempts, as it
     would when a server goes away."""
