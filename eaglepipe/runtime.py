@@ -73,17 +73,23 @@ class Runtime:
     @contextlib.contextmanager
     def locked(self, folder: Path):
         """Rank 0 holds ``folder``'s lock file while the block runs: a second run on the same resumable work (another
-        ``dvc exp run``, worktree or job) waits for it instead of writing into it alongside."""
+        ``dvc exp run``, worktree or job) waits for it instead of writing into it alongside; a job of several
+        processes stops instead (its ranks waiting in a collective would time out)."""
         with contextlib.ExitStack() as stack:
+            busy = False
             if self.is_main:
                 folder.mkdir(parents=True, exist_ok=True)
                 lock = stack.enter_context(open(folder / ".lock", "w"))
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    log.info("another run holds %s; waiting for it", folder / ".lock")
-                    fcntl.flock(lock, fcntl.LOCK_EX)
-            self.barrier()  # the other ranks start once rank 0 holds it
+                    busy = self.world > 1
+                    if not busy:
+                        log.info("another run holds %s; waiting for it", folder / ".lock")
+                        fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.gather(busy)[0]:  # every rank learns it, so every rank stops
+                raise UserError(f"another run holds {folder / '.lock'}: run this job of {self.world} processes once "
+                                "it has ended (its ranks cannot wait that long in the process group)")
             yield
 
     def save(self, path: Path, state: dict) -> None:
