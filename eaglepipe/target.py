@@ -6,6 +6,7 @@ Hugging Face model folder, or a ``.gguf`` file. GGUF weights are de-quantised on
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -13,7 +14,6 @@ import logging
 import os
 import re
 import shutil
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -101,13 +101,15 @@ def weight_digest(path: Path) -> str:
     memo = CACHE / "weights" / hashlib.sha256(key.encode()).hexdigest()[:32]
     if memo.exists():
         return memo.read_text()
-    log.info("hashing %s (%.1f GB), once", real, st.st_size / 1e9)
-    digest = file_hash(real)
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}.{threading.get_ident()}")
-    tmp.write_text(digest)
-    os.replace(tmp, memo)
-    return digest
+    with open(memo.with_name(f"{memo.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process (a rank) reading the same file: wait for its digest
+        if not memo.exists():
+            log.info("hashing %s (%.1f GB), once", real, st.st_size / 1e9)
+            tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}")
+            tmp.write_text(file_hash(real))
+            os.replace(tmp, memo)
+    return memo.read_text()
 
 
 def checked(model: str, trust_remote_code: bool = False) -> Path:

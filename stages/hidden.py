@@ -39,8 +39,7 @@ def main(params, seq_folder, out, report, timings, cache):
                 rep = hidden.run(seq_folder, out, source, cfg.hidden, target.fingerprint(folder), cache, rt)
         else:
             model = runtime.load_states_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
-            fp = rt.gather(target.fingerprint(folder) if rt.is_main else None)[0]  # the weights read by one rank
-            rep = hidden.run(seq_folder, out, model, cfg.hidden, fp, cache, rt)
+            rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
     if rt.is_main:
         cli.publish(rep, report, timings)
         logging.info("hidden: %d tokens (%d stored in the published shards), %s bytes per stored token, layers %s",
