@@ -306,11 +306,10 @@ def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
     rows = idx[rt.rank::rt.world]
     rows, weight = (rows, float(rt.world)) if rows else (idx[:1], 0.0)  # no row: the first, at weight 0
     mine = [t.train_set[i] for i in rows]
-    states = t.feats.states(mine)
+    batch = collate(mine, t.feats.states(mine), t.p.ttt_steps, t.head_draft, t.model.t2d)
     if t.p.feature_noise:
-        states = [s | {"aux": ttt.noisy(s["aux"], t.p.feature_noise, (t.p.seed, t.epoch, i))}
-                  for s, i in zip(states, rows)]
-    batch = collate(mine, states, t.p.ttt_steps, t.head_draft, t.model.t2d)
+        batch["aux"] = ttt.noisy(batch["aux"], t.p.feature_noise, [(t.p.seed, t.epoch, i) for i in rows],
+                                 [s.ids.shape[0] for s in mine])
     norm = batch["kept"] if weight else torch.zeros_like(batch["kept"])
     batch["norm"], batch["weight"] = rt.all_sum(norm).tolist(), weight
     with autocast(uses_bf16(t.p), rt.device):

@@ -41,15 +41,18 @@ def chain_masks(mask: torch.Tensor, steps: int) -> torch.Tensor:
     return out
 
 
-def noisy(aux: torch.Tensor, width: float, key: tuple) -> torch.Tensor:
-    """One sample's ``aux`` [T, 3H] with each layer's state x plus U(-width/2, width/2) * rms(x) per element
-    (train.feature_noise), drawn from a generator seeded by ``key`` (train's: its seed, the epoch and the sample), so
-    that a sample gets the same noise at any number of processes and in a resumed run."""
-    seed = int(hashlib.sha256(repr(key).encode()).hexdigest()[:15], 16)
+def noisy(aux: torch.Tensor, width: float, keys: list, lengths: list[int]) -> torch.Tensor:
+    """A batch's ``aux`` [B, T, 3H] (float32, right-padded) with each layer's state x plus U(-width/2, width/2) *
+    rms(x) per element (train.feature_noise). Row b's ``lengths[b]`` positions draw from a generator seeded by
+    ``keys[b]`` (train's: its seed, the epoch and the sample) on aux's device, so a sample gets the same noise in any
+    batch, at any number of processes and in a resumed run; padding stays zero."""
     states = aux.unflatten(-1, (3, -1))
-    rms = states.float().pow(2).mean(-1, keepdim=True).sqrt()
-    draws = torch.rand(states.shape, generator=torch.Generator(aux.device).manual_seed(seed), device=aux.device)
-    return (states + ((draws - 0.5) * width * rms).to(aux.dtype)).flatten(-2)
+    draws = torch.zeros_like(states)
+    for row, (key, n) in enumerate(zip(keys, lengths)):
+        seed = int(hashlib.sha256(repr(key).encode()).hexdigest()[:15], 16)
+        generator = torch.Generator(aux.device).manual_seed(seed)
+        draws[row, :n] = torch.rand(n, *states.shape[2:], generator=generator, device=aux.device) - 0.5
+    return (states + draws * width * states.pow(2).mean(-1, keepdim=True).sqrt()).flatten(-2)
 
 
 @torch.no_grad()

@@ -287,17 +287,22 @@ def test_loss_decreases_and_a_killed_run_resumes_exactly(data, tmp_path, autocas
     assert history_b == history
 
 
-def test_feature_noise_is_uniform_relative_to_each_layers_state_and_a_function_of_its_key():
-    """A sample's noise depends on (seed, epoch, sample) alone: not on the process, its batch or what ran before."""
+def test_feature_noise_is_uniform_relative_to_each_layers_state_and_a_function_of_the_sample():
+    """A sample's noise depends on (seed, epoch, sample) alone: not on its batch mates, its row, the padding or what
+    ran before; padding stays zero."""
     torch.manual_seed(0)
-    aux = torch.randn(50, 3 * 16) * torch.tensor([100.0, 1.0, 0.01]).repeat_interleave(16)  # layers of 3 scales
-    noise = (ttt.noisy(aux, 0.2, (0, 1, 7)) - aux).unflatten(-1, (3, -1))
+    aux = torch.randn(2, 50, 3 * 16) * torch.tensor([100.0, 1.0, 0.01]).repeat_interleave(16)  # layers of 3 scales
+    aux[1, 30:] = 0  # padding
+    noisy = ttt.noisy(aux, 0.2, [(0, 1, 7), (0, 1, 8)], [50, 30])
+    noise = (noisy - aux).unflatten(-1, (3, -1))
     rms = aux.unflatten(-1, (3, -1)).pow(2).mean(-1, keepdim=True).sqrt()
-    relative = noise / rms
+    relative = (noise / rms.clamp_min(1e-30))[rms.squeeze(-1) > 0]
     assert relative.abs().max() <= 0.1 and relative.abs().mean() == pytest.approx(0.05, abs=0.005)  # U(-0.1, 0.1)
+    assert noise[1, 30:].abs().max() == 0
     torch.rand(3)  # the global generator moves on: the noise does not
-    assert torch.equal(ttt.noisy(aux, 0.2, (0, 1, 7)), ttt.noisy(aux, 0.2, (0, 1, 7)))
-    assert not torch.equal(ttt.noisy(aux, 0.2, (0, 1, 7)), ttt.noisy(aux, 0.2, (0, 2, 7)))  # each epoch its own
+    alone = ttt.noisy(aux[1:, :30], 0.2, [(0, 1, 8)], [30])  # the second sample in a batch of its own, unpadded
+    assert torch.equal(alone[0], noisy[1, :30])
+    assert not torch.equal(ttt.noisy(aux[1:, :30], 0.2, [(0, 2, 8)], [30]), alone)  # each epoch its own
 
 
 class _Payload:
