@@ -25,6 +25,7 @@ from .errors import UserError
 
 CACHE = Path(os.environ.get("EAGLEPIPE_CACHE", Path(__file__).resolve().parent.parent / ".cache"))
 """Root of the resumable work folders (``.cache/<stage>/<fingerprint>/``); ``EAGLEPIPE_CACHE`` moves it."""
+DIGESTS = CACHE / "digests"  # each large file's sha256, read once (hashing.file_digest)
 
 
 class ConfigError(UserError, ValueError):

@@ -12,6 +12,7 @@ string metadata its writer gives (data/hidden's: the content keys of its samples
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -22,7 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .hashing import files_hash
+from .config import DIGESTS
+from .hashing import file_digest
 
 SPLITS = ("train", "valid")
 
@@ -114,6 +116,8 @@ def files(folder) -> list[str]:
 
 
 def dataset_hash(folder) -> str:
-    """Hash of a sharded dataset's bytes: ``index.json``, then its shard files in index order."""
+    """Hash of a sharded dataset's bytes: the digests of ``index.json``, then of its shard files in index order, each
+    file read once (``hashing.file_digest``)."""
     folder = Path(folder)
-    return files_hash([folder / "index.json", *(folder / f for f in files(folder))])
+    names = ["index.json", *files(folder)]
+    return hashlib.sha256("".join(f"{n}\0{file_digest(folder / n, DIGESTS)}\n" for n in names).encode()).hexdigest()

@@ -6,7 +6,6 @@ Hugging Face model folder, or a ``.gguf`` file. GGUF weights are de-quantised on
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -18,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import compat, families, quant, remote
-from .config import CACHE
-from .hashing import file_hash
+from .config import CACHE, DIGESTS
+from .hashing import file_digest, file_hash
 
 log = logging.getLogger(__name__)
 
@@ -90,26 +89,12 @@ def fingerprint(folder: Path) -> str:
 
 
 def weight_digest(path: Path) -> str:
-    """sha256 of a weight file's bytes. In a Hugging Face hub cache the file links to a blob named by that hash, which
-    is taken as it is; any other file is read once and its digest kept under ``.cache/weights/``, keyed by the file's
-    resolved path, size, mtime and ctime (a rewrite changes its ctime)."""
+    """sha256 of a weight file's bytes: in a Hugging Face hub cache the file links to a blob named by that hash, which
+    is taken as it is; any other file is read once (``hashing.file_digest``, kept under ``.cache/digests/``)."""
     real = path.resolve()
     if real.parent.name == "blobs" and re.fullmatch("[0-9a-f]{64}", real.name):
         return real.name
-    st = real.stat()
-    key = f"{real}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
-    memo = CACHE / "weights" / hashlib.sha256(key.encode()).hexdigest()[:32]
-    if memo.exists():
-        return memo.read_text()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    with open(memo.with_name(f"{memo.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process (a rank) reading the same file: wait for its digest
-        if not memo.exists():
-            log.info("hashing %s (%.1f GB), once", real, st.st_size / 1e9)
-            tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}")
-            tmp.write_text(file_hash(real))
-            os.replace(tmp, memo)
-    return memo.read_text()
+    return file_digest(real, DIGESTS)
 
 
 def checked(model: str, trust_remote_code: bool = False) -> Path:

@@ -38,8 +38,8 @@ def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkp
         else:
             feats = features.Stored(hidden_folder)
         p = train.resolved(cfg.train, rt.device)
-        model_fp = target.fingerprint(folder)  # every rank, outside a collective: the first read of the weights is long
-        fp = rt.gather(train.fingerprint(feats, p, model_fp) if rt.is_main else None)[0]
+        # every rank, outside any collective: the first read of the weights and states is long (hashing.file_digest)
+        fp = train.fingerprint(feats, p, target.fingerprint(folder))
         model, report, history = train.run(feats, folder, p, Path(checkpoints or CACHE / "train" / fp), rt=rt)
     if rt.is_main:  # into a new folder renamed into place: DVC's cache files (hard links) are never written into
         tmp = Path(f"{out}.tmp")

@@ -13,7 +13,7 @@ def folder_with(path, weights: bytes):
 
 
 def test_a_fine_tune_of_the_same_shapes_gets_its_own_fingerprint(tmp_path, monkeypatch):
-    monkeypatch.setattr(target, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(target, "DIGESTS", tmp_path / "digests")
     base = folder_with(tmp_path / "base", b"\x00" * 4096)
     tuned = folder_with(tmp_path / "tuned", b"\x00" * 4095 + b"\x01")
     assert target.fingerprint(base) != target.fingerprint(tuned)
@@ -21,11 +21,11 @@ def test_a_fine_tune_of_the_same_shapes_gets_its_own_fingerprint(tmp_path, monke
 
 
 def test_a_digest_is_read_once_and_a_rewrite_reads_it_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(target, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(target, "DIGESTS", tmp_path / "digests")
     weights = folder_with(tmp_path / "model", b"a" * 1000) / "model.safetensors"
     first = target.weight_digest(weights)
     assert first == hashlib.sha256(b"a" * 1000).hexdigest()
-    [memo] = [p for p in (tmp_path / "cache" / "weights").iterdir() if p.suffix != ".lock"]
+    [memo] = [p for p in (tmp_path / "digests").iterdir() if p.suffix != ".lock"]
     memo.write_text("what the memo holds")  # the memo is what a second call returns, not a new read
     assert target.weight_digest(weights) == "what the memo holds"
     before = weights.stat()
@@ -35,7 +35,7 @@ def test_a_digest_is_read_once_and_a_rewrite_reads_it_again(tmp_path, monkeypatc
 
 
 def test_a_hugging_face_hub_blob_is_named_by_its_digest(tmp_path, monkeypatch):
-    monkeypatch.setattr(target, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(target, "DIGESTS", tmp_path / "digests")
     data = b"weights" * 100
     digest = hashlib.sha256(data).hexdigest()
     (tmp_path / "blobs").mkdir()
@@ -44,4 +44,4 @@ def test_a_hugging_face_hub_blob_is_named_by_its_digest(tmp_path, monkeypatch):
     snapshot.mkdir(parents=True)
     (snapshot / "model.safetensors").symlink_to(tmp_path / "blobs" / digest)
     assert target.weight_digest(snapshot / "model.safetensors") == digest
-    assert not (tmp_path / "cache").exists()  # taken from the name, nothing read or kept
+    assert not (tmp_path / "digests").exists()  # taken from the name, nothing read or kept
