@@ -79,7 +79,7 @@ def content(path: Path) -> dict:
 def scan(store: Path) -> tuple[dict, dict]:
     """({key: (shard file, row)}, {key: {key, tokens, reason, shard}}) over the finished shards in ``store``, from
     their metadata. A key some shard holds is not failed, whatever an earlier attempt left; a failure names the first
-    shard that holds samples too (a published one) where there is one."""
+    shard that holds samples too where there is one (a retry's shard of failures alone is never published)."""
     held, failed = {}, {}
     found = [(path.name, content(path)) for path in sorted(store.glob("shard-*.safetensors"))]
     for name, got in sorted(found, key=lambda found: not found[1]["keys"]):  # shards with samples first

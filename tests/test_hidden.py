@@ -266,7 +266,7 @@ def test_a_poison_sequence_is_left_out_and_its_batch_mates_are_kept(tmp_path, mo
     assert rep["left_out"] == 1 and rep["samples"] == 6 and rep["run"]["reused_shards"] >= 1  # resumed
     (failure,) = [json.loads(line) for line in (tmp_path / "out" / "failures.jsonl").read_text().splitlines()]
     assert failure["id"] == "poison" and failure["tokens"] == 5 and failure["reason"].startswith("IndexError")
-    clean = hidden.run(tmp_path / "clean", tmp_path / "clean-out", model, PARAMS, "fp", tmp_path / "cache")
+    clean = hidden.run(tmp_path / "clean", tmp_path / "clean-out", model, PARAMS, "fp", tmp_path / "clean-cache")
     assert clean["samples"] == 6
     got = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp_path / "out", split)}
     want = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp_path / "clean-out", split)}
