@@ -2,6 +2,7 @@
 launcher; on CPU with gloo, hidden at world 2 publishes the same bytes as at world 1 (left-out sequences of both
 ranks included), and a rank killed with SIGKILL loses only what it had not finished: a rerun reuses every finished
 shard and publishes the same bytes again; two torchrun agents ("nodes") meeting by rendezvous publish them too."""
+import fcntl
 import json
 import os
 import signal
@@ -198,6 +199,14 @@ def test_e2e_hidden_at_world_2_equals_world_1_byte_for_byte(reference):
     assert (project / "world2.json").read_bytes() == (project / "world1.json").read_bytes()
     timings = [json.loads((project / f"world{w}-timings.json").read_text()) for w in (1, 2)]
     assert [t["world"] for t in timings] == [1, 2] and timings[0]["computed_shards"] == timings[1]["computed_shards"]
+    # a store another run holds: a job of 2 processes stops, saying so, instead of timing out while rank 0 waits
+    (store,) = (project / "world2-cache").iterdir()
+    with open(store / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        held = subprocess.run(hidden_cmd(project, "world2", 2), cwd=ROOT, env=env(2), capture_output=True, text=True,
+                              timeout=600)
+    assert held.returncode != 0 and "another run holds" in held.stderr, held.stderr[-3000:]
+    assert published(project / "world2") == files
 
 
 @pytest.mark.e2e
