@@ -2,12 +2,15 @@
 here), on the same prompts with the same sampling, so a user on a CPU machine knows which engine to pick.
 
     python bench/bench_engines.py [--n 48] [--max-new-tokens 128] [--temperature 0.8] [--threads 2]
-                                  [--vllm-threads 1 --vllm-threads 2] [--no-hf]
+                                  [--vllm-threads 1 --vllm-threads 2] [--vllm-dtype float32 --vllm-dtype bfloat16]
+                                  [--no-hf]
 
 Both run the whole infer loop (infer.run: checks, cache, gates) on a fresh cache; both count the output ids of the
 records. The hf engine uses ``--threads`` torch threads and batches of ``--batch-size``; a vLLM server is started per
-``--vllm-threads`` value (default ``--threads``) with that ``OMP_NUM_THREADS`` (0: left unset, so vLLM keeps one core
-for itself), ``--concurrency`` requests in flight. Prints each throughput and its ratio to the first.
+``--vllm-threads`` value (default ``--threads``) and ``--vllm-dtype`` (``--dtype``, default float32) with that
+``OMP_NUM_THREADS`` (0: left unset, so vLLM keeps one core for itself), ``--concurrency`` requests in flight. Prints
+each throughput and its ratio to the first, and whether its answers are the token ids of the first run in its dtype
+(a dtype named twice tells whether that dtype's answers repeat).
 """
 import os
 import tempfile
@@ -32,7 +35,7 @@ def timed(prompts, engine, tokenizer, sampling) -> tuple[int, float]:
         responses, _ = infer.run(prompts, engine, tokenizer, sampling, derive.spec_from_params("none"), gates,
                                  infer.Cache(Path(cache)), {})
         seconds = time.perf_counter() - start
-    return sum(len(r.output_ids) for r in responses), seconds
+    return sum(len(r.output_ids) for r in responses), seconds, {r.id: r.output_ids for r in responses}
 
 
 @click.command(help=__doc__)
@@ -45,8 +48,10 @@ def timed(prompts, engine, tokenizer, sampling) -> tuple[int, float]:
 @click.option("--concurrency", default=64, show_default=True, help="vLLM.")
 @click.option("--vllm-threads", type=int, multiple=True, help="OMP_NUM_THREADS of a vLLM server, one run per value "
               "(0: unset) [default: --threads].")
+@click.option("--vllm-dtype", multiple=True, type=click.Choice(["float32", "bfloat16"]),
+              help="--dtype of a vLLM server, one run per value and per --vllm-threads [default: float32].")
 @click.option("--no-hf", is_flag=True, help="Time vLLM only.")
-def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurrency, vllm_threads, no_hf):
+def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurrency, vllm_threads, vllm_dtype, no_hf):
     folder = target.resolve("embedded").resolve()
     tokenizer = target.load_tokenizer(folder)
     ps = read_prompts(prompts)[:n]
@@ -59,25 +64,28 @@ def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurren
     if not no_hf:
         torch.set_num_threads(threads)
         model = target.load_model(folder)
-        runs.append((f"hf engine (batch {batch_size}, {threads} threads)",
+        runs.append(("hf", f"hf engine (batch {batch_size}, {threads} threads)",
                      *timed(ps, HFEngine(model, tokenizer.pad_token_id, batch_size), tokenizer, sampling)))
         del model
     for omp in vllm_threads or (threads,):
         os.environ.pop("OMP_NUM_THREADS", None)
         if omp:
             os.environ["OMP_NUM_THREADS"] = str(omp)  # the launched server inherits it
-        launch = config.Launch(model_path=str(folder), port=8031, extra_args=["--dtype", "float32", "--enforce-eager"],
-                               log=str(config.CACHE / "vllm" / "bench-engines.log"))
-        servers = config.Servers(launch=launch, concurrency=concurrency, health_timeout_s=900.0, timeout_s=1800.0)
-        with VLLMEngine(servers, tokenizer) as engine:
-            runs.append((f"vLLM (concurrency {concurrency}, OMP_NUM_THREADS {omp or 'unset'})",
-                         *timed(ps, engine, tokenizer, sampling)))
+        for dtype in vllm_dtype or ("float32",):
+            launch = config.Launch(model_path=str(folder), port=8031, extra_args=["--dtype", dtype, "--enforce-eager"],
+                                   log=str(config.CACHE / "vllm" / "bench-engines.log"))
+            servers = config.Servers(launch=launch, concurrency=concurrency, health_timeout_s=900.0, timeout_s=1800.0)
+            with VLLMEngine(servers, tokenizer) as engine:
+                runs.append((dtype, f"vLLM ({dtype}, concurrency {concurrency}, OMP_NUM_THREADS {omp or 'unset'})",
+                             *timed(ps, engine, tokenizer, sampling)))
 
     print(f"prompts {len(ps)}, max_new_tokens {max_new_tokens}, temperature {temperature}")
-    first = runs[0][1] / runs[0][2]
-    for name, tokens, seconds in runs:
-        print(f"{name:48s} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s, "
-              f"x{tokens / seconds / first:.2f} of the first")
+    first, firsts = runs[0][2] / runs[0][3], {}
+    for dtype, name, tokens, seconds, answers in runs:
+        same = answers == firsts.setdefault(dtype, answers)
+        print(f"{name:60s} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s, "
+              f"x{tokens / seconds / first:.2f} of the first"
+              + ("" if dtype == "hf" else f"; answers {'equal' if same else 'differ from'} the first {dtype} run's"))
 
 
 if __name__ == "__main__":
