@@ -7,7 +7,7 @@ from __future__ import annotations
 from . import toolcalls
 from .engines import Sampling
 from .reasoning import Spec, Split, spec_of, split
-from .records import TIMED, Generation, Response
+from .records import Generation, Response
 
 PROMPT_TAIL_TOKENS = 16  # how much of the prompt's end is decoded to see whether the template opened a block
 
@@ -50,13 +50,19 @@ def readable(tokenizer, prompt_ids: list, output_ids: list, spec: Spec) -> dict:
             "tool_calls": toolcalls.parse(part.content, spec.tools)}
 
 
+PER_RUN = ("server", "rid", "attempts", "latency_s", "cached_tokens")
+"""Meta keys that tell how one run got an answer (the server engines': which server, request id and attempt, how long,
+how much of the prompt the server had cached): kept in infer's cache, left out of the published records, so that the
+same answers publish the same bytes whatever the retries and the scheduling."""
+
+
 def to_response(gen: Generation, tokenizer, spec: Spec, sampling: Sampling | None) -> Response:
     """The published record: the generation's ids untouched, and every readable field derived from them; its meta
-    less what timed the request (records.TIMED). ``sampling`` None (unknown) is stored as {}."""
+    less how this run got it (``PER_RUN``). ``sampling`` None (unknown) is stored as {}."""
     f = readable(tokenizer, gen.prompt_ids, gen.output_ids, spec)
     return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, f["text"], f["reasoning"],
                     f["content"], f["reasoning_closed"], f["tool_calls"], sampling.to_json() if sampling else {},
-                    {k: v for k, v in gen.meta.items() if k not in TIMED}, gen.sample, gen.turn)
+                    {k: v for k, v in gen.meta.items() if k not in PER_RUN}, gen.sample, gen.turn)
 
 
 def mismatch(response, tokenizer, spec: Spec) -> str | None:

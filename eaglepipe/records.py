@@ -24,7 +24,7 @@ Response (``data/responses/responses.jsonl``, written by infer)
     reasoning_closed  False when the output opened a reasoning block and never closed it (truncated)
     tool_calls    calls parsed out of ``content`` for families with known markers (may be empty)
     sampling      the sampling parameters used
-    meta          engine metadata (engine name, server, request id, attempts, token counts; not ``TIMED``)
+    meta          engine metadata (engine name, token counts; not ``derive.PER_RUN``: infer's cache keeps those)
 
 Training sequences (``data/sequences/{train,valid}/``, written by merge) are binary, see ``sequences.py``:
     per sample ``input_ids`` (= prompt_ids + output_ids) and ``loss_mask`` (1 exactly on output ids).
@@ -96,11 +96,6 @@ def sample_of(rid: str) -> int:
 def turn_of(rid: str) -> int:
     """Which turn of its conversation record ``rid`` answers (0: the last, in the dataset's context)."""
     return int(rid.partition("@")[2] or 0)
-
-
-TIMED = ("latency_s",)
-"""Meta keys that time a request (the server engines'): kept in infer's cache, left out of the published records, so
-that the same answers publish the same bytes."""
 
 
 @dataclass

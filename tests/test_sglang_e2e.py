@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eaglepipe.derive import PER_RUN
 from eaglepipe.records import Prompt, content_id, write_jsonl
 from e2e import (PROMPTS, ROOT, assert_same_records, cache_lines, kill_9_then_resume, port_closed, records, run_infer,
                  server_restart_mid_run)
@@ -70,30 +71,41 @@ def reference(work):
     return records(folder)
 
 
-def test_a_clean_run_gives_the_embedded_engines_records(work, compute_server, reference, tmp_path):
+@pytest.fixture(scope="module")
+def clean_run(work, compute_server):
+    """The folder of a run of the stage against the compute server without faults."""
+    folder = work / "clean"
+    folder.mkdir()
     configure(compute_server, **CLEAN)
-    out = run_stage(tmp_path, write_params(tmp_path, urls=[compute_server]), work / "prompts.jsonl")
+    out = run_stage(folder, write_params(folder, urls=[compute_server]), work / "prompts.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
-    got = records(tmp_path)
+    return folder
+
+
+def test_a_clean_run_gives_the_embedded_engines_records(clean_run, compute_server, reference):
+    got = records(clean_run)
     assert_same_records(got, reference, "sglang")
     assert {r["finish_reason"] for r in got} == {"stop", "length"}  # both kinds of ending are covered
     assert all(r["output_ids"][-1] == 2 for r in got if r["finish_reason"] == "stop")  # <|im_end|> kept
-    engine = json.loads((tmp_path / "out" / "engine.json").read_text())
+    engine = json.loads((clean_run / "out" / "engine.json").read_text())
     server = engine["servers"][0]
     assert engine["engine"] == "sglang" and server["url"] == compute_server
     assert server["model_info"]["model_path"] == engine["identity"]["model_path"]
     assert server["server_info"]["tp_size"] == 1 and "internal_states" not in server["server_info"]
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = json.loads((clean_run / "report.json").read_text())
     assert report["completions"] == len(PROMPTS) and report["failures"] == 0
 
 
-def test_faulty_answers_never_reach_the_records(work, compute_server, reference, tmp_path):
+def test_faulty_answers_never_reach_the_records(work, compute_server, reference, clean_run, tmp_path):
+    """Retried answers publish the bytes of a run without faults: the attempts stay in infer's cache."""
     configure(compute_server, **{**CLEAN, "fault_rate": 0.3, "fault_mode": "cycle",
                                  "faults": "prefix,count,abort,finish,malformed,reset,truncated,http500,http503"})
     out = run_stage(tmp_path, write_params(tmp_path, urls=[compute_server]), work / "prompts.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_records(records(tmp_path), reference, "sglang")
     assert sum(stats(compute_server)["faults"].values()) >= 2
+    assert max(c["meta"]["attempts"] for c in cache_lines(tmp_path)) >= 2
+    assert (tmp_path / "out" / "responses.jsonl").read_bytes() == (clean_run / "out" / "responses.jsonl").read_bytes()
 
 
 def test_ten_percent_faults_still_complete_every_prompt(fast_server, tmp_path):
@@ -109,7 +121,8 @@ def test_ten_percent_faults_still_complete_every_prompt(fast_server, tmp_path):
     assert len(cache_lines(tmp_path)) == 200 and not list((tmp_path / "cache").glob("*/failures.jsonl"))
     faults = stats(fast_server)["faults"]
     assert sum(faults.values()) >= 20 and len(faults) == 11, faults  # every kind of fault, twice or more
-    assert max(r["meta"]["attempts"] for r in got) >= 2
+    assert max(c["meta"]["attempts"] for c in cache_lines(tmp_path)) >= 2
+    assert not any(set(r["meta"]) & set(PER_RUN) for r in got)
 
 
 def test_kill_9_mid_run_then_resume_keeps_every_record_once(work, compute_server, reference, tmp_path):
