@@ -3,15 +3,16 @@ here), on the same prompts with the same sampling, so a user on a CPU machine kn
 
     python bench/bench_engines.py [--n 48] [--max-new-tokens 128] [--temperature 0.8] [--threads 2]
                                   [--vllm-threads 1 --vllm-threads 2] [--vllm-dtype float32 --vllm-dtype bfloat16]
-                                  [--no-hf]
+                                  [--concurrency 64 --concurrency 256] [--no-hf]
 
-Both run the whole infer loop (infer.run: checks, cache, gates) on a fresh cache; both count the output ids of the
-records. The hf engine uses ``--threads`` torch threads and batches of ``--batch-size``; a vLLM server is started per
-``--vllm-threads`` value (default ``--threads``) and ``--vllm-dtype`` (``--dtype``, default float32) with that
-``OMP_NUM_THREADS`` (0: left unset, so vLLM keeps one core for itself), ``--concurrency`` requests in flight. Prints
-each throughput and its ratio to the first, and whether its answers are the token ids of the first run in its dtype
-(a dtype named twice tells whether that dtype's answers repeat).
+Both run the whole infer loop (infer.run: checks, cache, gates, the stage's context limit) on a fresh cache; both count
+the output ids of the records. The hf engine uses ``--threads`` torch threads and batches of ``--batch-size``; a vLLM
+server is started per ``--vllm-threads`` value (default ``--threads``), ``--vllm-dtype`` (``--dtype``, default
+float32) and ``--concurrency`` (requests in flight, default 256) with that ``OMP_NUM_THREADS`` (0: left unset, so vLLM
+keeps one core for itself). Prints each throughput and its ratio to the first, and whether its answers are the token
+ids of the first run in its dtype (a dtype named twice, or several concurrencies, tell whether its answers repeat).
 """
+import itertools
 import os
 import tempfile
 import time
@@ -28,12 +29,12 @@ from eaglepipe.gates import Gates
 from eaglepipe.records import read_prompts
 
 
-def timed(prompts, engine, tokenizer, sampling) -> tuple[int, float]:
+def timed(prompts, engine, tokenizer, sampling, limits) -> tuple[int, float]:
     gates = Gates(config.Gates(warmup=1, every=1, min_reasoning=0, max_truncated=1, max_empty=1), False)
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
         responses, _ = infer.run(prompts, engine, tokenizer, sampling, derive.spec_from_params("none"), gates,
-                                 infer.Cache(Path(cache)), {})
+                                 infer.Cache(Path(cache)), {}, limits=limits)
         seconds = time.perf_counter() - start
     return sum(len(r.output_ids) for r in responses), seconds, {r.id: r.output_ids for r in responses}
 
@@ -45,7 +46,8 @@ def timed(prompts, engine, tokenizer, sampling) -> tuple[int, float]:
 @click.option("--temperature", default=0.8, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--batch-size", default=64, show_default=True, help="hf engine.")
-@click.option("--concurrency", default=64, show_default=True, help="vLLM.")
+@click.option("--concurrency", type=int, multiple=True, help="vLLM requests in flight, one run per value "
+              "[default: 256].")
 @click.option("--vllm-threads", type=int, multiple=True, help="OMP_NUM_THREADS of a vLLM server, one run per value "
               "(0: unset) [default: --threads].")
 @click.option("--vllm-dtype", multiple=True, type=click.Choice(["float32", "bfloat16"]),
@@ -57,6 +59,7 @@ def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurren
     ps = read_prompts(prompts)[:n]
     stops = target.stop_ids(folder, tokenizer)
     sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stops)))
+    limits = infer.Limits(target.context_length(folder), on_error="skip")  # as the stage leaves out
     for p in ps[:1]:
         chat.prompt_ids(tokenizer, p.messages, p.tools)  # the template compiled before any clock runs
 
@@ -65,19 +68,19 @@ def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurren
         torch.set_num_threads(threads)
         model = target.load_model(folder)
         runs.append(("hf", f"hf engine (batch {batch_size}, {threads} threads)",
-                     *timed(ps, HFEngine(model, tokenizer.pad_token_id, batch_size), tokenizer, sampling)))
+                     *timed(ps, HFEngine(model, tokenizer.pad_token_id, batch_size), tokenizer, sampling, limits)))
         del model
     for omp in vllm_threads or (threads,):
         os.environ.pop("OMP_NUM_THREADS", None)
         if omp:
             os.environ["OMP_NUM_THREADS"] = str(omp)  # the launched server inherits it
-        for dtype in vllm_dtype or ("float32",):
+        for dtype, conc in itertools.product(vllm_dtype or ("float32",), concurrency or (256,)):
             launch = config.Launch(model_path=str(folder), port=8031, extra_args=["--dtype", dtype, "--enforce-eager"],
                                    log=str(config.CACHE / "vllm" / "bench-engines.log"))
-            servers = config.Servers(launch=launch, concurrency=concurrency, health_timeout_s=900.0, timeout_s=1800.0)
+            servers = config.Servers(launch=launch, concurrency=conc, health_timeout_s=900.0, timeout_s=1800.0)
             with VLLMEngine(servers, tokenizer) as engine:
-                runs.append((dtype, f"vLLM ({dtype}, concurrency {concurrency}, OMP_NUM_THREADS {omp or 'unset'})",
-                             *timed(ps, engine, tokenizer, sampling)))
+                runs.append((dtype, f"vLLM ({dtype}, concurrency {conc}, OMP_NUM_THREADS {omp or 'unset'})",
+                             *timed(ps, engine, tokenizer, sampling, limits)))
 
     print(f"prompts {len(ps)}, max_new_tokens {max_new_tokens}, temperature {temperature}")
     first, firsts = runs[0][2] / runs[0][3], {}

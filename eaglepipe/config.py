@@ -218,9 +218,10 @@ class Infer(Section):
                                     ge=0, le=1)
     gates: Gates = Field(Gates(), description="checked while infer runs; a breach stops it and publishes nothing")
     sglang: Servers = speed(Servers(), "infer.engine: sglang (docs/engines.md); other engines ignore it")
-    vllm: Servers = speed(Servers(concurrency=64, launch=Launch(extra_args=["--enforce-eager"])),
+    vllm: Servers = speed(Servers(launch=Launch(extra_args=["--enforce-eager"])),
                           "infer.engine: vllm (docs/engines.md); other engines ignore it. The default starts one "
-                          "from .venv-vllm serving the target, eager (no compile wait on a CPU)")
+                          "from .venv-vllm serving the target, eager (no compile wait on a CPU), and keeps twice "
+                          "what its CPU build runs at once in flight, so its queue never waits on the client")
 
     _servers_for_the_engine = model_validator(mode="after")(servers_for_the_engine)
 
