@@ -3,6 +3,7 @@ rows hold and both methods' acceptance per draft position; the offline page temp
 that DVC accepts, and it replaces DVC's CDN script tags with the inlined libraries."""
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def curve_rows(steps: int, epochs: int = 2) -> list[dict]:
 
 
 def dvc(project: Path, *args) -> str:
-    out = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, capture_output=True, text=True,
+                         env={**os.environ, "DVC_NO_ANALYTICS": "1"})  # as the project's .dvc/config: no reports
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
