@@ -7,10 +7,11 @@ here), on the same prompts with the same sampling, so a user on a CPU machine kn
 
 Both run the whole infer loop (infer.run: checks, cache, gates, the stage's context limit) on a fresh cache; both count
 the output ids of the records. The hf engine uses ``--threads`` torch threads and batches of ``--batch-size``; a vLLM
-server is started per ``--vllm-threads`` value (default ``--threads``), ``--vllm-dtype`` (``--dtype``, default
-float32) and ``--concurrency`` (requests in flight, default 256) with that ``OMP_NUM_THREADS`` (0: left unset, so vLLM
-keeps one core for itself). Prints each throughput and its ratio to the first, and whether its answers are the token
-ids of the first run in its dtype (a dtype named twice, or several concurrencies, tell whether its answers repeat).
+server is started per ``--vllm-threads`` value (default ``--threads``), ``--vllm-dtype`` (``--dtype``, default float32)
+and ``--concurrency`` (requests in flight, default infer.vllm.concurrency) with that ``OMP_NUM_THREADS`` (0: left unset,
+so vLLM keeps one core for itself). Prints each throughput and its ratio to the first, and whether its answers are the
+token ids of the first run in its dtype (a dtype named twice, or several concurrencies, tell whether its answers
+repeat).
 """
 import itertools
 import os
@@ -29,7 +30,7 @@ from eaglepipe.gates import Gates
 from eaglepipe.records import read_prompts
 
 
-def timed(prompts, engine, tokenizer, sampling, limits) -> tuple[int, float]:
+def timed(prompts, engine, tokenizer, sampling, limits) -> tuple[int, float, dict]:
     gates = Gates(config.Gates(warmup=1, every=1, min_reasoning=0, max_truncated=1, max_empty=1), False)
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
@@ -47,7 +48,7 @@ def timed(prompts, engine, tokenizer, sampling, limits) -> tuple[int, float]:
 @click.option("--threads", default=2, show_default=True)
 @click.option("--batch-size", default=64, show_default=True, help="hf engine.")
 @click.option("--concurrency", type=int, multiple=True, help="vLLM requests in flight, one run per value "
-              "[default: 256].")
+              "[default: infer.vllm.concurrency].")
 @click.option("--vllm-threads", type=int, multiple=True, help="OMP_NUM_THREADS of a vLLM server, one run per value "
               "(0: unset) [default: --threads].")
 @click.option("--vllm-dtype", multiple=True, type=click.Choice(["float32", "bfloat16"]),
@@ -74,7 +75,8 @@ def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurren
         os.environ.pop("OMP_NUM_THREADS", None)
         if omp:
             os.environ["OMP_NUM_THREADS"] = str(omp)  # the launched server inherits it
-        for dtype, conc in itertools.product(vllm_dtype or ("float32",), concurrency or (256,)):
+        concurrencies = concurrency or (config.Infer().vllm.concurrency,)
+        for dtype, conc in itertools.product(vllm_dtype or ("float32",), concurrencies):
             launch = config.Launch(model_path=str(folder), port=8031, extra_args=["--dtype", dtype, "--enforce-eager"],
                                    log=str(config.CACHE / "vllm" / "bench-engines.log"))
             servers = config.Servers(launch=launch, concurrency=conc, health_timeout_s=900.0, timeout_s=1800.0)

@@ -9,8 +9,9 @@ emulation, named so in docs/benchmarks.md.
 try:
     import torch.cpu
 except ImportError:  # a Python without torch (the installers): nothing to hide
-    torch = None
-for _name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
-              "_is_amx_tile_supported", "_is_amx_fp16_supported"):
-    if torch is not None and hasattr(torch.cpu, _name):
-        setattr(torch.cpu, _name, lambda: False)
+    pass
+else:
+    for _name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+                  "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        if hasattr(torch.cpu, _name):
+            setattr(torch.cpu, _name, lambda: False)
