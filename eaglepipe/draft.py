@@ -1,7 +1,7 @@
-"""The EAGLE-3 drafter: config, module, draft vocabulary, checkpoint in the layout SGLang and vLLM load (its start
-from the target's weights: draft_init.py).
+"""The EAGLE-3 drafter: config, module, draft vocabulary, and the checkpoint SGLang and vLLM load (init from the
+target's weights: draft_init.py).
 
-Architecture (one decoder layer over the target's features, as SafeAILab/EAGLE ``traineagle3/cnets.py`` and SGLang
+One decoder layer over the target's features (as SafeAILab/EAGLE ``traineagle3/cnets.py``, SGLang
 ``models/llama_eagle3.py``)::
 
     g  = fc(aux)                                    aux = cat(low, mid, high) [.., 3H] -> g [.., H]
@@ -12,53 +12,49 @@ Architecture (one decoder layer over the target's features, as SafeAILab/EAGLE `
     h' = a + mlp(post_attention_layernorm(a))                     pre-norm output, fed back as h
     draft_logits = lm_head(norm(h'))                               [.., draft_vocab_size]
 
-``embed_tokens`` is the target's input embedding, frozen, a non-persistent buffer: neither trained nor saved (SGLang
-and vLLM give the drafter the target's embedding). Everything is float32.
+``embed_tokens`` is the target's input embedding: a frozen, non-persistent buffer, neither trained nor saved (the
+engines supply it). Everything is float32.
 
-Inference API (chain drafting, top-1, batch rows share one length)::
+Inference (chain drafting, top-1, batch rows share one length)::
 
     model = draft.load("models/draft", target_embeddings)   # Eagle3Draft in eval mode; target_embeddings [V, H]
     model.aux_layers                   # HF output_hidden_states indices to concatenate (low, mid, high)
     g = model.project(aux)             # aux [B, T, 3H] (any float dtype) -> [B, T, H] float32
     logits, h_out, cache = model(input_ids, hidden, cache=None, position_ids=None)
-        input_ids [B, T] target-vocabulary ids, hidden [B, T, H] (project(aux) or a previous h_out),
-        cache a DraftCache (None starts one); position_ids default to len(cache) + arange(T)
+        input_ids [B, T] target ids; hidden [B, T, H] (project(aux) or a previous h_out); cache a DraftCache (None
+        starts one); position_ids default to len(cache) + arange(T)
         -> logits [B, T, draft_vocab_size] float32, h_out [B, T, H] pre-norm, cache (the same object, extended by T)
-    model.to_target(draft_ids)         # draft ids -> target ids: draft_id + d2t[draft_id]
+    model.to_target(draft_ids)         # target ids: draft_id + d2t[draft_id]
     cache.crop(n); len(cache)          # keep the first n positions / number of positions held
 
-Alignment (the same in training): the target's hidden state at position t is paired with the token at t + 1, and the
-drafter's output there predicts the token at t + 2. Position ids are the hidden state's position: ``t`` for the
-target's own state at t, ``t + k`` at draft step k of a chain that starts from it; so the cache length always equals
-the next position id.
+Alignment (as in training): the target's state at t is paired with token t + 1, and the drafter's output there
+predicts token t + 2. A position id is its hidden state's: t for the target's state at t, t + k at draft step k of a
+chain from it, so len(cache) is always the next position id.
 
-Chain drafting (speculative.EagleDrafter), after a prefill of x_0..x_{n-1} and the target's next token x_n: extend
+Chain drafting (speculative.EagleDrafter): after a prefill of x_0..x_{n-1} and the target's next token x_n, extend
 with x[1..n] paired with project(aux[0..n-1]); each draft step feeds ``to_target(logits[:, -1].argmax(-1))`` with
 ``h[:, -1:]``; after verification (m drafts accepted, plus the bonus token) ``cache.crop(n)`` drops the chain and
 x_{n+1}..x_{n+m+1} paired with project(aux[n..n+m]) extend it.
 
-Draft vocabulary: the N most frequent loss-masked (trained) token ids, sorted ascending (ties: lower id first), padded
-with the lowest unused ids when the data has fewer distinct ids. ``d2t`` int64 [N]: target_id = draft_id +
-d2t[draft_id]; ``t2d`` bool [V]: whether a target id is in the draft vocabulary.
+Draft vocabulary: the N most frequent loss-masked token ids, sorted ascending (ties: lower id first), padded with the
+lowest unused ids when the data has fewer. ``d2t`` int64 [N]: target_id = draft_id + d2t[draft_id]; ``t2d`` bool [V]:
+whether a target id is in the draft vocabulary.
 
-Checkpoint (``save``/``load``): ``config.json`` + ``model.safetensors`` with exactly ``fc.weight``,
-``midlayer.self_attn.{q,k,v,o}_proj.weight`` (the qwen3 drafter: and ``midlayer.self_attn.{q,k}_norm.weight``; the
-deepseek_mla drafter instead of q/k/v: ``{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,
-kv_b_proj}.weight``, DeepSeek's names), ``midlayer.mlp.{gate,up,down}_proj.weight``,
-``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight``, ``norm.weight``, ``lm_head.weight``
-(float32), ``d2t`` (int64), ``t2d`` (bool). ``config.json``: ``architectures`` and ``model_type`` per ``DRAFTERS``
-(llama: ``["LlamaForCausalLMEagle3"]``, ``llama``, which SGLang and vLLM load; qwen3: ``["Eagle3Qwen3ForCausalLM"]``,
-``qwen3``, vLLM's ``qwen3_eagle3.py``; deepseek_mla: ``["Eagle3DeepseekV2ForCausalLM"]``, ``deepseek_v2``, its
-``deepseek_eagle3.py``, with the target's ``MLA_KEYS``), ``num_hidden_layers: 1``, ``tie_word_embeddings: false``
-(SGLang would make lm_head the embedding otherwise), ``vocab_size`` (target), ``draft_vocab_size``, the target's Llama
-fields (sizes, heads, head_dim, rms_norm_eps, rope_theta/rope_scaling and rope_parameters, max_position_embeddings,
-hidden_act) and the aux layer ids once per engine, each where only that engine reads it (the engines give the same ids
-different meanings):
-    ``eagle_aux_hidden_state_layer_ids`` (top level): the HF indices ([2, 15, 27]). vLLM 0.32 reads this key first
-        (``gpu_model_runner._get_eagle3_aux_layers_from_config``; its newer runner reads only this one) as HF
-        ``hidden_states`` indices; SGLang never reads it.
+Checkpoint (``save``/``load``): ``model.safetensors`` holds exactly the float32 ``fc``, ``norm``, ``lm_head``,
+``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}``, ``midlayer.mlp.{gate,up,down}_proj``,
+``midlayer.self_attn.{q,k,v,o}_proj`` weights (``<name>.weight``; qwen3: and ``self_attn.{q,k}_norm``; deepseek_mla,
+in place of q/k/v, DeepSeek's ``self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,
+kv_b_proj}``), ``d2t`` (int64) and ``t2d`` (bool). ``config.json``: ``architectures`` and ``model_type`` per
+``DRAFTERS`` (qwen3: vLLM's ``qwen3_eagle3.py``; deepseek_mla: its ``deepseek_eagle3.py``, with the target's
+``MLA_KEYS``), ``num_hidden_layers: 1``, ``tie_word_embeddings: false`` (else SGLang makes lm_head the embedding),
+``vocab_size`` (the target's), ``draft_vocab_size``, the target's Llama fields (sizes, heads, head_dim, rms_norm_eps,
+rope_theta/rope_scaling and rope_parameters, max_position_embeddings, hidden_act), and the aux layer ids once per
+engine, each in a key only that engine reads (they mean different ids):
+    ``eagle_aux_hidden_state_layer_ids`` (top level): the HF indices ([2, 15, 27]). vLLM 0.32 reads this key first, as
+        HF ``hidden_states`` indices (``gpu_model_runner._get_eagle3_aux_layers_from_config``; its newer runner reads
+        only this one); SGLang never reads it.
     ``eagle_config.eagle_aux_hidden_state_layer_ids``: the HF indices minus one ([1, 14, 26]). SGLang reads only this
-        key and adds one (``set_eagle3_layers_to_capture``: it counts layer outputs); vLLM reads it only when the
+        key and adds one (``set_eagle3_layers_to_capture`` counts layer outputs); vLLM reads it only when the
         top-level key is absent.
 ``load`` refuses a config whose two keys disagree, or that has only one of them.
 """
@@ -79,9 +75,9 @@ from torch import nn
 from . import families
 from .errors import UserError
 
-DRAFTERS = {"llama": ("LlamaForCausalLMEagle3", "llama"),  # the Llama layer: SGLang's and vLLM's
-            "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3"),  # with Qwen3's q_norm/k_norm: vLLM's only
-            "deepseek_mla": ("Eagle3DeepseekV2ForCausalLM", "deepseek_v2")}  # MLA and a dense MLP: vLLM's only
+DRAFTERS = {"llama": ("LlamaForCausalLMEagle3", "llama"),  # the Llama layer: SGLang and vLLM
+            "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3"),  # with q_norm/k_norm: vLLM only
+            "deepseek_mla": ("Eagle3DeepseekV2ForCausalLM", "deepseek_v2")}  # MLA, dense MLP: vLLM only
 """train.drafter's layers: name -> (config.json's ``architectures`` name, ``model_type``). deepseek_mla's is
 deepseek_v2 for V2 and V3 targets alike: vLLM makes a drafter of type deepseek_v3 its multi-token-prediction model."""
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

@@ -1,18 +1,17 @@
-"""How an EAGLE-3 drafter (draft.py) starts from the target's weights (``train.init``; the default, ``fresh``, keeps
-the seeded default init of every weight; one log line per run says which).
+"""How an EAGLE-3 drafter (draft.py) starts, per ``train.init`` (one log line per run says which): ``fresh`` (the
+default) keeps the seeded default init of every weight; ``head`` (``init_head``): lm_head = the target's rows of the
+draft vocabulary, norm = the target's final norm; ``target`` (``init_from_target``): the same, fc passing the high aux
+state through, and the midlayer from the target's decoder layer that consumes the high state.
 
-``target`` (``init_from_target``): fc passes the high aux state through, lm_head = the target's rows of the draft
-vocabulary, norm = the target's final norm (``head``, ``init_head``, does these two alone), and the midlayer starts
-from the target's decoder layer that consumes the high state, each part where the target's weights for it are there
-with the drafter's shapes and stored as floats: the attention (q/k/v on the hidden-state half, the embedding half
-zero; o_proj; hidden_norm = its input norm; the qwen3 drafter's q_norm/k_norm; the deepseek_mla drafter's q_a/kv_a
-projections on the hidden-state half, the rest of the MLA as it is) and the MLP (post-attention norm, gate/up/down).
-A part that does not fit starts fresh: the attention from the seeded default init, the MLP from seeded gate/up and a
-zero down_proj. The init is *exact* (step 0 computes that target layer over the target's states, within its sliding
-window if it has one) when both parts fit, no weight of the layer is left over and the family's layer is the
-drafter's (``families.Family.layer``). Otherwise the log says not exact and names what it dropped (e.g. Qwen3's
-q_norm/k_norm under the llama drafter, Qwen2's q/k/v biases) or started fresh (e.g. an MoE layer's MLP, at the target
-config's ``intermediate_size``).
+Each part of that layer is copied where the target has its weights with the drafter's shapes, stored as floats: the
+attention (q/k/v on the hidden-state half, the embedding half zero; o_proj; hidden_norm = its input norm; the qwen3
+drafter's q_norm/k_norm; the deepseek_mla drafter's q_a/kv_a projections on the hidden-state half, the rest of the MLA
+as it is) and the MLP (post-attention norm, gate/up/down). A part that does not fit starts fresh: the attention from
+the seeded default init, the MLP from seeded gate/up and a zero down_proj. The init is *exact* (step 0 computes that
+target layer over the target's states, within its sliding window if it has one) when both parts fit, no weight of the
+layer is left over and the family's layer is the drafter's (``families.Family.layer``). Otherwise the log says not
+exact and names what it dropped (e.g. Qwen3's q_norm/k_norm under the llama drafter, Qwen2's q/k/v biases) or started
+fresh (e.g. an MoE layer's MLP, at the target config's ``intermediate_size``).
 """
 from __future__ import annotations
 
@@ -43,14 +42,14 @@ FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 def attention_weights(cfg: DraftConfig) -> tuple:
     """The target layer's weights the drafter's attention starts from: its projections (and norms), and its input
-    norm, which becomes hidden_norm."""
+    norm (which becomes hidden_norm)."""
     own = MLA_ATTENTION if cfg.mla else LLAMA_ATTENTION + (QK_NORMS if cfg.qk_norm else ())
     return own + ("input_layernorm.weight",)
 
 
 def layer_shapes(model: Eagle3Draft) -> dict:
-    """The shape each target weight the drafter's layer can start from must have to be copied: the drafter's own,
-    the 2H-input projections' hidden-state half."""
+    """The shape each target weight the midlayer can start from must have: the drafter's own (the 2H-input
+    projections: their hidden-state half)."""
     H, mid = model.cfg.hidden_size, model.midlayer
     shapes = {name: tuple(mid.get_parameter(name).shape) for name in attention_weights(model.cfg) + MLP_WEIGHTS
               if name != "input_layernorm.weight"}
@@ -73,15 +72,14 @@ def misfit(layer: dict, names, shapes: dict) -> str:
 
 @torch.no_grad()
 def init_head(model: Eagle3Draft, target: dict) -> None:
-    """lm_head = the target head's rows of the draft vocabulary, norm = the target's final norm (``train.init: head``,
-    and part of ``target``)."""
+    """``train.init: head`` (module docstring)."""
     model.lm_head.weight.copy_(target["head"][torch.arange(model.cfg.draft_vocab_size) + model.d2t])
     model.norm.weight.copy_(target["norm"])
 
 
 def init_from_target(model: Eagle3Draft, target: dict) -> str:
-    """Start from the target instead of noise (the module docstring); ``target`` from
-    ``train.target_tensors``. Returns the init's one-line description, also logged."""
+    """``train.init: target`` (module docstring), ``target`` from ``train.target_tensors``. Returns the init's
+    one-line description, also logged."""
     H = model.cfg.hidden_size
     layer, mid = target["layer"], model.midlayer
     shapes, attention = layer_shapes(model), attention_weights(model.cfg)

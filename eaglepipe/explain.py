@@ -65,7 +65,7 @@ def problems(e: ValidationError, root) -> list[str]:
     """The lines of ``e``, raised validating the model ``root``, in pydantic's order, each once."""
     lines, errors = [], e.errors()
     kept = [err for err in errors if _relevant(err)]
-    # an error of a union's other alternative goes only when one about the same key stays
+    # an error of a union's other alternative is kept only when no kept one is about its key
     kept += [err for err in errors if not _relevant(err)
              and not any(_loc(k)[:len(_loc(err))] == _loc(err) for k in kept)]
     for err in sorted(kept, key=errors.index):

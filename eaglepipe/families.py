@@ -1,10 +1,9 @@
 """Target families: what the pipeline knows about a target from its transformers config.
 
-``load_config`` is the one reader of a target folder's config; ``text_config`` the one place its language-model config
-(every width, layer count, norm or context length) is read from. ``FAMILIES`` is the table of families by
-``model_type``; ``of`` returns a config's entry, or ``OTHER`` (served on compat.py's checks alone). A new family is one
-entry here, with a tiny random target of it in tests/test_families.py. ``COMPOSITES``: the multimodal configs served
-text-only, through their language model.
+``load_config`` is the one reader of a target's config; ``text_config`` the one place its language model's (widths,
+layer count, norm, context length) is read from. ``FAMILIES``: families by ``model_type``; ``of`` gives a config's,
+or ``OTHER`` (served on compat.py's checks alone). A new family is one entry here, with a tiny random target of it in
+tests/test_families.py.
 """
 from __future__ import annotations
 

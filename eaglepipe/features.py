@@ -23,13 +23,12 @@ Layout (a sharded dataset, format: ``shards.py``):
 The folder holds data only (no fingerprint, no code version): the same sequences, model and ``hidden`` params,
 extracted from an empty store, give the same bytes.
 
-Layer ids (``layer_convention: hf_hidden_states``): ids are Hugging Face ``output_hidden_states`` indices.
-``hidden_states[0]`` is the embedding output and ``hidden_states[i]`` is the input of decoder layer ``i`` (= the output
-of layer ``i - 1``); ``hidden_states[L]`` is *not* the last layer's raw output in transformers 5.x: it is replaced by
-the final normed state. ``auto`` = ``[2, L // 2, L - 3]`` (EAGLE-3's official choice, what SGLang and vLLM capture when
-a drafter names no layers) where those ids are valid (L >= 7; smaller targets: ``layer_ids``). vLLM's
-``eagle_aux_hidden_state_layer_ids`` are these ids; SGLang's and SpecForge's count layer *outputs*, so they are these
-ids minus one (``[1, L // 2 - 1, L - 4]``); draft.py writes both.
+Layer ids (``layer_convention: hf_hidden_states``) are Hugging Face ``output_hidden_states`` indices:
+``hidden_states[0]`` is the embedding output, ``hidden_states[i]`` the input of decoder layer ``i`` (the output of
+layer ``i - 1``); ``hidden_states[L]`` is, in transformers 5.x, the final normed state, not the last layer's raw
+output. ``auto`` (``layer_ids``: ``[2, L // 2, L - 3]`` for L >= 7) is EAGLE-3's official choice, what SGLang and
+vLLM capture when a drafter names no layers. vLLM's ``eagle_aux_hidden_state_layer_ids`` are these ids; SGLang's
+and SpecForge's count layer *outputs*: these ids minus one (``[1, L // 2 - 1, L - 4]``). draft.py writes both.
 """
 from __future__ import annotations
 
@@ -60,12 +59,11 @@ def columns(dtype: str) -> tuple[str, ...]:
 
 
 def layer_ids(value, num_layers: int) -> list[int]:
-    """The three layer ids (low, mid, high) for ``hidden.layers``: ``auto`` or explicit ids.
+    """The three layer ids (low, mid, high) for ``hidden.layers``, ``auto`` or explicit; ValueError otherwise.
 
     ``auto`` = ``[2, L // 2, L - 3]`` for L >= 7 layers, else ``[L // 2 - 1, L // 2, L // 2 + 1]``; never id 0 (the
-    embedding output, which several SGLang and vLLM models cannot capture), so ``auto`` needs at least 4 layers.
-    Explicit ids must be three strictly increasing integers in ``[0, L - 1]`` (index ``L`` would be the normed final
-    state, stored separately). ValueError otherwise."""
+    embedding output, which several SGLang and vLLM models cannot capture), so it needs at least 4 layers. Explicit
+    ids: three strictly increasing integers in ``[0, L - 1]`` (``L`` is the normed final state, stored apart)."""
     L = int(num_layers)
     if value is None or value == "auto":
         if L < 4:
@@ -84,8 +82,8 @@ def layer_ids(value, num_layers: int) -> list[int]:
 
 def encode(x: torch.Tensor, dtype: str, parts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x`` [n, parts * H] as stored in ``dtype``: (values, None), or under FP8 (values, scale float32 [n, parts]):
-    each token's part divided by its scale, its absolute maximum over FP8_MAX, so that part's largest value is
-    stored exactly and the others to 3 significant bits."""
+    each token's part divided by its scale, its absolute maximum over FP8_MAX (so its largest value is stored
+    exactly, the others to 3 significant bits)."""
     if dtype not in SCALED:
         return x.to(DTYPES[dtype]), None
     n, width = x.shape
@@ -95,8 +93,8 @@ def encode(x: torch.Tensor, dtype: str, parts: int) -> tuple[torch.Tensor, torch
 
 
 def decode(rows: dict) -> dict:
-    """Stored ``rows`` with their states as values: under FP8 ``aux`` and ``final`` times their scales, in float32
-    (the scales dropped); otherwise as stored."""
+    """Stored ``rows`` as values: under FP8 ``aux`` and ``final`` times their scales, float32, scales dropped;
+    otherwise as stored."""
     out = {k: v for k, v in rows.items() if k not in SCALES}
     for name in ("aux", "final"):
         scale = rows.get(f"{name}_scale")
@@ -152,8 +150,8 @@ class Stored:
 
 
 def read_states(samples: list[Sample], names=STATES) -> list[dict]:
-    """``STATES`` of each sample (stored as ``names``: with their scales under FP8), decoded, in order,
-    reading each shard file once."""
+    """Each sample's decoded ``STATES`` (stored as ``names``: with scales under FP8), in order, reading each shard
+    file once."""
     by_file = {}
     for i, s in enumerate(samples):
         by_file.setdefault(s.file, []).append(i)

@@ -1,5 +1,4 @@
-"""Content hashes of files, read in blocks (a file may be larger than memory) and read once (``file_digest``), and
-of Python code by what it does."""
+"""Content hashes of files (read in blocks; ``file_digest`` reads each once) and of Python code by what it does."""
 from __future__ import annotations
 
 import ast

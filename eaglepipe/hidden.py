@@ -1,27 +1,22 @@
-"""Extraction of the target's hidden states into ``data/hidden`` (layout, layer ids and reader: ``features.py``).
+"""The target's hidden states into ``data/hidden`` (layout, layer ids and reader: ``features.py``).
 
-Content-addressed: a sequence's states depend on its ids alone. Its key is the hash of its ids and loss mask
-(``sequence_key``). The store ``.cache/hidden/<fingerprint>/`` holds shards of computed states; the fingerprint covers
-the ``hidden`` params but ``shard_tokens``, the code that computes and writes them, the target's fingerprint and compute
-dtype and the torch / transformers versions, not the sequences. A shard's safetensors metadata (``content``: {keys,
-failed}) lists its samples' keys and the sequences that failed in it, so the store is its own index, and a run computes
-only the sequences whose key no shard holds, whatever the order, split or shard layout merge gives the data.
+Store ``.cache/hidden/<fingerprint>/`` (``fingerprint``): shards of states keyed by content (``sequence_key``). A
+shard's safetensors metadata ``content`` ({keys, failed}) lists its samples and the sequences that failed in it, so
+the store is its own index: a run computes only the sequences no shard holds, whatever the order, split or shard
+layout merge gives the data.
 
-A run (rank 0 holds the store's lock file): the missing sequences (unique keys, in the order of ``data/sequences``) are
-planned into shards of at most ``hidden.shard_tokens`` tokens; the plan is saved under the sequences' hash and
-``shard_tokens`` (``plans/``), so a resumed run computes the same shards. A shard's samples run sorted by length in
-right-padded batches of at most ``hidden.batch_tokens`` tokens (rows x longest; causal attention never reads the
-padding); the base model keeps only the selected states and the head runs on the real rows for ``top``. A shard is
-named by the hash of its keys and written atomically: one that exists is finished. The planned shards are dealt
-round-robin to the ranks (torchrun, ``runtime.py``); a process killed mid-run loses only the shard it was writing.
+Run (rank 0 holds the store's lock): the missing sequences (unique keys, in ``data/sequences`` order) are planned into
+shards of at most ``hidden.shard_tokens`` tokens; the plan is saved under the sequences' hash and ``shard_tokens``
+(``plans/``) so a resumed run computes the same shards, dealt round-robin to the ranks (torchrun, ``runtime.py``). A
+shard runs its samples sorted by length in right-padded batches of at most ``hidden.batch_tokens`` tokens (rows x
+longest; causal attention never reads the padding), is named by the hash of its keys and written atomically: one that
+exists is finished, and a killed process loses only the shard it was writing.
 
-Publish (rank 0, once every shard is written): ``data/hidden`` gets the shards its sequences use as hard links to the
-store's files (a copy where the filesystem cannot link) and an index naming, in the order of ``data/sequences``, the
-row of the shard that holds each sample (``shards.py``). A reused sequence keeps the states of the batch it was
-computed in (another batch shape can round a few values differently): a run from an empty store, or resumed, at any
-number of processes, publishes the same bytes. A sequence that fails alone (``extract_shard``) is left out, its key and
-reason kept in its shard's metadata and listed in ``failures.jsonl``; the next run tries it again. The published
-files hold data only: no fingerprint.
+Publish (rank 0, once every shard is written): ``data/hidden`` = hard links to (or copies of) the shards its sequences
+use and an index naming, in ``data/sequences`` order, each sample's shard row (``shards.py``); no fingerprint. A
+reused sequence keeps the states of the batch it was computed in (another batch shape can round a few values
+differently), so a fresh or resumed run at any number of processes publishes the same bytes. A sequence that fails
+alone is left out, its key and reason kept in its shard's metadata and ``failures.jsonl``; the next run retries it.
 """
 from __future__ import annotations
 
@@ -45,10 +40,9 @@ log = logging.getLogger(__name__)
 
 
 def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str = "", code: tuple = ()) -> str:
-    """Fingerprint of everything that decides a sequence's states (the store's name): the params but
-    ``shard_tokens``, the layers, the code (this module and what it imports, deps.code, and ``code``: the
-    engine's), the model (files and compute dtype; for vLLM its version) and library versions. Not the sequences:
-    the store holds states by content."""
+    """The store's name: a hash of what decides a sequence's states: the params but ``shard_tokens``, the layers,
+    the code (this module and its imports, deps.code, and the engine's ``code``), the model (files, compute dtype;
+    for vLLM its version) and library versions. Not the sequences: the store holds states by content."""
     import transformers
 
     code = code_hash([*deps.code(__file__), *code])
@@ -77,9 +71,9 @@ def content(path: Path) -> dict:
 
 
 def scan(store: Path) -> tuple[dict, dict]:
-    """({key: (shard file, row)}, {key: {key, tokens, reason, shard}}) over the finished shards in ``store``, from
-    their metadata. A key some shard holds is not failed, whatever an earlier attempt left; a failure names the first
-    shard that holds samples too where there is one (a retry's shard of failures alone is never published)."""
+    """({key: (shard file, row)}, {key: {key, tokens, reason, shard}}) from the metadata of the finished shards in
+    ``store``. A key some shard holds is not failed; a failure names a shard that holds samples too where there is
+    one (a retry's shard of failures alone is never published)."""
     held, failed = {}, {}
     found = [(path.name, content(path)) for path in sorted(store.glob("shard-*.safetensors"))]
     for name, got in sorted(found, key=lambda found: not found[1]["keys"]):  # shards with samples first
@@ -97,8 +91,8 @@ def base_model(model):
 
 @torch.inference_mode()
 def forward_states(model, input_ids: torch.Tensor, layers: list[int]):
-    """One forward pass of the base model: (aux [B, S, 3H], final [B, S, H]) in the model's dtype, both on the device
-    of the last layer (a target spread over devices, ``runtime.device_map``, leaves each state on its layer's)."""
+    """(aux [B, S, 3H], final [B, S, H]) from one base-model forward, in the model's dtype, on the last layer's device
+    (a target spread over devices, ``runtime.device_map``, leaves each state on its layer's)."""
     out = base_model(model)(input_ids=input_ids, output_hidden_states=list(layers), use_cache=False)
     final = out.last_hidden_state
     aux = torch.cat([out.hidden_states[i].to(final.device) for i in layers], dim=-1)
@@ -107,15 +101,15 @@ def forward_states(model, input_ids: torch.Tensor, layers: list[int]):
 
 @torch.inference_mode()
 def greedy(model, states: torch.Tensor, rows: int = 512) -> torch.Tensor:
-    """int64 [n]: the argmax of the model's own output head over final states [n, H], ``rows`` at a time (the full
-    logits of a big batch would not fit)."""
+    """int64 [n]: the output head's argmax over final states [n, H], ``rows`` at a time (a big batch's logits would
+    not fit)."""
     head = model.get_output_embeddings()
     return torch.cat([head(states[r:r + rows]).argmax(-1) for r in range(0, states.shape[0], rows)])
 
 
 class Forward:
-    """hidden's states from an in-process forward of a transformers target (``hidden.engine: hf``; the vLLM one:
-    engines/states.py). ``config`` and ``dtype`` are what the fingerprint and the index read."""
+    """States source for ``hidden.engine: hf``: a transformers target in this process (vLLM's: engines/states.py).
+    The fingerprint and the index read ``config`` and ``dtype``."""
 
     def __init__(self, model):
         self.model, self.config, self.dtype = model, model.config, str(model.dtype)
@@ -123,9 +117,9 @@ class Forward:
 
     @torch.inference_mode()
     def states(self, samples: list, layers: list[int], batch_tokens: int, pad_id: int = 0):
-        """Yield (index into ``samples`` = [(key, ids, mask)], (aux, final, top) or the reason it failed). Samples
-        run in right-padded batches of at most ``batch_tokens``; a batch that fails (out of memory, a bad id) is
-        retried in two halves, down to one sample, so a poison sequence never takes its batch mates down."""
+        """Yield (index into ``samples`` = [(key, ids, mask)], (aux, final, top) or the reason it failed), in
+        right-padded batches of at most ``batch_tokens``; a failing batch (out of memory, a bad id) is retried in
+        halves down to one sample, so a poison sequence never takes its batch mates down."""
         model, lengths = self.model, [len(s[1]) for s in samples]
 
         def run_batch(batch):
@@ -158,10 +152,9 @@ def source_of(model):
 
 
 def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dtype: str) -> tuple[dict, list[dict]]:
-    """The tensors of one shard (``features.py``; the states stored in ``dtype``, a ``hidden.dtype``) for ``samples``
-    = [(id, input_ids, loss_mask)], in the given order, from ``model`` (a transformers model or a states source:
-    ``source_of``), and the samples left out of it [{id, tokens, reason}]: a sample that fails alone is left out
-    with its reason."""
+    """(one shard's tensors (``features.py``, states in ``dtype``, a ``hidden.dtype``) for ``samples`` = [(id,
+    input_ids, loss_mask)] in order, the samples that failed alone [{id, tokens, reason}]); ``model``: see
+    ``source_of``."""
     source, lengths, rows, failed = source_of(model), [len(s[1]) for s in samples], {}, []
     for i, got in source.states(samples, layers, batch_tokens):
         if isinstance(got, str):
@@ -187,8 +180,7 @@ SKIPPED = "train.features is online: train computes the states itself, hidden ex
 
 
 def skip(out) -> dict:
-    """With online training: publish ``out`` holding only an index that says why it holds no states; return the run
-    report."""
+    """Online training: publish ``out`` as only an index saying why it holds no states; return the run report."""
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
@@ -198,8 +190,7 @@ def skip(out) -> dict:
 
 
 def shards_of(seqs: dict, wanted, shard_tokens: int) -> list[list[str]]:
-    """The keys of ``seqs`` that ``wanted(key)`` picks, each once, in the sequences' order, cut into shards of at most
-    ``shard_tokens`` tokens."""
+    """The keys of ``seqs`` that ``wanted`` picks, each once, in order, cut into shards of at most ``shard_tokens``."""
     todo = {}
     for key, ids in ((key, ids) for split in seqs.values() for _rid, ids, _mask, key in split):
         if wanted(key):
@@ -209,8 +200,8 @@ def shards_of(seqs: dict, wanted, shard_tokens: int) -> list[list[str]]:
 
 
 def make_plan(store: Path, plan_path: Path, seqs: dict, shard_tokens: int) -> list[list[str]]:
-    """The shards to compute: the saved plan of these sequences when its unfinished shards hold exactly the keys the
-    store lacks (a resumed run), else a new one of those keys, saved. Sequences that failed are ``retry_plan``'s."""
+    """The shards to compute: the saved plan when its unfinished shards hold exactly the keys the store lacks (a
+    resumed run), else a new plan of them, saved. Failed sequences are ``retry_plan``'s."""
     held, failed = scan(store)
     plan = shards_of(seqs, lambda key: key not in held and key not in failed, shard_tokens)
     if plan_path.exists():
@@ -223,18 +214,15 @@ def make_plan(store: Path, plan_path: Path, seqs: dict, shard_tokens: int) -> li
 
 
 def retry_plan(store: Path, seqs: dict, shard_tokens: int) -> list[list[str]]:
-    """The sequences that failed in an earlier run and that no shard holds, in shards of their own: each run tries
-    them again (a server fault or a passing lack of memory heals), after the plan, so a resumed run still publishes
-    what an uninterrupted one does."""
+    """Shards of the sequences that failed before and no shard holds: each run retries them (a server fault or a
+    passing lack of memory heals), after the plan, so a resumed run publishes what an uninterrupted one does."""
     failed = scan(store)[1]
     return shards_of(seqs, lambda key: key in failed, shard_tokens)
 
 
 def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.Runtime = runtime.Runtime()) -> dict:
-    """Publish the hidden states of every split of ``seq_folder`` into ``out``, computing those the store lacks;
-    return the run report (the same on every rank). ``model``: the target (transformers) or a states source
-    (``source_of``); ``params``: the ``hidden`` section (config.Hidden); ``rt``: this process's rank and world
-    (runtime.py)."""
+    """Publish the states of every split of ``seq_folder`` into ``out``, computing those the store lacks; return the
+    run report (the same on every rank). ``model``: see ``source_of``; ``params``: config.Hidden."""
     model = source_of(model)
     store = Path(cache_root) / fingerprint(params.tracked(), features.layer_ids(
         params.layers, families.text_config(model.config).num_hidden_layers), model_fp, model.dtype, model.code)
@@ -243,8 +231,7 @@ def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.R
 
 
 def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> dict:
-    """``run``'s steps, under the store's lock: plan the shards, compute the missing ones, index what the sequences
-    use, publish it, report."""
+    """``run`` under the store's lock."""
     seq_folder, out = Path(seq_folder), Path(out)
     cfg = families.text_config(model.config)
     layers = features.layer_ids(params.layers, cfg.num_hidden_layers)
@@ -285,9 +272,9 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
 
 
 def _plan(store: Path, seq_folder: Path, seqs: dict, shard_tokens: int, rt: runtime.Runtime) -> tuple[list, set]:
-    """(the shards of these sequences, each a list of keys: the plan, then ``retry_plan``'s; the names of the shards the
-    store already holds). Rank 0 first clears what a stopped run left half-written (the lock: no other run is
-    writing) and the shards that hold only failures, so that they are computed again, and writes the plan."""
+    """(the plan then ``retry_plan``'s, each shard a list of keys; the names of the shards already held). Rank 0
+    first deletes what a stopped run left half-written (the lock: no other run is writing) and the shards of
+    failures alone, so they are computed again, and writes the plan."""
     plan_path = store / "plans" / f"{shards.dataset_hash(seq_folder)[:32]}-{shard_tokens}.json"
     if rt.is_main:
         for stale in store.glob("**/*.tmp*"):
@@ -307,8 +294,7 @@ def _plan(store: Path, seq_folder: Path, seqs: dict, shard_tokens: int, rt: runt
 
 
 def _compute(store: Path, missing: list, seqs: dict, model, layers: list, params, rt: runtime.Runtime) -> list:
-    """Extract and write the ``missing`` shards, dealt round-robin to the ranks; every rank's (tokens, seconds),
-    once every rank's shards are written."""
+    """Write this rank's share of the ``missing`` shards; return every rank's (tokens, seconds)."""
     by_key = {key: (ids, mask) for split in seqs.values() for _rid, ids, mask, key in split}
     computed_tokens, elapsed = 0, 0.0
     for keys in missing[rt.rank::rt.world]:
@@ -329,8 +315,8 @@ def _compute(store: Path, missing: list, seqs: dict, model, layers: list, params
 
 
 def _index(store: Path, seqs: dict, before: set, index: dict) -> tuple[list, list, int]:
-    """Fill ``index`` with each split's entries (which row of which shard each sequence is, in order); return (the
-    sequences that failed alone, the shard files used in order, how many sequences came from shards held before)."""
+    """Fill ``index`` with each split's entries (each sequence's shard and row, in order); return (the failed
+    sequences, the shard files used in order, how many sequences came from shards held before)."""
     held, failed = scan(store)
     failures, used, reused_sequences = [], [], 0
     for split, items in seqs.items():
@@ -355,8 +341,8 @@ def _index(store: Path, seqs: dict, before: set, index: dict) -> tuple[list, lis
 
 
 def _publish(store: Path, out: Path, used: list, index: dict, failures: list) -> None:
-    """``out`` = links to the store's shards ``used``, the index and the failures, built aside and renamed into
-    place."""
+    """``out`` = links to the ``used`` shards, the index and the failures, built aside and renamed into place."""
+
     work = store / f"publish.tmp{os.getpid()}"
     work.mkdir()
     for f in used:

@@ -43,4 +43,3 @@ def run(responses_path: Path, out: Path, tokenizer, spec: derive.Spec, end_of_tu
     log.info("merged %d records: %d train, %d valid samples; %s", read, stats["train"]["samples"],
              stats["valid"]["samples"], dict(counts))
     return stats
-

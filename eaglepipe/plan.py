@@ -6,16 +6,15 @@ Target: ``--target`` a bare ``config.json``, a model folder, ``embedded`` or a `
 ``num_hidden_layers`` and ``vocab_size``.
 
 Counts: samples (the sequences trained on) = ``--samples``, else sum(prepare.sources n) x infer.samples; prompts =
-samples / infer.samples. Per sample, the prompt and answer tokens are ``--prompt-tokens`` / ``--answer-tokens``, else
-the means of the measured run (metrics/infer.json) when the target is the params' own and metrics/hidden.json has its
-width, else the bounds: ``infer.max_new_tokens`` for an answer, ``merge.max_length`` less the answer for a prompt.
-Answers are capped at ``infer.max_new_tokens``, sequences at ``merge.max_length``; train runs ``train.epochs`` times
-over ``1 - merge.valid_fraction`` of the tokens.
+samples / infer.samples. Per sample, prompt and answer tokens are ``--prompt-tokens`` / ``--answer-tokens``, else the
+measured run's means (metrics/infer.json) when the target is the params' own and metrics/hidden.json has its width,
+else the bounds: ``infer.max_new_tokens`` for an answer, ``merge.max_length`` less the answer for a prompt. Answers
+are capped at ``infer.max_new_tokens``, sequences at ``merge.max_length``; train runs ``train.epochs`` times over
+``1 - merge.valid_fraction`` of the tokens.
 
 Bytes per token stored by hidden (features.py): ``aux`` 3·H and ``final`` H in ``hidden.dtype`` (float8_e4m3fn: 1
-byte each plus a float32 scale per token and state), plus 9 bytes of ``input_ids``, ``loss_mask`` and ``top``; shard
-headers and offsets are not counted (hidden's measured ``bytes_per_token``, over the tokens it stores, includes them).
-Online training stores nothing.
+byte each plus a float32 scale per token and state), plus 9 bytes of ``input_ids``, ``loss_mask`` and ``top``; not
+shard headers and offsets (hidden's measured ``bytes_per_token`` counts them). Online training stores nothing.
 
 Time: tokens / (tokens/s) per stage, from the ``--*-tokens-per-s`` options, else this machine's last run of the
 params' own target (metrics/timings/*.json, same condition as the means); each figure says where it came from.

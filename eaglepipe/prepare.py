@@ -1,18 +1,14 @@
 """Prepare: read every prompt source, drop duplicates, sample ``n`` prompts per source, and report what happened.
 
-Stability rules (downstream caches key on prompt ids):
-  * each source is sampled with its own RNG, seeded from ``seed`` and the source's name, and takes the first ``n``
-    of a shuffled candidate list: changing another source's ``n``, or adding a source, never changes this source's
-    pick, and raising this source's ``n`` only adds prompts;
-  * duplicates (same id) are removed from a source's candidates before sampling, against every valid record of the
-    sources listed before it (and earlier records of its own file): the first source in list order wins, whatever
-    the earlier sources picked.
+Stability (downstream caches key on prompt ids):
+  * each source takes the first ``n`` of its candidates shuffled by an RNG seeded from ``seed`` and its name:
+    another source's ``n``, or a new source, never changes its pick; raising its ``n`` only adds prompts;
+  * a candidate whose id is a valid record of an earlier source (or earlier in its own file) is a duplicate,
+    removed before sampling: the first source in list order wins, whatever the earlier sources picked.
 
 With ``prepare.exclude_benchmarks`` a record is kept out (counted as ``benchmark``) when a user turn, or a
-blank-line-separated part of one, is after whitespace normalisation a prompt evaluate decodes
-(``benchmarks.excluded_texts``: MT-bench, HumanEval, the held-out file).
-
-For a ``pkg:`` source the report records the package's version and the file's sha256 (``sources.package_file``).
+blank-line-separated part of one, normalised, is a prompt evaluate decodes (``benchmarks.excluded_texts``).
+A ``pkg:`` source's report entry names its package and version (``sources.package_file``).
 """
 from __future__ import annotations
 
@@ -33,13 +29,11 @@ BY_KEY = ("skipped_by_reason", "left_out_by_rule", "rules")
 
 
 def read_candidates(src, on_error: str, seen: set, excluded: set = frozenset()) -> tuple[list[Prompt], dict]:
-    """The valid prompts of one source whose ids are not in ``seen`` and that hold no text of ``excluded`` as a user
-    turn (normalised), in file order (their ids are added to ``seen``), and the source's counts: read, valid,
-    skipped and skipped_by_reason (broken records), left_out and left_out_by_rule (records with no prompt in them),
-    rules (the valid records each conversation rule concerns), benchmark (valid records kept out), duplicates, and
-    ``damage`` (``{offset, bytes, records_before}``) when the file ends in an unreadable tail (counted as one record
-    skipped as ``damaged``). Records are streamed and only the candidates kept, so memory grows with the distinct
-    prompts, not the file."""
+    """The valid prompts of one source, in file order, whose ids are not in ``seen`` (they are added to it) and with
+    no user turn in ``excluded``; and the source's counts: read, valid, skipped and skipped_by_reason (broken
+    records), left_out and left_out_by_rule (no prompt in them), rules (the valid records each conversation rule
+    concerns), benchmark (kept out), duplicates, and ``damage`` (``{offset, bytes, records_before}``) for an
+    unreadable tail (one record skipped as ``damaged``). Records are streamed; only the candidates are kept."""
     candidates, skipped, left_out, rules, damage, read, duplicates, benchmark = [], Counter(), Counter(), Counter(), \
         None, 0, 0, 0
     for item in read_source(src.path, src.format, src.name, src.columns, rules):
@@ -71,8 +65,7 @@ def read_candidates(src, on_error: str, seen: set, excluded: set = frozenset()) 
 
 
 def first_turns(prompt: Prompt, k: int, rules: Counter) -> Prompt:
-    """The prompt cut after its k-th user turn (``max_turns``), with the id of what is kept; counted as the rule
-    ``cut_to_max_turns``."""
+    """The prompt cut after its k-th user turn (``max_turns``), with a new id; counted as ``cut_to_max_turns``."""
     users = [i for i, m in enumerate(prompt.messages) if m["role"] == "user"]
     if len(users) <= k:
         return prompt
@@ -91,7 +84,7 @@ def sample(candidates: list, n: int, seed: int, name: str) -> list:
 def prepare(cfg, excluded: set = frozenset()) -> tuple[list[Prompt], dict]:
     """All selected prompts (sources in config order, each in file order) and the report for metrics/prepare.json.
     ``cfg``: the ``prepare`` section (config.Prepare); ``excluded``: the benchmark texts to keep out (normalised)."""
-    for i, src in enumerate(cfg.sources):  # before reading any: a typo in the last path costs no time
+    for i, src in enumerate(cfg.sources):  # checked before any is read
         try:
             if not resolve(src.path).exists():
                 raise FileNotFoundError(f"no such file {src.path}")

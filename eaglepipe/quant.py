@@ -1,9 +1,8 @@
 """Quantized targets: which ones the in-process engine loads here, and the weights train reads from them, in floats.
 
-``loadable`` refuses, before anything is loaded, a ``quantization_config.quant_method`` whose package (``NEEDS``) is
-not installed. FP8 block-quantized weights (``quant_method: fp8`` with ``weight_block_size``: float8 values and a
-``<name>_scale_inv`` of one scale per block) are read by ``dequantize``: ``value * scale`` blockwise in float32, as
-transformers' dequantizing load computes.
+``loadable`` refuses a ``quantization_config.quant_method`` whose package (``NEEDS``) is not installed. FP8
+block-quantized weights (``quant_method: fp8``, ``weight_block_size``: float8 values and a ``<name>_scale_inv`` of one
+scale per block) are read by ``dequantize``: ``value * scale`` blockwise in float32, as transformers computes it.
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ def method(folder) -> dict | None:
 
 
 def loadable(folder) -> None:
-    """Raise a UserError, in seconds, when transformers cannot load the quantized target in ``folder`` here."""
+    """Raise a UserError when transformers cannot load the quantized target in ``folder`` here."""
     qc = method(folder)
     package = NEEDS.get((qc or {}).get("quant_method"))
     if package and importlib.util.find_spec(package) is None:

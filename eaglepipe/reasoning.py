@@ -6,8 +6,8 @@
     harmony  gpt-oss: the ``analysis`` channel is reasoning, every other message is content
 docs/reasoning-and-tools.md records each family's markers and template behaviour, with sources.
 
-Every character of the output (decoded with special tokens kept) lands in exactly one segment (``reasoning``,
-``content`` or ``marker``), in order: ``"".join(segments) == text``. Cases (``think`` and custom specs):
+Every character of the output (decoded with special tokens kept) lands in one segment (``reasoning``, ``content``
+or ``marker``), in order: ``"".join(segments) == text``. Cases (``think`` and custom specs):
 - the prompt ends with the opening marker: the output starts inside the reasoning block;
 - the output closes a block it never opened: everything before the first closing marker is reasoning;
 - the opening marker repeated at the start of a block the template opened is a marker;
@@ -52,8 +52,8 @@ class Split:
 
 
 def spec_of(value, tool_calls: str | None = None) -> Spec:
-    """The spec for ``target.reasoning``: a preset name, or custom markers (config.Markers, which validates them),
-    carrying the tool-call family ``tool_calls`` unchecked (``derive.spec_from_params`` checks it)."""
+    """The spec for ``target.reasoning``: a preset name or config.Markers, with the tool-call family ``tool_calls``
+    unchecked (``derive.spec_from_params`` checks it)."""
     if value == "none":
         return Spec("none", tools=tool_calls)
     if value == "think":
@@ -93,7 +93,6 @@ def _split_tags(text: str, spec: Spec, tail: str) -> Split:
             segs += [("content", text[pos:s], None), ("marker", start, None)]
             pos, in_block, fresh = s + len(start), True, True
             continue
-        # Repeats of the opening marker at a block's start are markers.
         m = repeat.match(text, pos) if fresh else None
         if m:
             segs += [("reasoning", m.group(0)[:-len(start)], block), ("marker", start, None)]

@@ -1,7 +1,6 @@
-"""Every record the pipeline writes, defined once: stages read and write records only through this module.
+"""Every record the pipeline writes; stages read and write records only through this module.
 
-Prompt (``data/prompts/prompts.jsonl`` written by prepare; the held-out ``data/eval/heldout.jsonl`` has the same
-        turns, read only by evaluate)
+Prompt (``data/prompts/prompts.jsonl`` by prepare; evaluate's ``data/eval/heldout.jsonl`` is the same)
     id        str   stable hash of the content (messages + tools), 16 hex digits
     source    str   name of the source in ``prepare.sources``
     messages  list  OpenAI-style turns ``{role, content}`` (plus ``tool_calls``/``name`` where the data has them),
@@ -10,11 +9,9 @@ Prompt (``data/prompts/prompts.jsonl`` written by prepare; the held-out ``data/e
 
 Generation (one line of the infer cache; what an engine returned, nothing derived)
     id, source, prompt_ids, output_ids, finish_reason ("stop" | "length" | "abort"), meta (engine metadata),
-    sample (which of the prompt's ``infer.samples`` answers: 0, 1, ...), turn (0: the answer to the prompt's last
-    turn, the dataset's earlier answers as context; t >= 1 under ``infer.turns: all``: the answer to turn t, the
-    target's own earlier answers as context, turns.py). ``id`` is the prompt's id for sample 0 and
-    ``<prompt id>.<sample>`` after it, with ``@<turn>`` for a turn t >= 1 (``record_id``), so one answer per prompt
-    keeps the prompt's id.
+    sample (which of the prompt's ``infer.samples`` answers: 0, 1, ...), turn (0: the answer to the last turn in the
+    dataset's context; t >= 1 under ``infer.turns: all``: turn t in the target's own context, turns.py).
+    ``id`` (``record_id``): the prompt's id for sample 0, ``<prompt id>.<sample>`` after, plus ``@<turn>`` for t >= 1.
 
 Response (``data/responses/responses.jsonl``, written by infer)
     id, source, prompt_ids, output_ids, finish_reason, sample, turn     exactly as the engine produced them
@@ -89,7 +86,7 @@ def prompt_of(rid: str) -> str:
 
 
 def sample_of(rid: str) -> int:
-    """Which answer to its prompt record ``rid`` is (the inverse of ``record_id``, with ``prompt_of``)."""
+    """Which answer to its prompt record ``rid`` is (inverse of ``record_id``, with ``prompt_of``)."""
     return int(rid.partition("@")[0].partition(".")[2] or 0)
 
 
@@ -229,9 +226,8 @@ class _Lines:
 
 
 def scan_jsonl(fp: BinaryIO) -> Iterator[tuple[int, bytes, object]]:
-    """Yield (line number, raw line, value) for each non-blank line of the binary file ``fp``; the value is whatever
-    JSON the line holds (any type), or a LineError for a line that does not parse. A broken line does not stop the
-    lines after it."""
+    """Yield (line number, raw line, value) for each non-blank line of the binary file ``fp``: the line's JSON (any
+    type), or a LineError for a line that does not parse (the lines after it are still read)."""
     lines = _Lines(fp)
     reader = jsonlines.Reader(lines, loads=orjson.loads)
     while True:
@@ -272,8 +268,8 @@ def to_json(obj) -> dict:
 
 
 def writer(fp: BinaryIO) -> jsonlines.Writer:
-    """A JSON Lines writer on the binary file ``fp``: each record (see ``to_json``) on one line of compact UTF-8 JSON,
-    non-ASCII characters kept, keys in the order given."""
+    """A JSON Lines writer on the binary file ``fp``: each record (``to_json``) as one line of compact UTF-8 JSON,
+    keys in the order given."""
     return jsonlines.Writer(fp, dumps=lambda obj: orjson.dumps(to_json(obj)))
 
 

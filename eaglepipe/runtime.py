@@ -1,17 +1,16 @@
-"""Where a stage runs: its device, the target's compute dtype, its rank among the processes of a torchrun job, the
-seeding of torch's random generators, and what depends on the world: wrapping a model for training in it
-(``Runtime.wrap``: DDP above one process) and saving and loading a checkpoint (``Runtime.save``, ``Runtime.load``).
-Code takes its device from its inputs (``model.device``, a tensor's ``.device``); this module alone chooses it.
+"""Where a stage runs: its device, the target's compute dtype, its rank in a torchrun job, the seeding of torch's
+generators, and what depends on the world: wrapping a model for training (``Runtime.wrap``: DDP above one process)
+and saving and loading a checkpoint (``Runtime.save``, ``Runtime.load``). Only this module chooses a device; code
+takes it from its inputs (``model.device``, a tensor's ``.device``).
 
-One process is rank 0 of a world of 1. Under torchrun (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` in the
-environment) with more than one process, ``start`` joins the process group (gloo on CPU, nccl on CUDA) and each rank
-takes the GPU ``cuda:LOCAL_RANK``. The device, the number of processes and the threads are speed knobs, tracked by no
-DVC entry and no fingerprint (another device or thread count may round differently); the compute dtype decides the
-numbers: ``hidden.compute_dtype`` is a result knob.
+One process is rank 0 of a world of 1. Under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` in the environment)
+with more than one process, ``start`` joins the process group (gloo on CPU, nccl on CUDA) and each rank takes
+``cuda:LOCAL_RANK``. Device, process count and threads are speed knobs, in no DVC entry and no fingerprint (they may
+round differently); the compute dtype decides the numbers (``hidden.compute_dtype`` is a result knob).
 
-``python -m eaglepipe.runtime stages/<stage>.py ARGS`` (dvc.yaml's commands) runs the script itself, or, when
-``EAGLEPIPE_NPROC`` is above 1, ``torchrun --standalone --nproc-per-node N`` on it (without ``--standalone`` when
-``PET_NNODES`` is set: a job across nodes, whose rendezvous torchrun reads from its ``PET_*`` variables).
+``python -m eaglepipe.runtime stages/<stage>.py ARGS`` (dvc.yaml's commands) runs the script itself, or
+``torchrun --standalone --nproc-per-node N`` on it when ``EAGLEPIPE_NPROC`` = N is above 1 (without ``--standalone``
+when ``PET_NNODES`` is set: a job across nodes, whose rendezvous torchrun reads from its ``PET_*`` variables).
 """
 from __future__ import annotations
 
@@ -48,7 +47,6 @@ class Runtime:
         return self.rank == 0
 
     def barrier(self) -> None:
-        """Wait until every rank gets here (nothing to wait for in a world of 1)."""
         if self.world > 1:
             dist.barrier()
 
@@ -61,8 +59,8 @@ class Runtime:
         return total.to(tensor.device)
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        """``module`` as this world trains it: itself in a world of 1, else DistributedDataParallel (gradients
-        averaged over the ranks; buffers not broadcast)."""
+        """``module`` itself in a world of 1, else DistributedDataParallel (gradients averaged over the ranks,
+        buffers not broadcast)."""
         if self.world == 1:
             return module
         from torch.nn.parallel import DistributedDataParallel
@@ -73,8 +71,8 @@ class Runtime:
     @contextlib.contextmanager
     def locked(self, folder: Path):
         """Rank 0 holds ``folder``'s lock file while the block runs: a second run on the same resumable work (another
-        ``dvc exp run``, worktree or job) waits for it instead of writing into it alongside; a job of several
-        processes stops instead (its ranks waiting in a collective would time out)."""
+        ``dvc exp run``, worktree or job) waits for it; a job of several processes raises UserError instead (its
+        ranks would time out waiting in a collective)."""
         with contextlib.ExitStack() as stack:
             busy = False
             if self.is_main:
@@ -93,8 +91,8 @@ class Runtime:
             yield
 
     def save(self, path: Path, state: dict) -> None:
-        """Rank 0 writes ``state`` (tensors and plain data) to ``path`` atomically: a kill leaves the last one whole.
-        The other ranks write nothing."""
+        """Rank 0 writes ``state`` (tensors and plain data) to ``path`` atomically (a kill leaves the last one
+        whole); the other ranks write nothing."""
         if not self.is_main:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,8 +169,8 @@ def states_dtype(name: str, dev: torch.device) -> str:
 
 @contextlib.contextmanager
 def start(device_name: str = "auto"):
-    """This process's ``Runtime``, from torchrun's environment (a world of 1 without it); the process group is joined
-    for a world above 1 and left at the end, whatever happens."""
+    """This process's ``Runtime`` from torchrun's environment (a world of 1 without it); above 1 it joins the process
+    group, and leaves it at the end whatever happens."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev = device(device_name, local_rank, world)
@@ -188,9 +186,9 @@ def start(device_name: str = "auto"):
 
 
 def load_target(folder, dtype: str, rt: Runtime, device_map=None):
-    """The target model in ``dtype`` (a name, or ``auto``: ``compute_dtype``'s choice), frozen, loaded straight onto
-    ``rt``'s device, or spread over the node's GPUs by accelerate's ``device_map`` (``runtime.device_map``: one process
-    holds the whole target then)."""
+    """The frozen target in ``dtype`` (a name, or ``auto``: ``compute_dtype``'s choice), loaded onto ``rt``'s device,
+    or spread over the node's GPUs by accelerate's ``device_map`` (``runtime.device_map``; one process then holds the
+    whole target)."""
     if device_map is not None and rt.world > 1:
         raise UserError(f"runtime.device_map spreads one target over this node's devices, but this job runs "
                         f"{rt.world} processes: run one (NPROC=1), or leave device_map null (a target per rank)")
@@ -199,8 +197,8 @@ def load_target(folder, dtype: str, rt: Runtime, device_map=None):
 
 
 def load_states_target(folder, compute_dtype: str, rt: Runtime, device_map=None):
-    """The target that computes hidden states (hidden's hf engine, ``train.features: online``): ``load_target`` in
-    ``states_dtype(compute_dtype)`` (``hidden.compute_dtype``)."""
+    """``load_target`` in ``states_dtype(compute_dtype)`` (``hidden.compute_dtype``): the target that computes hidden
+    states (hidden's hf engine, ``train.features: online``)."""
     return load_target(folder, states_dtype(compute_dtype, rt.device), rt, device_map)
 
 
@@ -215,8 +213,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore ``rng_state``'s states: the CPU's, and those of the GPUs this process sees (a run resumed on fewer GPUs
-    restores the first ones; on none, only the CPU's)."""
+    """Restore ``rng_state``'s states: the CPU's, and those of the GPUs this process sees (on fewer GPUs the first
+    ones; on none, only the CPU's)."""
     torch.set_rng_state(state["cpu"])
     for i, cuda in enumerate(state["cuda"][:torch.cuda.device_count() if torch.cuda.is_available() else 0]):
         torch.cuda.set_rng_state(cuda, i)

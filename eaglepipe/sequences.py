@@ -6,19 +6,16 @@ Layout of ``data/sequences/`` (a sharded dataset, format: ``shards.py``):
                                      offsets int64 [samples + 1] (sample i is input_ids[offsets[i]:offsets[i+1]])
     each shard entry in index.json lists its file, samples, tokens, and the record ids and sources in order.
 
-Policy: the sequence is never re-tokenised from text. ``loss_mask`` is 1 exactly on the output ids (reasoning,
-answer, end-of-turn token). A ``stop`` record whose output lacks the end-of-turn id gets it appended (counted).
-``abort`` records are left out (counted). Sequences longer than ``merge.max_length`` keep their first ``max_length``
-tokens (counted as truncated); a record whose prompt leaves no room for ``MIN_TRAINED`` output tokens within
-``max_length`` has nothing to train on and is left out (counted; infer leaves such prompts out before generating, with
-the same rule, ``has_room``). The split is decided per prompt by a seeded hash of its id (adding data never moves a
-record between train and valid; the answers to one prompt never straddle them); the order within a split is a seeded
-shuffle.
+Policy: never re-tokenised from text. ``loss_mask`` is 1 exactly on the output ids (reasoning, answer, end-of-turn
+token). Counted: a ``stop`` record whose output lacks the end-of-turn id gets it appended; ``abort`` records are left
+out; sequences longer than ``merge.max_length`` are truncated to it; a record whose prompt leaves no room for
+``MIN_TRAINED`` output tokens is left out (``has_room``, which infer applies before generating). The split is drawn
+per prompt by a seeded hash of its id (adding data never moves a record; one prompt's answers never straddle the
+splits); the order within a split is a seeded shuffle.
 
-Turns (``infer.turns: all``, records ``<id>@1``, ``<id>@2``, ...): where a turn's prompt ids extend the previous
-turn's prompt and output ids token for token, the turns share one sequence with a masked segment per turn
-(``join_turns``); where they do not, each turn is its own sequence. Either way every trained id sits in exactly the
-context the target generated it in.
+Turns (``infer.turns: all``, records ``<id>@1``, ``<id>@2``, ...): a turn whose prompt ids extend the previous turn's
+prompt and output ids token for token joins its sequence as another masked segment (``join_turns``); otherwise it is
+its own sequence. Either way every trained id sits in the context the target generated it in.
 """
 from __future__ import annotations
 
@@ -69,9 +66,8 @@ def build(r: Response, end_of_turn: int, max_length: int, counts: Counter):
 
 def join_turns(turns: list, counts: Counter) -> list:
     """The built turns of one conversation, (id, source, ids, mask) in turn order, as training sequences: a turn whose
-    ids extend the sequence before it token for token joins it as one more masked segment (the joined sequence takes
-    its id); any other turn starts a sequence of its own. Counted as ``turns_joined`` and ``turns_apart`` (later
-    turns only)."""
+    ids extend the sequence before it joins it as one more masked segment (the sequence takes its id); any other
+    starts its own. Later turns are counted as ``turns_joined`` or ``turns_apart``."""
     out = []
     for rid, source, ids, mask in turns:
         if out:
@@ -86,8 +82,7 @@ def join_turns(turns: list, counts: Counter) -> list:
 
 
 def split_and_shuffle(records: list, seed: int, valid_fraction: float) -> dict:
-    """{"train": [...], "valid": [...]} of (id, source, ids, mask), each split in seeded shuffled order. The split
-    is drawn per prompt, so all answers to a prompt land on one side."""
+    """{"train": [...], "valid": [...]} of (id, source, ids, mask), each in seeded shuffled order; drawn per prompt."""
     splits = {"train": [], "valid": []}
     for rec in records:
         splits["valid" if _unit(seed, "split", prompt_of(rec[0])) < valid_fraction else "train"].append(rec)
@@ -98,14 +93,14 @@ def split_and_shuffle(records: list, seed: int, valid_fraction: float) -> dict:
 
 def pack(seqs) -> dict[str, torch.Tensor]:
     """The tensors of one shard of [(input_ids, loss_mask)]: ``input_ids`` int32 [T], ``loss_mask`` uint8 [T] and
-    ``offsets`` int64 [n + 1] (the hidden stage's shards start with these same tensors)."""
+    ``offsets`` int64 [n + 1] (hidden's shards start with these)."""
     return {"input_ids": shards.concat([ids for ids, _ in seqs], torch.int32),
             "loss_mask": shards.concat([mask for _, mask in seqs], torch.uint8),
             "offsets": shards.offsets([len(ids) for ids, _ in seqs])}
 
 
 def write(folder: Path, splits: dict, shard_tokens: int, policy: dict) -> dict:
-    """Store the splits and index.json under ``folder`` and return the index; ``policy``: the numbers the sequences
+    """Store the splits and index.json under ``folder``; return the index. ``policy``: the numbers the sequences
     were built with. An empty split gets one empty shard."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,9 @@
-"""Source readers: a source's raw records (``raw_records``), streamed, and each as a Prompt by its format
+"""Source readers: a source's raw records, streamed (``raw_records``), and each as a Prompt by its format
 (``read_source``, formats.py).
 
 A source is a JSON Lines or JSON array file (gzipped when named ``.gz``), a ``datasets`` ``save_to_disk`` folder, a
-``.parquet`` or ``.arrow`` file or a folder of them (read offline), or ``pkg:<package>/<path>``, a file inside an
-installed package (``resolve``). A record that cannot be read or converted becomes a ``records.RecordError`` naming
-file, position and field, with the reason the prepare report counts.
+``.parquet`` or ``.arrow`` file or a folder of them (read offline), or ``pkg:<package>/<path>`` (``resolve``). A
+record that cannot be read or converted becomes a ``records.RecordError`` naming file, position, field and reason.
 """
 from __future__ import annotations
 
@@ -56,14 +55,12 @@ CHUNK = 1 << 16
 
 
 def identity(path: str) -> dict:
-    """What identifies a source file in a report: its path and sha256, and for a ``pkg:`` path its package
-    (``package_file``)."""
+    """A source file in a report: its path and sha256, for a ``pkg:`` path with its package (``package_file``)."""
     return {"path": path, **(package_file(path) if PACKAGE_PATH.fullmatch(path) else {"sha256": file_hash(path)})}
 
 
 def package_file(path: str) -> dict:
-    """What identifies the file a ``pkg:`` path names, for a report: its package's distribution and version (as
-    pinned in requirements.txt) and the file's sha256."""
+    """The file a ``pkg:`` path names, for a report: its package's distribution, version and the file's sha256."""
     package = PACKAGE_PATH.fullmatch(path)["package"]
     dists = importlib.metadata.packages_distributions().get(package, [])
     return {"distribution": ", ".join(dists), "version": ", ".join(importlib.metadata.version(d) for d in dists),
@@ -72,8 +69,8 @@ def package_file(path: str) -> dict:
 
 class Damage(BadRecord):
     """The unreadable tail of a file: from byte ``offset`` to its end (``size`` bytes), after ``records_before``
-    records read whole. ``damage`` is its entry in the prepare report; in a gzipped file the bytes are those of the
-    decompressed data (``decompressed: true``)."""
+    whole records. ``damage``: its prepare report entry; in a gzipped file, offsets into the decompressed data
+    (``decompressed: true``)."""
 
     def __init__(self, offset: int, size: int, records_before: int, cause: str, gzipped: bool = False):
         data = " of its decompressed data" if gzipped else ""
@@ -85,8 +82,8 @@ class Damage(BadRecord):
 
 
 class _Gunzip(io.RawIOBase):
-    """The decompressed bytes of a gzip file, seekable (a seek backwards decompresses again from the start). Where
-    the compressed data ends early or is corrupt, the stream ends there and ``error`` says why."""
+    """The decompressed bytes of a gzip file, seekable (backwards by decompressing again). Where the compressed
+    data ends early or is corrupt, the stream ends there and ``error`` says why."""
 
     def __init__(self, path):
         self.gz, self.error = gzip.open(path, "rb"), None
@@ -132,8 +129,8 @@ def _skip(f: BinaryIO, offset: int, comma: bool) -> int:
 
 
 def _jsonl(f: BinaryIO) -> Iterator[tuple[int, dict | BadRecord]]:
-    """(line, object or BadRecord) per non-blank line: a broken line does not stop the lines after it. A last line
-    that lacks its newline and does not parse was cut short: it is the file's Damage."""
+    """(line, object or BadRecord) per non-blank line; a broken line does not stop the rest. A last line without
+    its newline that does not parse was cut short: the file's Damage."""
     for index, (n, raw, item) in enumerate(scan_jsonl(f)):
         if isinstance(item, LineError) and not raw.endswith(b"\n"):  # the last line: f is at the end of the file
             item = Damage(f.tell() - len(raw), len(raw), index,
@@ -144,7 +141,7 @@ def _jsonl(f: BinaryIO) -> Iterator[tuple[int, dict | BadRecord]]:
 
 
 def _parser(target):
-    """An incremental parser of a JSON array: bytes sent to it send each item to ``target`` as soon as it is whole."""
+    """An incremental JSON array parser: sent bytes, it sends ``target`` each item as soon as it is whole."""
     return ijson.items_coro(target, "item", use_float=True)
 
 
@@ -159,9 +156,9 @@ class _Count:
 
 
 def _json_array(f: BinaryIO) -> Iterator[tuple[int, object]]:
-    """(array index, item) per item of a JSON array file, read ``CHUNK`` bytes at a time: memory holds a chunk and
-    the items ending in it, whatever the file's size. When the file is cut short, or broken so that no later item can
-    be told apart, the last pair is (index of the first item not read, Damage)."""
+    """(array index, item) per item of a JSON array file, read ``CHUNK`` bytes at a time (memory: a chunk and the
+    items ending in it). When the file is cut short or broken, the last pair is (index of the first item not read,
+    Damage)."""
     items, index, at, error = ijson.sendable_list(), 0, 0, None
     ended_in = 0  # offset of the chunk in which the last item so far ended
     parser = _parser(items)
@@ -187,7 +184,7 @@ def _json_array(f: BinaryIO) -> Iterator[tuple[int, object]]:
 
 
 def _first_line(error: Exception) -> str:
-    """The first line of the parser's message (the lines after it point into the text)."""
+    """The first line of the parser's message (the others point into the text)."""
     message = error.args[0] if error.args else ""
     if isinstance(message, bytes):
         message = message.decode("utf-8", "replace")
@@ -195,8 +192,8 @@ def _first_line(error: Exception) -> str:
 
 
 def _tail_start(f: BinaryIO, count: int, ended_in: int) -> int:
-    """Where the unreadable tail of a JSON array file starts: the first byte after its first ``count`` items and the
-    separator after them. ``ended_in``: the offset of the chunk in which the last of those items ended."""
+    """Where the unreadable tail of a JSON array file starts: after its first ``count`` items and their separator.
+    ``ended_in``: the offset of the chunk in which the last of those items ended."""
     if count == 0:
         return _skip(f, _skip(f, 0, comma=False) + 1, comma=False)
     done = _Count()
@@ -213,8 +210,8 @@ def _tail_start(f: BinaryIO, count: int, ended_in: int) -> int:
 
 @contextmanager
 def _open(path: Path):
-    """``(binary file, gunzip)``: the file, or for a ``.gz`` name its decompressed data (``gunzip`` is then the
-    decompressor, whose ``error`` tells where the compressed data broke off; None for a plain file)."""
+    """``(binary file, gunzip)``: the file, or for a ``.gz`` name its decompressed data with ``gunzip`` the
+    decompressor (its ``error``: why the compressed data broke off); ``gunzip`` is None for a plain file."""
     if path.suffix != ".gz":
         with open(path, "rb") as f:
             yield f, None
@@ -250,9 +247,8 @@ DATASET_FILES = (".parquet", ".arrow")
 
 
 def _open_dataset(path: Path):
-    """The rows of a Hugging Face dataset on disk as an iterable: a ``save_to_disk`` folder or ``.arrow`` files
-    memory-mapped, ``.parquet`` files streamed; the hub is switched off. Raises UserError for a split dataset or a
-    folder of neither kind."""
+    """The rows of a dataset on disk, the hub switched off: a ``save_to_disk`` folder or ``.arrow`` files
+    memory-mapped, ``.parquet`` files streamed. Raises UserError for a split dataset or a folder of neither kind."""
     os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     import datasets
 
@@ -273,8 +269,7 @@ def _open_dataset(path: Path):
 
 
 def _no_nulls(value):
-    """``value`` without the None entries of its objects: arrow gives every row every key of a struct column, with
-    None where the record had no such key."""
+    """``value`` without the None entries of its objects (arrow gives every row every key of a struct column)."""
     if isinstance(value, dict):
         return {k: _no_nulls(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
@@ -298,13 +293,12 @@ def _dataset_records(path: Path, columns: tuple) -> Iterator[tuple[int, str, dic
 
 
 def raw_records(path, columns: tuple = ()) -> Iterator[tuple[int, str | None, dict | BadRecord]]:
-    """Yield ``(position, unit, record or BadRecord)`` for every record of a source, streamed: memory does not grow
-    with its size. ``path`` may be a ``pkg:`` path (``resolve``); ``columns`` are the columns a dataset must have.
+    """Yield ``(position, unit, record or BadRecord)`` for every record of a source, streamed. ``path`` may be a
+    ``pkg:`` path; ``columns``: the columns a dataset must have.
 
-    A folder, a ``.parquet`` or an ``.arrow`` file is a dataset (position: the row, from 0; unit ``dataset row``). A
-    file is told by content: one whose first non-blank character is ``[`` is a JSON array (position: the array index,
-    from 0; unit ``JSON array index``), anything else JSON Lines (position: the line number, from 1; unit None); a file
-    that cannot be read to its end ends with a ``Damage``."""
+    A folder, ``.parquet`` or ``.arrow`` file is a dataset (position: the row from 0, unit ``dataset row``). A file
+    whose first non-blank character is ``[`` is a JSON array (the index from 0, unit ``JSON array index``), any other
+    JSON Lines (the line number from 1, unit None); a file unreadable to its end ends with a ``Damage``."""
     path = resolve(str(path))
     yield from _dataset_records(path, columns) if path.is_dir() or path.suffix in DATASET_FILES else _json_records(path)
 
@@ -312,7 +306,7 @@ def raw_records(path, columns: tuple = ()) -> Iterator[tuple[int, str | None, di
 # -------------------------------------------------------------------------------------------------------- prompts
 
 def to_prompt(rec, fmt: str, source: str) -> tuple[Prompt, set]:
-    """One raw record of format ``fmt`` as a Prompt and the keys of the conversation rules that concern it (raises
+    """A raw record of format ``fmt`` as a Prompt, and the keys of the conversation rules that concern it (raises
     BadRecord)."""
     if not isinstance(rec, dict):
         raise BadRecord("not_object", None, f"should be a JSON object, got {type(rec).__name__}")
@@ -321,19 +315,17 @@ def to_prompt(rec, fmt: str, source: str) -> tuple[Prompt, set]:
 
 
 def _as_named(field: str | None, columns: dict) -> str | None:
-    """A format field in an error, named as the data names it (``messages[2].role`` read from column ``chat`` is
-    ``chat[2].role``)."""
+    """A format field named as the data names it (``messages[2].role`` read from column ``chat``: ``chat[2].role``)."""
     head = re.match(r"[^.\[]+", field or "")
     return columns[head[0]] + field[head.end():] if head and head[0] in columns else field
 
 
 def read_source(path, fmt: str, source: str, columns: dict | None = None,
                 rules=None) -> Iterator[Prompt | RecordError]:
-    """Each record of a source (``raw_records``) as a Prompt, or as a RecordError when it is broken or left out:
-    ``.reason``; ``.left_out``, True for a record the rules leave out (no prompt in it, no error); ``.damage``, None
-    or for the unreadable tail of a damaged file ``{offset, bytes, records_before}``. ``columns`` maps format fields
-    onto the record's own names for them; ``rules`` (a Counter), when given, counts the prompts each conversation
-    rule concerns."""
+    """Each record of a source as a Prompt, or a RecordError when broken or left out, with ``.reason``,
+    ``.left_out`` (True for a record with no prompt in it: no error) and ``.damage`` (None, or for a damaged file's
+    tail ``{offset, bytes, records_before}``). ``columns`` maps format fields onto the record's names for them;
+    ``rules`` (a Counter), when given, counts the prompts each conversation rule concerns."""
     columns, file = columns or {}, resolve(str(path))
     for pos, unit, rec in raw_records(file, tuple(columns.values())):
         try:

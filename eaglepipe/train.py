@@ -1,29 +1,24 @@
-"""Training the EAGLE-3 drafter on the target's hidden states (layout: ``features.py``) with training-time test (the
-objective: ``ttt.py``).
+"""Training the EAGLE-3 drafter on the target's hidden states (layout: ``features.py``) with training-time test
+(``ttt.py``): AdamW, linear warmup then cosine decay to 0, gradient clipping, seeded.
 
 ``train.autocast: bfloat16`` runs the forward, the target's logits included, in bf16 matmuls under ``torch.autocast``
 (``auto``: where the device has native bf16 matmuls, ``resolved``); weights, optimizer, softmax and loss stay float32.
-AdamW, linear warmup then cosine decay to 0, gradient clipping, seeded.
 
-Features (``train.features``): ``offline`` reads ``data/hidden`` (``features.Stored``); ``online`` runs the frozen
-target on ``data/sequences`` (``Online``) with hidden's own extraction and params, and writes nothing. Either way the
-ids and masks stay in memory and a batch's states are read, or computed, when it is collated. The draft vocabulary is
-counted from the ids.
+``train.features``: ``offline`` reads ``data/hidden`` (``features.Stored``); ``online`` runs the frozen target on
+``data/sequences`` (``Online``) with hidden's extraction and params, and writes nothing. Either way ids and masks stay
+in memory and a batch's states are read, or computed, when it is collated. The draft vocabulary is counted from the ids.
 
-Batches: each epoch shuffles the samples (seeded by seed and epoch), sorts them by length within windows of 64 and
-cuts right-padded batches of at most ``batch_tokens`` (rows x longest), in shuffled order: a global batch, whatever
-the number of processes.
+Batches: ``sequences.plan_batches`` per epoch, seeded by seed and epoch; global, whatever the number of processes.
 
-Processes (torchrun, ``runtime.py``): ``Runtime.wrap`` wraps ``TTT``, whose ``forward(batch)`` is the loss. Rank r of
-W takes rows r, r + W, .. of each global batch (a rank left without a row runs the first at weight 0); its loss is
-divided by the batch's global number of loss positions of each step and multiplied by W, so the ranks' mean gradient
-is the whole batch's. Validation batches are dealt round-robin and their sums added. Rank 0 writes.
+Processes (torchrun, ``runtime.py``): ``Runtime.wrap`` wraps ``TTT``. Rank r of W takes rows r, r + W, .. of each
+global batch (a rank left without a row runs the first at weight 0); its loss is divided by the batch's global number
+of loss positions per step and multiplied by W, so the ranks' mean gradient is the whole batch's. Validation batches
+are dealt round-robin and their sums added. Rank 0 writes.
 
 Checkpoints (``<checkpoints>/state.pt``, atomic, every ``checkpoint_every`` steps and at each epoch's end): model,
-optimizer, schedule, RNG, position (epoch, batch), history and the running sums over every rank: nothing that depends
+optimizer, schedule, RNG, position (epoch, batch), history and the running sums over every rank; nothing that depends
 on the world size, so a run resumes at another (bit for bit at the same one). Tensors and plain data only, loaded with
-``weights_only=True``. Batches are a pure function of (seed, epoch), so a resumed run ends where an uninterrupted
-one ends.
+``weights_only=True``. Batches are a pure function of (seed, epoch): a resumed run ends where an uninterrupted one does.
 """
 from __future__ import annotations
 
@@ -49,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 class Online:
-    """Online features: the frozen target ``model`` computes, for each batch of the sequences in ``folder``
+    """Online features: the frozen target ``model`` computes, per batch of ``folder``'s sequences
     (``data/sequences``), what hidden would store with ``params`` (config.Hidden); a sequence it cannot run is a
     UserError."""
 
@@ -76,12 +71,12 @@ class Online:
 
 
 def target_tensors(folder, layer: int) -> dict:
-    """From the target's safetensors files (the model is not loaded): ``embed`` (input embedding), ``head`` (output
-    head; the embedding when tied), ``norm`` (final norm), float32, and for ``draft_init.init_from_target``:
-    ``layer`` {name: weight as stored} of decoder layer ``layer``'s weights among ``draft_init.LAYER_WEIGHTS``,
-    ``layer_names`` every weight name of that layer, ``layer_index`` and ``model_type`` (its language model's). Names
-    as compat.names finds them (a composite's under its wrapper's prefix). A weight stored in FP8 blocks with its
-    scales is read dequantized to float32 (quant.py)."""
+    """From the target's safetensors files, without loading the model: float32 ``embed`` (input embedding),
+    ``head`` (output head; the embedding when tied) and ``norm`` (final norm), and for ``draft_init.init_from_target``
+    ``layer`` {name: weight as stored} (decoder layer ``layer``'s weights among ``draft_init.LAYER_WEIGHTS``),
+    ``layer_names`` (all of that layer's weight names), ``layer_index`` and ``model_type`` (its language model's).
+    Names as compat.names finds them (a composite's under its wrapper's prefix); FP8-block weights with their scales
+    are read dequantized to float32 (quant.py)."""
     folder = Path(folder)
     stored = compat.weights(folder)
     names = compat.names(stored)
@@ -100,10 +95,10 @@ def target_tensors(folder, layer: int) -> dict:
 
 
 def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[features.Sample]:
-    """Every sample of ``split`` with at least one trained position. ``positions``: "generated" runs chains over the
-    loss mask only; "all" over every token of a prompt's first sample, prompt included (further answers to it,
-    ``infer.samples``, over their own tokens only). ``keep(id)``, when given, picks the samples to load; those left
-    out for want of a trained position (an answer of one token) are counted in the log."""
+    """Every sample of ``split`` with a trained position (those without are counted in the log). ``positions``:
+    "generated" runs chains over the loss mask only; "all" over every token of a prompt's first sample, prompt
+    included (further answers to it, ``infer.samples``, over their own tokens only). ``keep(id)`` picks the samples
+    to load."""
     folder, samples, prompts, untrained = Path(folder), [], set(), 0
     for entry, spans, t in shards.columns(folder, split, ("input_ids", "loss_mask")):
         for sid, (start, end) in zip(entry["ids"], spans):
@@ -124,7 +119,7 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
 
 
 def token_counts(samples: list[features.Sample]) -> Counter:
-    """How often each id occurs among the loss-masked tokens (the draft vocabulary is built from these)."""
+    """How often each id occurs among the loss-masked tokens."""
     ids = torch.cat([s.ids[s.mask] for s in samples]) if samples else torch.zeros(0, dtype=torch.int64)
     values, counts = torch.unique(ids, return_counts=True)
     return Counter(dict(zip(values.tolist(), counts.tolist())))
@@ -147,8 +142,8 @@ def last_epoch(history: list[dict], split: str) -> dict:
 @torch.no_grad()
 def evaluate(model, feats, samples, steps, head_draft, batch_tokens, bf16: bool = False,
              rt: runtime.Runtime = runtime.Runtime()) -> list[dict]:
-    """Per-step loss and accuracy over ``samples`` (their states from ``feats``), their batches dealt round-robin to
-    the ranks; each accuracy with its standard error over the samples (``acc_se``, uncertainty.py)."""
+    """Per-step loss and accuracy over ``samples`` (states from ``feats``; batches dealt round-robin to the ranks),
+    each accuracy with its standard error over the samples (``acc_se``, uncertainty.py)."""
     model.eval()
     stats, per_sample = torch.zeros(steps, 4), {}
     for idx in sequences.plan_batches([s.ids.shape[0] for s in samples], batch_tokens)[rt.rank::rt.world]:
@@ -178,30 +173,30 @@ def optimizer(model, p) -> torch.optim.AdamW:
 
 
 def fingerprint(feats, params, target_fp: str) -> str:
-    """Hash of the features' inputs (``feats.identity()``), the train params, the code that reads and trains (this
-    module and what it imports, deps.code), torch's version and the target's fingerprint."""
+    """Hash of ``feats.identity()``, the train params, this module's code and what it imports (deps.code), torch's
+    version and the target's fingerprint."""
     blob = json.dumps({"features": feats.identity(), "code": code_hash(deps.code(__file__)), "params": params.tracked(),
                        "target": target_fp, "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def resolved(p, device: torch.device):
-    """``p`` with ``autocast: auto`` made what runs on ``device``: bfloat16 where bf16 matmuls are native
-    (runtime.native_bf16), none elsewhere."""
+    """``p`` with ``autocast: auto`` made bfloat16 where ``device`` has native bf16 matmuls (runtime.native_bf16),
+    else none."""
     if p.autocast != "auto":
         return p
     return p.model_copy(update={"autocast": "bfloat16" if runtime.native_bf16(device) else "none"})
 
 
 def uses_bf16(p) -> bool:
-    """Whether the resolved ``train.autocast`` (``resolved``) asks for bf16."""
+    """Whether the ``resolved`` ``train.autocast`` asks for bf16."""
     if p.autocast == "auto":
         raise ValueError("train.autocast auto must be resolved for a device first (train.resolved)")
     return p.autocast == "bfloat16"
 
 
 def autocast(bf16: bool, device: torch.device):
-    """The context the drafter's forward runs in on ``device``: bf16 matmuls under ``torch.autocast`` if ``bf16``."""
+    """The context the drafter's forward runs in: ``torch.autocast`` to bf16 if ``bf16``."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
@@ -211,9 +206,8 @@ def features_of(feats) -> features.Stored | Online:
 
 
 def setup(feats, target_folder, p, keep=None):
-    """(drafter initialised with the seed, train samples, valid samples, target head rows of the draft vocabulary
-    (bf16 under ``train.autocast: bfloat16``), loss-masked token counts of the train split) for ``feats`` (a
-    ``Stored`` or ``Online``, or hidden's folder)."""
+    """(seeded drafter, train samples, valid samples, the target head's rows of the draft vocabulary (bf16 under
+    ``train.autocast: bfloat16``), the train split's loss-masked token counts) for ``feats`` (``features_of``)."""
     feats = features_of(feats)
     tgt = target_tensors(target_folder, feats.layers[2])
     train_set = load_samples(feats.folder, "train", p.positions, keep)
@@ -280,7 +274,7 @@ def build(feats, target_folder, p, keep, rt: runtime.Runtime) -> Training:
 
 
 def resume(t: Training, path: Path, rt: runtime.Runtime) -> None:
-    """Go on from the checkpoint at ``path``, if there is one: weights, optimizer, schedule, RNG and position."""
+    """Restore the checkpoint at ``path``, if any: weights, optimizer, schedule, RNG and position."""
     state = rt.load(path)
     if state is None:
         return
@@ -295,7 +289,7 @@ def resume(t: Training, path: Path, rt: runtime.Runtime) -> None:
 
 
 def checkpoint(t: Training, path: Path, rt: runtime.Runtime) -> None:
-    """Save where the run is (every rank's sums added up), for ``resume``."""
+    """Save the run's state (every rank's sums added up) for ``resume``."""
     rt.save(path, {"model": t.model.state_dict(), "optimizer": t.opt.state_dict(), "schedule": t.sched.state_dict(),
                    "rng": runtime.rng_state(), "epoch": t.epoch, "batch": t.batch, "history": t.history,
                    "running": rt.all_sum(t.running)})
@@ -325,8 +319,8 @@ def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
 
 
 def epoch(t: Training, path: Path, rt: runtime.Runtime) -> None:
-    """The rest of the current epoch, checkpointed every ``checkpoint_every`` steps; then its rows of the history
-    (train running means, validation) and a checkpoint at the next epoch's start."""
+    """The rest of the current epoch, checkpointed every ``checkpoint_every`` steps, then its history rows (train
+    running means, validation) and a checkpoint at the next epoch's start."""
     for idx in t.plans[t.epoch][t.batch:]:
         step(t, idx, rt)
         t.batch += 1
@@ -357,11 +351,10 @@ def report(t: Training, seconds: float, rt: runtime.Runtime) -> dict:
 
 
 def run(feats, target_folder, params, checkpoints, keep=None, rt: runtime.Runtime = runtime.Runtime()):
-    """Train the drafter on ``feats`` (a ``Stored`` or ``Online``, or hidden's folder) on ``rt``'s device and rank,
-    resuming from the checkpoint in ``checkpoints`` when there is one. Returns (model on the CPU, report, history),
-    the same on every rank. ``keep``: see ``load_samples`` (training samples only). ``history`` holds one row
-    ``{epoch, split, step, loss, acc}`` (valid: and ``acc_se``) per epoch, split (``train``: running means over the
-    epoch's batches; ``valid``: after the epoch) and TTT step: the rows of metrics/train_curves.json."""
+    """Train the drafter on ``feats`` (``features_of``) on ``rt``'s device and rank, resuming from the checkpoint in
+    ``checkpoints`` if any. Returns (model on the CPU, report, history), the same on every rank. ``keep``: training
+    samples, see ``load_samples``. ``history`` (metrics/train_curves.json's rows): ``{epoch, split, step, loss, acc}``
+    (valid: and ``acc_se``) per epoch, split (``train``: running means over the epoch; ``valid``: after it) and step."""
     if params.threads:
         torch.set_num_threads(params.threads)
     params = resolved(params, rt.device)

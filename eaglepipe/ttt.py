@@ -1,22 +1,21 @@
-"""The training-time-test (TTT) objective of the EAGLE-3 drafter: a batch of stored states, ids and loss masks in,
-the weighted loss and per-step statistics out (``ttt_forward``; ``TTT`` is the module whose ``forward`` it is, the
-one a distributed run wraps).
+"""The EAGLE-3 drafter's training-time-test (TTT) objective: a batch of stored states, ids and loss masks in, the
+weighted loss and per-step statistics out (``ttt_forward``, as a module: ``TTT``, the one a distributed run wraps).
 
 Alignment (position t, TTT step k = 0..K-1, ids x, chain mask m):
-    step 0 pairs the target's state at t with the token x[t+1]; step k pairs the drafter's step-(k-1) output at t
-    with x[t+1+k] at RoPE position t + k, and predicts x[t+2+k], whose target distribution is the target's logits at
-    position t+1+k, softmaxed over the draft vocabulary.
+    step 0 pairs the target's state at t with x[t+1]; step k pairs the drafter's step-(k-1) output at t with x[t+1+k]
+    at RoPE position t + k, and predicts x[t+2+k], whose target distribution is the target's logits at t+1+k,
+    softmaxed over the draft vocabulary.
     Loss mask of (t, k): m[t+1] & m[t+2] & .. & m[t+2+k]; it never reads past a sample. m is the sample's ``chain``
     (the loss mask, or every token under ``train.positions: all``: train.load_samples); validation always uses the
-    loss mask. Positions where the target's argmax is outside the draft vocabulary are left out of the loss (they
-    count as misses in the accuracy).
+    loss mask. Positions whose target argmax is outside the draft vocabulary are left out of the loss (and count as
+    misses in the accuracy).
 Attention at step k: position t attends to the step-0 keys of positions <= t and to its own keys of steps 1..k.
-Only positions with some loss ("active": m[t+1] & m[t+2]) run queries, the MLP and the head; every position provides
-step-0 keys and values. Past ``CHUNK`` queries the scores are computed in blocks recomputed in backward.
+Only "active" positions (m[t+1] & m[t+2]) run queries, the MLP and the head; every position provides step-0 keys and
+values. Past ``CHUNK`` queries the scores are computed in blocks recomputed in backward.
 
 Loss: sum_k w^k * soft cross-entropy(target distribution over the draft vocabulary, drafter), w =
 ``train.step_weight``, averaged per step over its positions. acc_k: share of the step's positions where the drafter's
-argmax (mapped to a target id) equals the target's argmax over the full vocabulary.
+argmax (as a target id) equals the target's argmax over the full vocabulary.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ from . import draft
 
 
 def chain_masks(mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """bool [steps, n]: (t, k) is trained when mask[t+1 .. t+2+k] are all set (see the module docstring)."""
+    """bool [steps, n]: (t, k) is trained when mask[t+1 .. t+2+k] are all set."""
     n = mask.shape[0]
     padded = torch.cat((mask.bool(), torch.zeros(steps + 2, dtype=torch.bool)))
     out = torch.empty(steps, n, dtype=torch.bool)
@@ -42,10 +41,10 @@ def chain_masks(mask: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def noisy(aux: torch.Tensor, width: float, keys: list, lengths: list[int]) -> torch.Tensor:
-    """A batch's ``aux`` [B, T, 3H] (float32, right-padded) with each layer's state x plus U(-width/2, width/2) *
-    rms(x) per element (train.feature_noise). Row b's ``lengths[b]`` positions draw from a generator seeded by
-    ``keys[b]`` (train's: its seed, the epoch and the sample) on aux's device, so a sample gets the same noise in any
-    batch, at any number of processes and in a resumed run; padding stays zero."""
+    """``aux`` [B, T, 3H] (float32, right-padded) with each layer's state x plus U(-width/2, width/2) * rms(x) per
+    element (train.feature_noise). Row b's ``lengths[b]`` positions draw from a generator on aux's device seeded by
+    ``keys[b]`` (train's: seed, epoch, sample), so a sample gets the same noise in any batch, at any number of
+    processes and in a resumed run; padding stays zero."""
     states = aux.unflatten(-1, (3, -1))
     draws = torch.zeros_like(states)
     for row, (key, n) in enumerate(zip(keys, lengths)):
@@ -108,8 +107,8 @@ def _attend(q, k0, v0, act, own_k, own_v, scale):
 
 
 def attention(q, k0, v0, act, own_k, own_v, scale):
-    """``_attend``; past ``CHUNK`` queries in blocks of ``CHUNK``, each block's scores recomputed in backward rather
-    than kept (``torch.utils.checkpoint``), the same values within float rounding."""
+    """``_attend``; past ``CHUNK`` queries in blocks of ``CHUNK``, each block's scores recomputed in backward
+    (``torch.utils.checkpoint``) rather than kept: the same values within float rounding."""
     A, chunk = q.shape[-2], CHUNK
     if A <= chunk:
         return _attend(q, k0, v0, act, own_k, own_v, scale)
@@ -167,8 +166,7 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: 
 
 
 class TTT(nn.Module):
-    """The drafter with its training objective, the module DDP wraps: ``forward(batch)`` is ``ttt_forward``'s
-    (loss, stats)."""
+    """The drafter with its objective, the module DDP wraps: ``forward(batch)`` is ``ttt_forward``'s (loss, stats)."""
 
     def __init__(self, model: draft.Eagle3Draft, steps: int, step_weight: float):
         super().__init__()

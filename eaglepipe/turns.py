@@ -1,19 +1,16 @@
 """A conversation's assistant turns, each answered by the target in the context of its own earlier answers.
 
 A prompt's ``messages`` are cut at the assistant messages that answer in words (``asks``): turn k's prompt is the
-conversation up to the k-th such message, with the answers to turns 1..k-1 replaced by the target's own as a
-serving engine returns them (``interleave``, ``derive.answer_message``). An assistant message that calls tools is
-not a turn: it stays as the dataset has it, as context.
-
-This module and derive.py decide the prompt ids of every turn after the first: infer's fingerprint hashes them
-under ``infer.turns: all``.
+conversation up to the k-th such message, the answers to turns 1..k-1 replaced by the target's own as an engine
+returns them (``interleave``, ``derive.answer_message``). An assistant message that calls tools is no turn: it stays
+as context. This module decides the prompt ids of later turns: infer's fingerprint hashes it (``infer.turns: all``).
 """
 from __future__ import annotations
 
 
 def asks(messages: list) -> list[list]:
-    """The messages before each turn's answer: ``messages`` cut after every assistant message without tool calls
-    (the dataset's answer, which the target's replaces). One list per turn; the last ends the prompt."""
+    """``messages`` split at every assistant message without tool calls (dropped: the target's answer replaces it).
+    One list per turn; the last ends the prompt."""
     out, current = [], []
     for m in messages:
         if m.get("role") == "assistant" and not m.get("tool_calls"):

@@ -16,9 +16,8 @@ from eaglepipe.records import write_json, write_jsonl
 @click.command(help=__doc__)
 @click.option("--params", required=True, type=click.Path(dir_okay=False),
               help="params.yaml (target, evaluate, runtime).")
-@click.option("--prompts", type=click.Path(dir_okay=False),
-              help="Held-out prompts, the heldout benchmark (JSON Lines of OpenAI messages, optional tools and "
-                   "category).")
+@click.option("--prompts", type=click.Path(dir_okay=False), help="Held-out prompts, the heldout benchmark "
+              "(JSON Lines of OpenAI messages, optional tools and category).")
 @click.option("--draft", "draft_folder", required=True, type=click.Path(file_okay=False), help="Trained drafter.")
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Metrics (DVC metrics).")
 @click.option("--positions", required=True, type=click.Path(dir_okay=False),

@@ -2,9 +2,8 @@
 
 What to check by eye before trusting a run (``make inspect``): the reasoning holds the model's thinking and the
 content its answer, tool calls parse, nothing is cut short unexpectedly, and every record re-derives from its ids.
-Reads data/responses/responses.jsonl (or --responses: another run's, or the generations a run stopped by a gate left
-in .cache/infer/<fingerprint>/generations.jsonl), params.yaml for the tokenizer and target.reasoning / tool_calls, and
-metrics/infer.json if present. Writes nothing.
+Reads --responses (a run's records, or the generations a run stopped by a gate left in
+.cache/infer/<fingerprint>/generations.jsonl), --params and --report if present. Writes nothing.
 """
 # Not stages/inspect.py: a script there would shadow the standard library's inspect for every script in stages/.
 import json

@@ -11,8 +11,7 @@ from eaglepipe.errors import UserError
 
 
 @click.command(help=__doc__)
-@click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target, evaluate, "
-              "serve).")
+@click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target, evaluate, serve).")
 @click.option("--decoded", required=True, type=click.Path(dir_okay=False),
               help="What evaluate decoded (JSON Lines: data/decoded/heldout.jsonl).")
 @click.option("--draft", "draft_folder", required=True, type=click.Path(file_okay=False), help="Trained drafter.")

@@ -1,10 +1,9 @@
-"""Engines turn prompt id lists into output id lists. Every engine has the same interface:
+"""Engines turn prompt id lists into output id lists (the engines: table.py). Every engine has:
 
     engine.stream(prompts, sampling, rids) -> iterator of (index into prompts, Output | Failure), as they finish
 
-``Output.output_ids`` are exactly the ids the engine produced (a stop token is kept when the engine emitted it),
-``finish_reason`` is one of ``stop | length | abort``, ``meta`` is free-form engine metadata kept in the record.
-The engines ``infer.engine`` chooses from: ``engines/table.py``.
+``Output.output_ids`` are exactly the ids the engine produced (a stop token it emitted is kept), ``finish_reason`` is
+``stop | length | abort``, ``meta`` is free-form engine metadata kept in the record.
 """
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ class Failure:
 
 
 def seed_for(seed: int, record_id: str) -> int:
-    """The seed of record ``record_id``'s own sampling generator in every engine: an answer depends on the model,
-    the sampling params, ``seed`` and the record id only, never on batch mates, order, resumes or concurrency."""
+    """The seed of record ``record_id``'s own sampling generator in every engine, so an answer never depends on batch
+    mates, order, resumes or concurrency."""
     return int(hashlib.sha256(f"{seed}:{record_id}".encode()).hexdigest()[:8], 16)
 

@@ -1,10 +1,11 @@
 """In-process Hugging Face engine (``infer.engine: hf``): a decoding loop over the model's forward with a KV cache.
 
-Guarantees: each record is yielded as soon as its row finishes (finished rows leave the batch once a quarter of it
-has finished); adjacent identical prompts (the samples of one prompt) share one prefill; only the explicit
-``Sampling`` processes the logits (nothing from ``generation_config.json``). Prompts are left-padded and position ids
-count real tokens only, so a row sees the positions it would see alone. The model runs on ``model.device``; sampling
-runs on the CPU, each row from its own seeded generator, in SGLang's order: temperature, then top-k, top-p, min-p.
+Each record is yielded as its row finishes (finished rows leave the batch once a quarter has finished); adjacent
+identical prompts share one prefill; only the explicit ``Sampling`` touches the logits (never
+``generation_config.json``). Prompts are left-padded and position ids count real tokens, so a row sees the positions
+it would alone. Sampling runs on the CPU, each row with its own seeded generator, and keeps the tokens SGLang's
+temperature, top-k, top-p, min-p keep (``pick`` applies min-p first: it cuts only the tail, below a share of the top
+probability, so no order changes the kept set).
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ class HFEngine:
 
     def stream(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
         """Yield (index, Output) as rows finish, or (index, Failure) for a record that fails alone (``isolated``).
-        Batches are formed longest first, of at most ``batch_size`` rows and ``batch_tokens`` tokens of KV cache
-        (rows x (longest prompt + max_new_tokens))."""
+        Batches go longest first, at most ``batch_size`` rows and ``batch_tokens`` of KV cache (rows x (longest prompt
+        + max_new_tokens))."""
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: duplicates stay adjacent
         batch = []
         for i in order:

