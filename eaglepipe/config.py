@@ -1,14 +1,12 @@
 """Every param of the pipeline, defined once: names, types, defaults, allowed values and meaning.
 
-``load`` validates every section of ``params.yaml`` before a stage loads anything: an unknown key, a wrong type or a
-value out of range is a ``ConfigError`` naming the key (with the closest known key for a typo), the value and what is
-allowed. ``python -m eaglepipe.config`` prints every key with its type, default and meaning.
+``load`` validates all of ``params.yaml`` before a stage loads anything: an unknown key, a wrong type or a value out of
+range is a ``ConfigError`` naming the key (with the closest known key for a typo), the value and what is allowed.
+``python -m eaglepipe.config`` prints every key with its default and meaning.
 
-A field declared with ``speed(...)`` changes how fast a stage runs, never what it writes: ``dvc.yaml`` tracks exactly
-the other keys of each stage (``tracked_keys``) and resume fingerprints leave speed knobs out.
-
-The names a value may take are listed here (``TOOL_CALLS``, ``FORMATS``, ``infer.engine``); the modules implementing
-them key their tables by these names. This module imports no stage code (it is a dep of every stage).
+A ``speed(...)`` field changes how fast a stage runs, never what it writes: dvc.yaml tracks exactly the other keys
+(``tracked_keys``) and resume fingerprints leave it out. The implementing modules key their tables by the value names
+listed here (``TOOL_CALLS``, ``FORMATS``, ``infer.engine``). Imports no stage code (it is a dep of every stage).
 """
 from __future__ import annotations
 
@@ -75,9 +73,8 @@ class Target(Section):
         "none", description="none | think | harmony | {start, end} (docs/reasoning-and-tools.md)")
     tool_calls: Literal[TOOL_CALLS] = Field("none", description="tool-call family parsed out of the content "
                                             "(eaglepipe/toolcalls.py)")
-    trust_remote_code: bool = Field(False, description="run the Python files the target folder's auto_map names "
-                                    "(its own config, model or tokenizer classes); off, such a target is refused "
-                                    "(eaglepipe/remote.py)")
+    trust_remote_code: bool = Field(False, description="run the Python classes the target folder's auto_map names; "
+                                    "off, such a target is refused (eaglepipe/remote.py)")
 
 
 # ----------------------------------------------------------------------------------------------------------- prepare
@@ -219,9 +216,8 @@ class Infer(Section):
     gates: Gates = Field(Gates(), description="checked while infer runs; a breach stops it and publishes nothing")
     sglang: Servers = speed(Servers(), "infer.engine: sglang (docs/engines.md); other engines ignore it")
     vllm: Servers = speed(Servers(launch=Launch(extra_args=["--enforce-eager"])),
-                          "infer.engine: vllm (docs/engines.md); other engines ignore it. The default starts one "
-                          "from .venv-vllm serving the target, eager (no compile wait on a CPU), and keeps twice "
-                          "what its CPU build runs at once in flight, so its queue never waits on the client")
+                          "infer.engine: vllm (docs/engines.md); other engines ignore it. Default: one started from "
+                          ".venv-vllm serving the target, eager, with twice what its CPU build runs at once in flight")
 
     _servers_for_the_engine = model_validator(mode="after")(servers_for_the_engine)
 
@@ -289,7 +285,7 @@ class Train(Section):
         "fresh", description="fresh: every drafter weight from the seeded default init | head: lm_head and the final "
         "norm start from the target's (its head's rows of the draft vocabulary), the rest fresh (speculators' recipe) "
         "| target: also fc passes the high state through and the midlayer starts from the target's layer where it "
-        "fits (eaglepipe/draft_init.py); measured against each other: docs/experiments.md")
+        "fits (eaglepipe/draft_init.py; compared in docs/experiments.md)")
     freeze_head: bool = Field(False, description="lm_head and the final norm are not trained (with init head or "
                               "target: they stay the target's)")
     feature_noise: float = Field(0.0, ge=0, description="while training, each element of each layer's state a "
@@ -349,9 +345,8 @@ class Benchmark(Section):
 class Evaluate(Section):
     benchmarks: dict[Literal[BENCHMARKS], Benchmark] = Field(
         {"heldout": Benchmark(n=10), "mtbench": Benchmark(n=8), "humaneval": Benchmark(n=8)}, min_length=1,
-        description="the sets to decode, each {n, seed}: heldout (evaluate's "
-        "--prompts file), mtbench (80 two-turn questions; turn 2 follows the target's greedy answer to turn 1), "
-        "humaneval (164 problems)")
+        description="the sets to decode, each {n, seed}: heldout (evaluate's --prompts file), mtbench (80 two-turn "
+        "questions; turn 2 follows the target's greedy answer to turn 1), humaneval (164 problems)")
     num_steps: int = Field(3, ge=1, description="draft tokens per verification step (chain, top-k 1)")
     max_new_tokens: int = Field(64, ge=1, description="tokens decoded per turn")
     ngram: Ngram = Field(Ngram(), description="prompt-lookup baseline")
@@ -381,8 +376,7 @@ class Runtime(Section):
                         "(NPROC=8 make hidden) auto and cuda give each rank cuda:LOCAL_RANK (eaglepipe/runtime.py)")
     device_map: Union[None, Literal["auto"], dict[str, Union[int, str]]] = speed(
         None, "a target bigger than one GPU: accelerate's device_map spreads its layers over the node's GPUs for "
-        "hidden, online train and evaluate (auto, or {module name: device}; one process); null: the whole target "
-        "on device")
+        "hidden, online train and evaluate (auto, or {module: device}; one process); null: the whole target on device")
 
     @field_validator("device")
     @classmethod

@@ -1,17 +1,17 @@
-"""The evaluate run: EAGLE-3 speculative decoding on every conversation of the chosen benchmarks (benchmarks.py), each
-turn checked to be the target's plain greedy output (``speculative.greedy_check``, settled by plain decoding where it
-fails), and the n-gram baseline's counts replayed from that output (``speculative.replay``); definitions:
-speculative.py. Turn k + 1's prompt is the chat so far with turn k's answer as a serving engine returns it
-(``Chat.answer``), rendered by the target's chat template.
+"""evaluate: EAGLE-3 speculative decoding of every conversation of the chosen benchmarks (benchmarks.py), each turn
+checked to be the target's plain greedy output (``speculative.greedy_check``, settled by plain decoding where it
+fails), and the n-gram baseline's counts replayed from that output (``speculative.replay``). Turn k + 1's prompt is
+the chat so far with turn k's answer as a serving engine returns it (``Chat.answer``).
 
-Under torchrun (runtime.py) rank r of W decodes conversations r, r + W, ..; the counts of every turn are gathered and
-added up in order, so every figure but the speeds is the same at any number of processes of the same thread count."""
+Under torchrun (runtime.py) rank r of W decodes conversations r, r + W, ..; every turn's counts are gathered and added
+up in order, so every figure but the speeds is the same at any number of processes of the same thread count."""
 from __future__ import annotations
 
 import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import reduce
 from pathlib import Path
 
 import torch
@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class Chat:
-    """The target's chat as a serving engine holds it: ``ids`` renders messages to prompt ids with the target's
-    template; ``answer`` is the assistant message an engine returns for an output (``derive.answer_message``)."""
+    """The target's chat: ``ids`` renders messages to prompt ids with its template; ``answer`` is the assistant
+    message a serving engine returns for an output (``derive.answer_message``)."""
 
     def __init__(self, tokenizer, template_kwargs: dict, spec, stop_ids):
         self.tokenizer, self.template_kwargs, self.spec, self.stops = tokenizer, template_kwargs, spec, set(stop_ids)
@@ -38,9 +38,9 @@ class Chat:
 
 @dataclass
 class Turn:
-    """One decoded turn: its conversation, number (from 1), prompt ids, plain greedy output, the counts of each
-    method (``eagle``, ``ngram``; ``check_s``: the greedy check's seconds) and, when EAGLE's output differed from
-    plain greedy, where (``speculative.first_difference``)."""
+    """One decoded turn: ``index`` within its benchmark (from 0), ``turn`` (from 1), the plain greedy ``output_ids``,
+    ``stats`` per method (``eagle``, ``ngram``; ``check_s``: the greedy check's seconds) and ``wrong``: where EAGLE's
+    output differed from plain greedy, if it did."""
     conversation: Conversation
     index: int
     turn: int
@@ -51,17 +51,14 @@ class Turn:
 
 
 def position_rows(rates: dict[str, list[float]]) -> list[dict]:
-    """Plot rows ``{position, method, acceptance_rate}`` (positions from 1) from each method's acceptance rate per
-    draft position."""
+    """Plot rows ``{position (from 1), method, acceptance_rate}`` from each method's rate per draft position."""
     return [{"position": i + 1, "method": method, "acceptance_rate": r}
             for method, per_position in rates.items() for i, r in enumerate(per_position)]
 
 
 def decoded_record(t: Turn, layers: list) -> dict:
-    """One line of the decoded files (``data/decoded/<benchmark>.jsonl``, the held-out one read by the serve check,
-    serve.py): the turn's prompt ids, the plain greedy output ids and the EAGLE run's counts (verification steps,
-    tokens they emitted, per draft position the steps that proposed and that accepted a token) with the target
-    layers the drafter read (HF indices). ``index`` counts the benchmark's turns from 0."""
+    """One line of ``data/decoded/<benchmark>.jsonl`` (read by serve.py): prompt and plain greedy output ids, and the
+    EAGLE run's counts (speculative.Stats) with the target layers the drafter read (HF indices)."""
     c, eagle = t.conversation, t.stats["eagle"]
     return {"index": t.index, "id": c.id, "turn": t.turn, "category": c.category, "prompt_ids": t.ids,
             "output_ids": t.output_ids,
@@ -70,10 +67,8 @@ def decoded_record(t: Turn, layers: list) -> dict:
 
 
 def summary(turns: list[Turn]) -> dict:
-    """The figures of a group of turns: conversations and turns, acceptance length and rate per draft position of
-    the drafter and the baseline, verification steps, tokens, and lossless. Each acceptance length comes with its
-    standard error over conversations (uncertainty.py; ``difference_se`` is that of drafter minus baseline, paired),
-    and ``beats_baseline_by_2se`` says whether the drafter leads by more than twice it."""
+    """A group of turns' figures. Each acceptance length comes with its standard error over conversations
+    (uncertainty.py); ``difference_se`` is that of drafter minus baseline, paired."""
     spec, base = _total(turns, "eagle"), _total(turns, "ngram")
     conversations = list(_groups(turns, lambda t: (t.conversation.benchmark, t.conversation.id)).values())
     spec_c, base_c = (([s.emitted for s in cs], [s.steps for s in cs])
@@ -100,14 +95,11 @@ def _round(x: float | None) -> float | None:
 
 
 def _total(turns: list[Turn], method: str) -> speculative.Stats:
-    total = speculative.Stats()
-    for t in turns:
-        total.merge(t.stats[method])
-    return total
+    return reduce(speculative.Stats.merge, (t.stats[method] for t in turns), speculative.Stats())
 
 
 def speeds(turns: list[Turn]) -> dict:
-    """EAGLE decoding's seconds and tokens/s and the greedy checks' seconds, for the timings file."""
+    """EAGLE's seconds and tokens/s and the greedy checks' seconds (the timings file)."""
     eagle = _total(turns, "eagle")
     return {"eagle_seconds": round(eagle.seconds, 2), "eagle_tokens_per_s": round(eagle.tokens_per_s, 2),
             "check_seconds": round(sum(t.stats["check_s"] for t in turns), 2)}
@@ -121,8 +113,7 @@ def _groups(turns: list[Turn], key) -> dict:
 
 
 def report(turns: list[Turn]) -> dict:
-    """One benchmark's figures: ``summary`` of all its turns, then ``per_category`` (when it has several) and
-    ``per_turn`` (when a conversation has several turns)."""
+    """``summary`` of a benchmark's turns, with ``per_category`` and ``per_turn`` where there are several."""
     out = summary(turns)
     by_category = _groups(turns, lambda t: t.conversation.category)
     if len(by_category) > 1:
@@ -153,12 +144,10 @@ def _turn(c: Conversation, turn: int, ids: list, model, eagle, lookup, chat_: Ch
 
 def run(conversations: list[Conversation], chat_: Chat, model, drafter_model, params,
         rt: runtime.Runtime = runtime.Runtime()) -> dict:
-    """Decode every turn of this rank's share of the conversations with EAGLE, check each output against plain
-    greedy and replay the n-gram baseline on it (``_turn``); return, on every rank, the metrics of all of them:
-    ``benchmarks`` (``report`` per benchmark, in the conversations' order), ``lossless`` (False lists the
-    ``mismatches``) and ``run`` (speeds, for the timings file). ``positions`` holds the acceptance rate per draft
-    position of ``eagle`` and ``ngram`` of each benchmark as plot rows (``position_rows``), and ``decoded`` the
-    ``decoded_record``s of each benchmark, each for its own file."""
+    """Decode this rank's share of the conversations (the module docstring); return, on every rank, the metrics of
+    all: ``benchmarks`` (``report`` per benchmark, in order), ``lossless`` (False lists the ``mismatches``), ``run``
+    (speeds), ``positions`` (``position_rows`` of each benchmark) and ``decoded`` (``decoded_record``s per
+    benchmark)."""
     eagle = speculative.EagleDrafter(drafter_model)
     lookup = speculative.NgramDrafter(params.ngram.max, params.ngram.min)
     layers = families.text_config(model.config).num_hidden_layers
@@ -200,5 +189,5 @@ def run(conversations: list[Conversation], chat_: Chat, model, drafter_model, pa
 
 
 def load_drafter(folder, model):
-    """The trained drafter on the target's device, given its input embedding (the drafter does not store one)."""
+    """The trained drafter on the target's device, given the target's input embedding (the drafter stores none)."""
     return draft.load(Path(folder), model.get_input_embeddings().weight).to(model.device)

@@ -1,14 +1,12 @@
 """Prompt-source formats: one converter per format, each turning a raw record (a dict) into OpenAI-style messages.
 
 A converter returns ``(messages, tools, rules)``: the conversation cut after its last user (or tool) turn (the
-assistant answer that will be regenerated is dropped, earlier assistant turns stay) and the keys of the conversation
-rules that changed or concern it (``_prompt_turns``; the README states each rule). A broken record raises
-``BadRecord(reason, field, problem)``, a record with no prompt in it ``LeftOut``; ``sources.read_source`` names the
-file and position.
+answer to regenerate dropped, earlier assistant turns kept) and the keys of the conversation rules that changed or
+concern it (``_prompt_turns``; README). A broken record raises ``BadRecord(reason, field, problem)``, a record with
+no prompt in it ``LeftOut``.
 
-``CONVERTERS`` maps each format that ``config.FORMATS`` names to its converter; ``config.FORMATS`` also lists the
-record fields each converter reads, which a source's ``columns`` may rename. Field layouts, named after the public
-datasets:
+``CONVERTERS`` maps each format of ``config.FORMATS`` (which lists the fields each reads, that a source's ``columns``
+may rename) to its converter. Field layouts, named after the public datasets:
     sharegpt          ``conversations``: turns ``{from, value}`` (human/gpt/system/function_call/observation...) or
                       ``{role, content}``; optional ``system`` and ``tools`` (LLaMA-Factory's layout)
     openai            ``messages``: turns ``{role, content}``; optional ``tools`` (e.g. HuggingFaceH4/ultrachat_200k)
@@ -31,8 +29,8 @@ import re
 
 
 class BadRecord(ValueError):
-    """A record that cannot become a prompt; ``reason`` is the short key counted in the report. ``damage`` is None
-    but for a ``sources.Damage`` (a damaged file's tail)."""
+    """A record that cannot become a prompt; ``reason``: the key the report counts. ``damage``: None but for a
+    ``sources.Damage``."""
 
     damage: dict | None = None
 
@@ -42,8 +40,8 @@ class BadRecord(ValueError):
 
 
 class LeftOut(BadRecord):
-    """A record with no prompt in it (an empty conversation, no user turn with text): left out by a rule and counted
-    by reason, whatever ``on_error`` says; it is no error."""
+    """A record with no prompt in it (no turns, no user turn with text): left out and counted, whatever
+    ``on_error`` says; no error."""
 
 
 # ------------------------------------------------------------------------------------------------- turns and fields
@@ -64,8 +62,8 @@ MEDIA = ("image", "image_url", "input_image", "video", "video_url", "audio", "in
 
 
 def _text(rec: dict, name: str, required: bool = True, where: str = "") -> str:
-    """A string field; missing, non-string or blank raises (unless not required and absent or empty).
-    ``where`` prefixes the field name in errors (e.g. ``conversations[2]``)."""
+    """A string field; missing, non-string or blank raises (unless not required and absent or empty). ``where``
+    prefixes the field name in errors (e.g. ``conversations[2]``)."""
     field = f"{where}.{name}" if where else name
     if name not in rec or rec[name] is None:
         if required:
@@ -113,8 +111,8 @@ def _tools(value, field: str = "tools") -> list | None:
 
 
 def _as_call(obj) -> dict | None:
-    """``{"name": ..., "arguments": ...}`` (arguments a dict or its JSON string) as an OpenAI tool call with the
-    arguments as a dict, as chat templates expect; None if it is not one."""
+    """``{"name": ..., "arguments": dict or its JSON}`` as an OpenAI tool call, arguments a dict as chat templates
+    expect; None if it is not one."""
     try:
         args = obj.get("arguments", {})
         args = json.loads(args) if isinstance(args, str) else args
@@ -126,8 +124,7 @@ def _as_call(obj) -> dict | None:
 
 
 def _tool_call(text: str) -> dict | None:
-    """The call written as JSON in ``text``, or None if it does not parse. Glaive writes the arguments as a
-    single-quoted JSON string, which is accepted too."""
+    """The call written as JSON in ``text``, or None; glaive's single-quoted JSON arguments parse too."""
     fixed = re.sub(r"""("arguments"\s*:\s*)'(.*)'(\s*}\s*)$""", lambda m: m[1] + json.dumps(m[2]) + m[3], text.strip(),
                    flags=re.DOTALL)
     try:
@@ -137,13 +134,9 @@ def _tool_call(text: str) -> dict | None:
 
 
 def _call_turn(content: str, call_text: str) -> dict:
-    """An assistant turn that calls a function: the source's text stays as content and the call, when it parses,
-    is also given as ``tool_calls``."""
-    turn = {"role": "assistant", "content": content}
+    """An assistant turn with the source's text as content and the call, when it parses, as ``tool_calls``."""
     call = _tool_call(call_text)
-    if call:
-        turn["tool_calls"] = [call]
-    return turn
+    return {"role": "assistant", "content": content, **({"tool_calls": [call]} if call else {})}
 
 
 def _calls(value, field: str) -> list:
@@ -191,11 +184,10 @@ def _mergeable(m: dict) -> bool:
 
 
 def _prompt_turns(messages: list, field: str, rules: set) -> list:
-    """The conversation as a prompt, by the conversation rules (README, prepare), each adding its key to ``rules``
-    when it changes or concerns the record: empty turns are dropped, assistant turns before the first user turn are
-    dropped, consecutive turns of one role are merged, and the conversation is cut after its last user (or tool)
-    turn, which drops the final assistant answer. A tool turn without a ``name`` gets the name of the call it
-    answers. A conversation with no user turn left raises LeftOut."""
+    """The conversation as a prompt by the conversation rules (README), each adding its key to ``rules`` when it
+    changes or concerns the record: empty turns and assistant turns before the first user turn are dropped,
+    consecutive turns of one role merged, and the conversation cut after its last user (or tool) turn. A tool turn
+    without a ``name`` gets the name of the call it answers. No user turn left raises LeftOut."""
     kept = [m for m in messages if m["content"].strip() or m["role"] == "tool" or m.get("tool_calls")]
     if len(kept) < len(messages):
         rules.add("empty_turns_dropped")
@@ -255,7 +247,7 @@ GLAIVE_ROLES = {"USER": "user", "ASSISTANT": "assistant", "FUNCTION RESPONSE": "
 
 
 def _glaive_functions(system: str) -> list | None:
-    """The JSON function definitions that follow the header of a glaive system prompt, or None if they don't parse."""
+    """The JSON function definitions after a glaive system prompt's header, or None if they don't parse."""
     start = system.find("{")
     if start < 0:
         return None

@@ -1,5 +1,4 @@
-"""Quality gates checked while infer runs (``infer.gates``: config.Gates), so a broken run stops before the rest of the
-compute is spent.
+"""Quality gates checked while infer runs (``infer.gates``: config.Gates): a broken run stops early.
 
 A record has reasoning when its reasoning is non-empty and closed, unless the output was cut short (a block that
 never closes although the model stopped is what a prefilled ``<think>`` leaves when the thinking was dropped); it is
@@ -74,9 +73,7 @@ class Gates:
     def due(self) -> bool:
         """True once ``warmup`` records are in and then every ``every`` records (records loaded from the cache
         count, so a resumed run is checked at its first new completion)."""
-        if self.seen < self.warmup:
-            return False
-        return self.checked_at is None or self.seen - self.checked_at >= self.every
+        return self.seen >= self.warmup and (self.checked_at is None or self.seen - self.checked_at >= self.every)
 
     def check(self) -> None:
         """Raise GateBreach naming the gate, the observed rate and a few record ids."""

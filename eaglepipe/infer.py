@@ -1,14 +1,12 @@
-"""The infer run: prompts -> the target's own tokens -> records, resumable and incremental.
+"""The infer run: prompts -> the target's own ids -> records, resumable.
 
-``infer.turns: last`` answers each prompt's last turn; ``all`` answers a conversation's turns in waves (turn k of
-every conversation after turn k - 1 of each), each in the context of the target's own earlier answers (turns.py). A
-turn that fails, is aborted, breaks a limit or calls a tool ends its conversation there (the turns left unanswered are
-counted).
+``infer.turns: last`` answers each prompt's last turn; ``all`` answers turn k of every conversation after turn k - 1,
+in the context of the target's own earlier answers (turns.py). A turn that fails, is aborted, breaks a limit or calls
+a tool ends its conversation (the turns left unanswered are counted).
 
-Every finished generation is appended (and fsync'd) to a cache keyed by a fingerprint of everything that decides the
-ids: the model, the engine, the sampling parameters, the chat-template arguments and the code that renders and
-generates. A rerun with the same fingerprint reuses what is there; a different one gets a fresh cache. Readable
-fields (text, reasoning, content, tool calls) are derived from the ids when the output is published.
+Each finished generation is appended and fsync'd to a cache keyed by ``fingerprint`` (model, engine, sampling,
+template arguments, the code that renders and generates); a rerun with the same key reuses it. Readable fields are
+derived from the ids when published (derive.py).
 """
 from __future__ import annotations
 
@@ -42,8 +40,8 @@ HISTORY_CODE = ["turns.py", "derive.py", "reasoning.py", "harmony.py"]
 
 def fingerprint(model_fp: str, engine_name: str, engine_identity: dict, sampling: Sampling, template_kwargs: dict,
                 history: Spec | None = None) -> str:
-    """The cache's key. ``history``: the reasoning spec that splits an answer into the next turn's history
-    (``infer.turns: all``; None for last)."""
+    """The cache's key. ``history``: the spec that splits an answer into the next turn's history (None under
+    ``infer.turns: last``)."""
     h = hashlib.sha256()
     h.update(code_hash([PACKAGE / name for name in
                         GENERATION_CODE + [f"engines/{engine_name}.py"] + (HISTORY_CODE if history else [])]).encode())
@@ -95,8 +93,7 @@ class Cache:
         return done, counts
 
     def _append(self, path: Path, record) -> None:
-        """Append one line, in one write, and fsync it: once this returns, the record survives a kill or a power
-        cut."""
+        """Append one line in one write and fsync it: once this returns, the record survives a kill."""
         line = io.BytesIO()
         writer(line).write(record)
         with open(path, "ab") as f:
@@ -122,8 +119,8 @@ class Limits:
 
 @dataclass(frozen=True)
 class Ask:
-    """One prompt to answer: its line and record in the prompts file, the turn (0 under ``infer.turns: last``), the
-    samples that share these ids (all up to turn 1, one after) and the ids."""
+    """One prompt to answer: its line and record, the turn (0 under ``infer.turns: last``), the samples that share
+    these ids (all up to turn 1, one after) and the ids."""
     line: int
     prompt: Prompt
     turn: int
@@ -164,10 +161,9 @@ def admit(asks: list[Ask], sampling: Sampling, limits: Limits) -> tuple[list[Ask
 def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates, cache: Cache,
         template_kwargs: dict, max_failure_rate: float = 0.0, samples: int = 1,
         limits: Limits = Limits(), turns_: str = "last") -> tuple[list[Response], dict]:
-    """Generate the ``samples`` answers per prompt (per turn under ``turns_: all``) that the cache lacks, check the
-    gates as records arrive, and return (responses, report). Prompts outside ``limits`` get no generation
-    (``admit``). Raises GateBreach (or UserError for too many failures) after keeping everything generated in the
-    cache."""
+    """Generate the ``samples`` answers per prompt (per turn under ``turns_: all``) the cache lacks, checking the
+    gates as records arrive; return (responses, report). Prompts outside ``limits`` are left out (``admit``). Raises
+    GateBreach, or UserError for too many failures, with everything generated kept in the cache."""
     def ids_of(messages, p):
         return chat.prompt_ids(tokenizer, messages, p.tools, template_kwargs)
 
@@ -205,7 +201,6 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates
             tool_ended += extend_history(history, wanted, turn, asks_of, responses,
                                          lambda r: answer_message(tokenizer, r.prompt_ids, r.output_ids, spec,
                                                                   sampling.stop_token_ids))
-    new_tokens, elapsed = progress
     gates.check()
     if len(failures) > max_failure_rate * len(wanted_all):
         raise UserError(f"{len(failures)} of {len(wanted_all)} answers failed (more than infer.max_failure_rate="
@@ -213,7 +208,7 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates
     ordered = sorted((responses[rid] for rid in wanted_all if rid in responses),
                      key=lambda r: (lines[prompt_of(r.id)], r.sample, r.turn))
     admitted = len({prompt_of(rid) for rid in wanted_all})
-    rep = report(ordered, failures, cache_counts, generated, new_tokens, elapsed, gates, admitted)
+    rep = report(ordered, failures, cache_counts, generated, *progress, gates, admitted)
     if asks_of:
         per_turn = Counter(r.turn for r in ordered)
         rep["turns"] = {"mode": "all", "answered": dict(sorted(per_turn.items())),
@@ -236,9 +231,9 @@ def reuse(wanted: list, done: dict, cache: Cache, respond, gates: Gates, respons
 
 def generate(todo: list, turn: int, engine, sampling: Sampling, cache: Cache, respond, gates: Gates, responses: dict,
              failures: list, progress: list) -> None:
-    """Generate ``todo`` ((ask, sample, record id) each) with ``engine``: each answer into the cache as it arrives,
-    its response (``respond``) into ``responses`` and the gates, each permanent failure into the failures file and
-    ``failures``. ``progress`` = [new tokens, seconds] of the whole run, added to."""
+    """Generate ``todo`` ((ask, sample, record id) each): each answer into the cache, its response into
+    ``responses`` and the gates; each failure into the failures file and ``failures``. ``progress`` = [new tokens,
+    seconds] of the whole run, added to."""
     start, (tokens, seconds) = time.perf_counter(), progress
     desc = f"infer turn {turn}" if turn else "infer"
     with tqdm(total=len(todo), desc=desc, unit="answer", dynamic_ncols=True) as bar:
@@ -261,9 +256,9 @@ def generate(todo: list, turn: int, engine, sampling: Sampling, cache: Cache, re
 
 
 def extend_history(history: dict, wanted: list, turn: int, asks_of: dict, responses: dict, message) -> int:
-    """Under ``infer.turns: all``: add each answer of ``turn`` (``message`` of its response) to its conversation's
-    history for the next turn, where one follows; an aborted answer ends its conversation, and so does one that
-    calls a tool (no dataset turn answers it). Returns how many ended at a tool call."""
+    """Add each answer of ``turn`` (``message`` of its response) to its conversation's history where a turn follows;
+    an aborted answer or a tool call (no dataset turn answers it) ends the conversation. Returns how many ended at a
+    tool call."""
     tool_ended = 0
     for a, k, rid in wanted:
         r = responses.get(rid)
@@ -278,7 +273,6 @@ def extend_history(history: dict, wanted: list, turn: int, asks_of: dict, respon
 
 def report(responses: list[Response], failures: list, cache_counts: Counter, generated: int, new_tokens: int,
            elapsed: float, gates: Gates, prompts: int) -> dict:
-    by_source = Counter(r.source for r in responses)
     return {
         "prompts": prompts,
         "answers": len(responses) + len(failures),
@@ -295,7 +289,7 @@ def report(responses: list[Response], failures: list, cache_counts: Counter, gen
         "failures": len(failures),
         "tokens_in": sum(len(r.prompt_ids) for r in responses),
         "tokens_out": sum(len(r.output_ids) for r in responses),
-        "per_source": dict(sorted(by_source.items())),
+        "per_source": dict(sorted(Counter(r.source for r in responses).items())),
         "run": {"generated": generated, "tokens_out": new_tokens, "seconds": round(elapsed, 2),
                      "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else 0.0,
                      **{f"cache_{k}": v for k, v in cache_counts.items()}},

@@ -3,10 +3,8 @@ content and tool calls shown apart, their token counts, and whether each still r
 
 The prompt is the record's own ``prompt_ids`` decoded with special tokens kept; a long field shows its start and its
 end (a prompt mostly its end), ``max_chars`` in all. A record that answers one turn of a conversation (``infer.turns:
-all``, ids ``<id>@<turn>``) is shown with every turn of its conversation, in order.
-
-It reads published responses, or the generations in an infer cache (``.cache/infer/<fingerprint>/generations.jsonl``),
-deriving their readable fields from the ids; the file is streamed, never held, so it works on a run of any size.
+all``, ids ``<id>@<turn>``) is shown with every turn of its conversation, in order. Streams (never holds) published
+responses or an infer cache's generations (``.cache/infer/<fingerprint>/generations.jsonl``; fields derived from ids).
 """
 from __future__ import annotations
 
@@ -23,11 +21,8 @@ PROMPT_TAIL_SHARE = 3 / 4  # a long prompt shows mostly its end: the last turns,
 
 
 def count_lines(path: Path) -> int:
-    n = 0
     with open(path, "rb") as f:
-        for line in f:
-            n += bool(line.strip())
-    return n
+        return sum(bool(line.strip()) for line in f)
 
 
 def record(obj: dict, path, line_no: int, tokenizer=None, spec=None):

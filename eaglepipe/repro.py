@@ -1,10 +1,9 @@
-"""``make repro`` and ``make <stage>``: ``dvc repro`` with a plan before it and a summary after it, in the
-project's root (the working directory).
+"""``make repro`` and ``make <stage>``: ``dvc repro``, in the project's root, with a plan before and a summary after.
 
 Before: the stages DVC will run, in order (``dvc status --with-deps``; the stages below them run too when those
-outputs change), each with an estimate of its minutes: its last wall time on this machine
-(``metrics/timings/stages.json``, not in git), else the reference run's (``metrics/reference_timings.json``) scaled by
-a one-second probe of this machine's float32 matrix speed against the reference machine's.
+outputs change), each with an estimate: its last wall time here (``metrics/timings/stages.json``, not in git), else
+the reference run's (``metrics/reference_timings.json``) scaled by a one-second probe of this machine's float32
+matrix speed against the reference machine's.
 During: DVC's output passes through, each stage's start stamped with the time spent so far; its wall time is recorded.
 After: per benchmark the drafter's acceptance length against the n-gram baseline (``metrics/eval.json``), the serve
 check's verdict (``metrics/serve.json``), where the drafter is, and the next commands.
@@ -108,7 +107,7 @@ def print_plan(targets: tuple[str, ...]) -> list[str]:
     click.echo("make repro: the plan")
     for s in order:
         if s in will or s in may:
-            how = (f"~{minutes(est[s][0])} ({est[s][1]})" if s in est else "no estimate")
+            how = f"~{minutes(est[s][0])} ({est[s][1]})" if s in est else "no estimate"
             why = "to run" if s in will else "runs if what it reads changes"
             click.echo(f"  {s:<9} {why:<32} {how}")
     if est:
@@ -125,10 +124,9 @@ def run(targets: tuple[str, ...]) -> int:
     for line in proc.stdout:
         m = STAGE_LINE.match(line)
         now = time.monotonic()
-        if m or line.startswith("Updating lock file"):
-            if current:
-                timed[current] = now - last
-                current = None
+        if current and (m or line.startswith("Updating lock file")):
+            timed[current] = now - last
+            current = None
         if m and m.group(1) == "Running stage":
             current, last = m.group(2), now
             line = line.rstrip("\n") + f"  [{minutes(now - start)} in]\n"

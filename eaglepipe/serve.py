@@ -1,20 +1,16 @@
-"""The serve check: vLLM serves the target with the trained drafter on exactly the prompts evaluate decoded, at
-temperature 0, one request at a time after a short warm-up, and must agree with evaluate.
+"""The serve check: vLLM serves the target with the trained drafter (``--speculative-config`` ``eagle3``; a server
+started here and always stopped: engines/vllm.py, launch.py) on the prompts evaluate decoded, at temperature 0, one
+request at a time after a short warm-up. Evaluate's outputs are plain greedy's; where one differs, a second server
+serves the target alone, to tell the drafter's path from vLLM's numerics (``mismatches`` names each difference's run).
 
-One server, started here and always stopped (engines/vllm.py, launch.py), with ``--speculative-config`` ``eagle3``.
-Evaluate's outputs are plain greedy decoding's, so equal outputs need no plain run; where one differs, a second server
-serves the target alone on the same prompts, to tell the drafter's path from vLLM's numerics (``mismatches`` names
-the run of each difference).
+Acceptance length, per verification step like evaluate's (speculative.py): the tokens the steps emitted (each
+request's output less the prefill's first token) over vLLM's per-request ``num_spec_steps``. vLLM's own "mean
+acceptance length" (1 + accepted / drafts) also counts draft tokens accepted past the stop id or the length limit, so
+it is reported (``engine_reported_acceptance_length``), not compared.
 
-Acceptance length in the engine, per verification step like evaluate's (speculative.py): the tokens the verification
-steps emitted (each request's output less the prefill's first token) over its verification steps (``num_spec_steps``,
-vLLM's per-request counts). vLLM's own "mean acceptance length" (1 + accepted / drafts) also counts draft tokens
-accepted past the stop id or the length limit, so it is reported (``engine_reported_acceptance_length``), not
-compared.
-
-The check fails when any engine output differs from evaluate's, when vLLM feeds the drafter other layers than evaluate
-did (``engine_layers``), when the acceptance length differs from evaluate's on the same prompts by more than
-``serve.tolerance`` (relative), or when the server's counters (``/metrics``) do not add up to the per-request counts.
+The check fails when an output differs from evaluate's, when vLLM feeds the drafter other layers than evaluate did
+(``engine_layers``), when the acceptance length differs from evaluate's by more than ``serve.tolerance`` (relative),
+or when the server's counters (``/metrics``) do not add up to the per-request counts.
 """
 from __future__ import annotations
 
@@ -24,6 +20,7 @@ import re
 import time
 import urllib.request
 from collections import defaultdict
+from itertools import zip_longest
 
 from . import config, families, quant
 from .config import CACHE
@@ -41,7 +38,7 @@ COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 def load_decoded(path) -> list[dict]:
-    """The decoded file evaluate wrote (evaluate.decoded_record per line)."""
+    """The records of evaluate's decoded file (evaluate.decoded_record); UserError when it holds none."""
     rows = [obj for _, obj in read_jsonl(path)]
     if not rows:
         raise UserError(f"{path} holds no decoded prompts")
@@ -75,12 +72,10 @@ def delta(after: dict, before: dict) -> dict:
     return d
 
 
-LAYERS_LINE = re.compile(r"Using auxiliary layers from speculative config: \(([0-9, ]+)\)")
-
-
 def engine_layers(log_text: str, num_layers: int) -> list:
-    """The HF hidden-state indices vLLM feeds the drafter, from the log of one server run."""
-    found = LAYERS_LINE.findall(log_text)
+    """The HF hidden-state indices vLLM feeds the drafter, from the log of one server run (vLLM's default where it
+    logs none)."""
+    found = re.findall(r"Using auxiliary layers from speculative config: \(([0-9, ]+)\)", log_text)
     if not found:
         return [2, num_layers // 2, num_layers - 3]
     return [int(i) for i in found[-1].split(",") if i.strip()]
@@ -92,10 +87,9 @@ def eagle3(draft, num_steps: int) -> dict:
 
 
 class Served:
-    """A vLLM server of the target (with ``speculative``, a ``--speculative-config``, when given), started on entering
-    ``with`` and always stopped on leaving; ``decode`` runs prompts through it with ``concurrency`` requests in
-    flight. ``run`` names the run in the log file's name (``.cache/vllm/serve-<run>.log``) and in messages; after the
-    block, ``log`` holds what the server wrote in this run."""
+    """A vLLM server of the target (with a ``speculative`` config, when given) for a ``with`` block, always stopped
+    on leaving; ``decode`` runs prompts with ``concurrency`` requests in flight. ``run`` names the run in messages and
+    the log file (``.cache/vllm/serve-<run>.log``); after the block, ``log`` holds what the server wrote in this run."""
 
     def __init__(self, folder, tokenizer, p: config.Serve, speculative: dict | None = None, run: str = "plain",
                  concurrency: int = 1):
@@ -124,15 +118,15 @@ class Served:
         return self.engine.urls[0]
 
     def warm_up(self, prompt_ids: list, sampling: Sampling) -> None:
-        """One short request (first-call allocations), once; ``decode`` sends it if nobody did."""
+        """One short request (first-call allocations), once."""
         if not self.warm:
             warm = Sampling(max_new_tokens=min(8, sampling.max_new_tokens), stop_token_ids=sampling.stop_token_ids)
             list(self.engine.stream([prompt_ids], warm, ["warmup"]))
             self.warm = True
 
     def decode(self, rows: list[dict], sampling: Sampling) -> dict:
-        """Every row's ``prompt_ids`` (request ids from its ``index``), after the warm-up: ``outputs`` (ids per row),
-        ``spec`` (vLLM's per-request counts, or None), ``seconds``, ``tokens``."""
+        """Decode every row's ``prompt_ids`` after the warm-up: ``outputs`` (ids per row), ``spec`` (vLLM's
+        per-request counts, or None), ``seconds``, ``tokens``. UserError if a request fails."""
         self.warm_up(rows[0]["prompt_ids"], sampling)
         start = time.perf_counter()
         answers = dict(self.engine.stream([r["prompt_ids"] for r in rows], sampling,
@@ -149,8 +143,8 @@ class Served:
 
 def decode(folder, tokenizer, p: config.Serve, rows: list[dict], sampling: Sampling, speculative: dict | None = None,
            run: str = "plain") -> dict:
-    """One server (``Served``), one request at a time over ``rows``: ``Served.decode``'s figures, with ``counters``
-    (the server's, for these requests only) and ``log``."""
+    """``Served.decode`` over ``rows`` on a server of its own, one request at a time, with ``counters`` (the
+    server's, for these requests only) and ``log``."""
     with Served(folder, tokenizer, p, speculative, run) as server:
         server.warm_up(rows[0]["prompt_ids"], sampling)  # not counted
         before = counters(server.url) if speculative is not None else None
@@ -160,26 +154,23 @@ def decode(folder, tokenizer, p: config.Serve, rows: list[dict], sampling: Sampl
 
 
 def per_step(rows: list[dict], outputs: list, spec: list) -> dict:
-    """Acceptance in the engine per verification step: length, rate per draft position (from each request's
-    histogram of accepted drafts), steps, and vLLM's own figure."""
+    """Acceptance in the engine per verification step: length, rate per draft position (from the requests'
+    histograms of accepted drafts), steps, and vLLM's own figure."""
     steps = sum(s["num_spec_steps"] for s in spec)
     emitted = sum(len(o) - 1 for o in outputs)
     accepted = sum(s["num_accepted_draft_tokens"] for s in spec)
-    width = max(len(s["acceptance_histogram"]) for s in spec)
-    hist = [sum(s["acceptance_histogram"][j] for s in spec if j < len(s["acceptance_histogram"]))
-            for j in range(width)]
+    hist = [sum(c) for c in zip_longest(*(s["acceptance_histogram"] for s in spec), fillvalue=0)]
     return {"acceptance_length": emitted / steps if steps else 0.0, "steps": steps, "emitted": emitted,
             "accepted": accepted, "reported_acceptance_length": 1 + accepted / steps if steps else 0.0,
-            "rate_per_position": [sum(hist[k + 1:]) / steps if steps else 0.0 for k in range(width - 1)]}
+            "rate_per_position": [sum(hist[k + 1:]) / steps if steps else 0.0 for k in range(len(hist) - 1)]}
 
 
 def evaluate_figures(rows: list[dict]) -> dict:
     """Evaluate's acceptance length, steps and rate per draft position over ``rows`` (its decoded records)."""
     steps = sum(r["eagle"]["steps"] for r in rows)
     emitted = sum(r["eagle"]["emitted"] for r in rows)
-    width = max(len(r["eagle"]["proposed"]) for r in rows)
-    proposed = [sum(r["eagle"]["proposed"][i] for r in rows if i < len(r["eagle"]["proposed"])) for i in range(width)]
-    accepted = [sum(r["eagle"]["accepted"][i] for r in rows if i < len(r["eagle"]["accepted"])) for i in range(width)]
+    proposed = [sum(c) for c in zip_longest(*(r["eagle"]["proposed"] for r in rows), fillvalue=0)]
+    accepted = [sum(c) for c in zip_longest(*(r["eagle"]["accepted"] for r in rows), fillvalue=0)]
     return {"acceptance_length": emitted / steps if steps else 0.0, "steps": steps,
             "rate_per_position": [a / n if n else 0.0 for a, n in zip(accepted, proposed)]}
 
@@ -191,18 +182,15 @@ def differences(rows: list[dict], outputs: list, run: str) -> list[dict]:
 
 
 def compare(rows: list[dict], eagle: dict, tolerance: float, num_layers: int, plain: dict | None = None) -> dict:
-    """The serve check's metrics from the run with the drafter (and the plain run, where one ran); ``passed`` says
-    whether it holds."""
+    """The serve check's metrics from the run with the drafter (and the plain run, if any); ``passed``: it holds."""
     layers, served = rows[0]["eagle"]["layers"], engine_layers(eagle["log"], num_layers)
     mismatches = (differences(rows, plain["outputs"], "plain") if plain is not None else []) + \
         differences(rows, eagle["outputs"], "eagle")
     engine, ours = per_step(rows, eagle["outputs"], eagle["spec"]), evaluate_figures(rows)
     difference = abs(engine["acceptance_length"] - ours["acceptance_length"]) / ours["acceptance_length"]
-    cats = defaultdict(list)
-    for i, r in enumerate(rows):
-        cats[r["category"]].append(i)
     per_category = {}
-    for cat, idx in sorted(cats.items()):
+    for cat in sorted({r["category"] for r in rows}):
+        idx = [i for i, r in enumerate(rows) if r["category"] == cat]
         sub = [rows[i] for i in idx]
         per_category[cat] = {
             "prompts": len(idx),
@@ -234,8 +222,8 @@ def compare(rows: list[dict], eagle: dict, tolerance: float, num_layers: int, pl
 
 def refusal(folder, target_config: dict, drafter, p: config.Serve) -> str | None:
     """Why vLLM (``p.python``) cannot run the serve check of ``drafter`` beside the target in ``folder``, and what to do
-    instead, or None: one row per known limit, checked in seconds before any server starts (the composite targets'
-    torchvision: engines/vllm.py, at launch)."""
+    instead, or None: the known limits, checked before any server starts (the composite targets' torchvision:
+    engines/vllm.py, at launch)."""
     rows = (
         (families.of(target_config).mla and not drafter.mla and cpu_build(p.python),
          f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter beside {folder}: the "
@@ -259,9 +247,9 @@ def refusal(folder, target_config: dict, drafter, p: config.Serve) -> str | None
 
 def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve, num_steps: int,
           max_new_tokens: int) -> dict:
-    """The run with the drafter (``evaluate.num_steps`` draft tokens per step, ``evaluate.max_new_tokens`` per
-    prompt, as evaluate decoded ``rows``), the plain run where an output differs, and their comparison (``compare``);
-    a check vLLM cannot run is refused first (``refusal``)."""
+    """``compare`` of the run with the drafter (as evaluate decoded ``rows``: ``evaluate.num_steps`` draft tokens per
+    step, ``evaluate.max_new_tokens``) and, where an output differs, the plain run; UserError with ``refusal``'s
+    reason first where vLLM cannot run the check."""
     target_config = families.load_config(folder)
     if why := refusal(folder, target_config, read_config(draft), p):
         raise UserError(why)

@@ -11,19 +11,18 @@ The output equals plain greedy decoding (up to float ties), so a drafter that re
 n-gram one) gets the same counts from ``replay``, which answers each verification from the plain greedy output.
 
 Drafter interface (duck-typed):
-    needs_hidden: bool                         the loop computes the target's aux hidden states only if True
-    layers: list[int]                          which ones (HF hidden_states indices, see hidden.py), if needed
-    reset(prompt_ids, aux, next_token)         aux: [len(prompt), n·H] target states at the prompt positions (or None);
-                                               next_token: the target's first token (follows the prompt)
-    propose(k) -> list[int]                    up to k draft tokens that follow the last committed token
-    accept(n, aux, next_token)                 the first n proposed tokens were accepted; aux: [n + 1, n·H] states
-                                               at the committed positions (the previous pending token and the n
-                                               accepted ones); next_token: the target's bonus token
+    needs_hidden: bool                   the loop computes the target's aux hidden states only if True
+    layers: list[int]                    which ones (HF hidden_states indices, see hidden.py), if needed
+    reset(prompt_ids, aux, next_token)   aux [len(prompt), n·H]: the target's states at the prompt (or None);
+                                         next_token: the target's first token
+    propose(k) -> list[int]              up to k draft tokens that follow the last committed token
+    accept(n, aux, next_token)           the first n proposed tokens were accepted; aux [n + 1, n·H]: the states at
+                                         the previous pending token and the n accepted ones; next_token: the bonus
 
 Acceptance bookkeeping (``Stats``), SGLang's definition: acceptance length = tokens emitted by verification steps /
-verification steps, i.e. accepted draft tokens plus one per step, averaged over steps (weighted, all prompts
-together). A final step cut short by a stop token or ``max_new_tokens`` counts the tokens it emitted. A step that
-proposes nothing (the n-gram drafter without a match) is still a target forward and counts with length 1.
+verification steps (accepted draft tokens plus one per step), over all prompts together. A final step cut short by a
+stop token or ``max_new_tokens`` counts the tokens it emitted; a step that proposes nothing (the n-gram drafter
+without a match) is still a target forward and counts with length 1.
 Per draft position i: ``acceptance_rate[i]`` = steps whose draft tokens 0..i were all accepted / steps that
 proposed a token at position i; ``conditional_rate[i]`` = the same over steps that accepted tokens 0..i-1.
 """
@@ -50,24 +49,23 @@ class Stats:
     def add_step(self, proposed: int, accepted: int, emitted: int):
         self.steps += 1
         self.emitted += emitted
-        self.proposed += [0] * (proposed - len(self.proposed))
-        self.accepted += [0] * (proposed - len(self.accepted))
-        for i in range(proposed):
-            self.proposed[i] += 1
-            self.accepted[i] += i < accepted
+        self._add([1] * proposed, [int(i < accepted) for i in range(proposed)])
 
     def merge(self, other: "Stats") -> "Stats":
         self.steps += other.steps
         self.emitted += other.emitted
         self.tokens += other.tokens
         self.seconds += other.seconds
-        for i in range(len(other.proposed)):
-            if i >= len(self.proposed):
-                self.proposed.append(0)
-                self.accepted.append(0)
-            self.proposed[i] += other.proposed[i]
-            self.accepted[i] += other.accepted[i]
+        self._add(other.proposed, other.accepted)
         return self
+
+    def _add(self, proposed: list, accepted: list):
+        """Add per-position counts, the lists growing to the longer one."""
+        self.proposed += [0] * (len(proposed) - len(self.proposed))
+        self.accepted += [0] * (len(proposed) - len(self.accepted))
+        for i, (p, a) in enumerate(zip(proposed, accepted)):
+            self.proposed[i] += p
+            self.accepted[i] += a
 
     @property
     def acceptance_length(self) -> float:
@@ -100,11 +98,8 @@ def first_difference(a: list, b: list) -> int:
 
 
 def _aux(hidden_states, layers, device, rows=None) -> torch.Tensor:
-    """The states of ``layers`` (sequence 0, its first ``rows`` positions) concatenated on ``device``."""
-    parts = [hidden_states[i][0].to(device) for i in layers]
-    if rows is not None:
-        parts = [p[:rows] for p in parts]
-    return torch.cat(parts, dim=-1)
+    """The states of ``layers`` (sequence 0, its first ``rows`` positions, all for None) concatenated on ``device``."""
+    return torch.cat([hidden_states[i][0][:rows].to(device) for i in layers], dim=-1)
 
 
 def _new_cache(model) -> DynamicCache:

@@ -13,10 +13,10 @@
     deepseek_v31  ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``  DeepSeek-V3.1, V3.2
     harmony       gpt-oss: a message whose header names ``to=functions.NAME`` (commentary channel), body JSON
 
-Parsing reads the content string only: the ids and the text fields are never changed, and the call's markers stay in
-``content``. Each call is ``{"type": "function", "function": {"name": ..., "arguments": {...}}}`` (the shape prompts
-use; ``id`` too when the model writes one). A call that does not parse (bad JSON, no name, unterminated) becomes
-``{"error": <why>, "raw": <its text>}``: counted in the infer report and shown by ``make inspect``, never fatal.
+Parsing reads the content string only: ids and text fields never change, the call's markers stay in ``content``.
+Each call is ``{"type": "function", "function": {"name": ..., "arguments": {...}}}`` (the shape prompts use; ``id``
+too when the model writes one). A call that does not parse (bad JSON, no name, unterminated) becomes
+``{"error": <why>, "raw": <its text>}``, never fatal.
 """
 from __future__ import annotations
 
@@ -54,8 +54,7 @@ def _json_object(text: str):
 
 
 def _blocks(content: str, open_: str, close: str):
-    """Yield (inner text, raw text, closed) for each ``open_ ... close`` block; an unterminated last block runs to
-    the end of the content."""
+    """Yield (inner text, raw text, closed) per ``open_ ... close`` block; an unterminated last one runs to the end."""
     pos = 0
     while (s := content.find(open_, pos)) >= 0:
         e = content.find(close, s + len(open_))
@@ -97,10 +96,8 @@ def _qwen3_coder(content: str) -> list:
         if not m:
             calls.append(_error("not <function=NAME>...</function> inside a closed <tool_call>", raw))
             continue
-        args = {}
-        for key, value in _XML_PARAMETER.findall(m.group(2)):  # values are text; the template adds a newline each side
-            value = value[1:] if value.startswith("\n") else value
-            args[key.strip()] = value[:-1] if value.endswith("\n") else value
+        # Values are text; the template adds a newline each side.
+        args = {k.strip(): v.removeprefix("\n").removesuffix("\n") for k, v in _XML_PARAMETER.findall(m.group(2))}
         calls.append(_call(m.group(1).strip(), args))
     return calls
 
@@ -131,8 +128,8 @@ def _glm45(content: str) -> list:
 
 
 def _sections(content: str, opener: str, closer: str, call: re.Pattern, read, missing_end: str) -> list:
-    """Calls from sections ``opener`` .. ``closer`` holding ``call`` matches and nothing else (Kimi K2, DeepSeek).
-    ``read(match)`` gives ``_call(...)`` or raises ValueError; a bad section or call becomes an error entry."""
+    """Calls from sections ``opener`` .. ``closer`` of ``call`` matches alone (Kimi K2, DeepSeek). ``read(match)``
+    gives ``_call(...)`` or raises ValueError; a bad section or call becomes an error entry."""
     calls = []
     for inner, raw, closed in _blocks(content, opener, closer):
         found = list(call.finditer(inner))

@@ -1,5 +1,5 @@
-"""A server the pipeline starts and always stops (SGLang for ``infer.sglang.launch``, vLLM for ``infer.vllm.launch``
-and the serve check), its arguments completed by ``servers``. The ``launch`` params (config.Launch):
+"""A server the pipeline starts and always stops (``infer.<engine>.launch``, the serve check), its arguments completed
+by ``servers``. The ``launch`` params (config.Launch):
 
     launch:
       model_path: /models/Kimi-K2.5   # the model served; default the target's folder
@@ -13,7 +13,7 @@ and the serve check), its arguments completed by ``servers``. The ``launch`` par
       stop_timeout_s: 60              # SIGTERM, then SIGKILL after this long
 
 The server runs in its own process group and is stopped as a group; on Linux it also gets SIGTERM when the stage
-dies (kill -9). Not part of any cache fingerprint (the engines read what the server reports instead).
+dies (kill -9). Not fingerprinted: the engines read what the server reports instead.
 """
 from __future__ import annotations
 
@@ -77,9 +77,6 @@ class LaunchedServer:
                                          env={**os.environ, **self.env}, start_new_session=True,
                                          preexec_fn=_die_with_parent)
 
-    def exited(self) -> bool:
-        return self.proc is not None and self.proc.poll() is not None
-
     def returncode(self):
         return None if self.proc is None else self.proc.poll()
 
@@ -107,9 +104,8 @@ class LaunchedServer:
 
 
 def servers(section, folder, dtype: str = "auto"):
-    """An ``infer.<engine>`` section (config.Servers) as the engine gets it: its launch, if any, serves ``folder`` (the
-    target's) unless it names another model, with ``--dtype`` when ``dtype`` is not auto and ``--trust-remote-code``
-    when remote.trusted(folder)."""
+    """An ``infer.<engine>`` section (config.Servers) as the engine gets it: its launch, if any, serves ``folder``
+    unless it names another model, plus ``--dtype`` unless auto and ``--trust-remote-code`` if remote.trusted."""
     launch = section.launch
     if launch is None:
         return section

@@ -1,18 +1,17 @@
-"""``ServerPool``, the servers of a server engine (server.py builds on it): which there are, whether each is healthy
-and serves what the run expects, which takes the next request, and a server the run launched (launch.py).
+"""``ServerPool``: the servers of a server engine (server.py builds on it), their checks, which takes the next
+request, and a server the run launched (launch.py).
 
 Before the first request, for every server in ``urls`` (or the launched one):
     /health      waited for (``health_timeout_s``)
-    identity     what the server says it serves (the engine's ``_read_server``): kept for ``describe()`` (engine.json)
-                 and reduced to ``identity()`` (what decides the ids: model, weights, dtype, quantization, server
-                 version; never urls or concurrency). All servers must agree on it.
-    tokenizer    the server's ids of the probe strings (``tokenizer_probes``, the engine's ``_server_tokens``) must be
-                 the local tokenizer's, or the run stops naming the probes that differ.
+    identity     what it serves (``_read_server``): kept for ``describe()`` and reduced to ``identity()`` (what
+                 decides the ids: model, weights, dtype, quantization, version; never urls). All servers must agree.
+    tokenizer    its ids of ``tokenizer_probes`` (``_server_tokens``) must be the local tokenizer's, or the run stops
+                 naming the probes that differ.
 
 The next request goes to the healthy server with the fewest in flight (``_acquire``). A server that refuses
 connections or answers 503 leaves the rotation (``_mark_down``); back within ``health_timeout_s`` and checked again,
-it rejoins; back serving something else, it stops the run; with no server left the run stops. A launched server is
-stopped when the pool is released (``_release``), also on SIGTERM. Everything async runs on the engine's event loop.
+it rejoins; back serving something else, or with no server left, the run stops. A launched server is stopped on
+``_release``, also on SIGTERM. Everything async runs on the engine's event loop.
 """
 from __future__ import annotations
 
@@ -33,12 +32,11 @@ from ..errors import UserError
 log = logging.getLogger(__name__)
 
 JSON = {"Content-Type": "application/json"}  # the header of every POST to a server
-IDLE_S = 2.0  # a connection idle longer is not reused: SGLang's and vLLM's uvicorn close one idle for 5 s, and a
-# request sent as the server closes its connection is lost to a reset and sent again
+IDLE_S = 2.0  # not reused when idle longer: uvicorn (SGLang, vLLM) closes one idle 5 s, resetting a request sent then
 
 
 class ServerError(UserError, RuntimeError):
-    """The run cannot go on: no server, a server that disagrees with the local tokenizer or with the others."""
+    """The run cannot go on: no server, or a server that disagrees with the local tokenizer or the others."""
 
 
 class _Unhealthy(ServerError):
@@ -46,8 +44,8 @@ class _Unhealthy(ServerError):
 
 
 def tokenizer_probes(tokenizer) -> list[str]:
-    """Strings whose ids must be the same on the server and here: the chat template rendered (its special tokens in
-    place), every special and added token, and plain text with unicode, digits, code and odd whitespace."""
+    """Strings whose ids must be the same on the server and here: the chat template rendered, every special and
+    added token, and plain text with unicode, digits, code and odd whitespace."""
     from .. import chat
 
     probes = []
@@ -83,9 +81,15 @@ class _Server:
 
 
 class ServerPool:
-    """The servers of one engine; ``params``: its section of ``infer`` (config.Servers). Called in order: ``_open``,
-    ``_connect`` (on the event loop), ``_acquire``/``_mark_down`` per request, ``_disconnect``, ``_release``. A
-    subclass gives ``name``/``title``, ``_launcher``, ``_read_server`` and ``_server_tokens``."""
+    """The servers of one engine; ``params``: its ``infer`` section (config.Servers). Called in order: ``_open``,
+    ``_connect`` (on the event loop), ``_acquire``/``_mark_down`` per request, ``_disconnect``, ``_release``.
+
+    A subclass gives ``name``, ``title`` and
+        ``_launcher()``                 the LaunchedServer (launch.py) for ``params.launch``
+        ``async _read_server(server)``  fill its ``model_info``, ``server_info``, ``identity``; ServerError if it
+                                        cannot serve this run
+        ``async _server_tokens(server)``  its ids for each of ``self._probes`` (no special tokens added)
+    """
     name = title = "server"
 
     def __init__(self, params, tokenizer):
@@ -107,8 +111,8 @@ class ServerPool:
 
     # ---- lifetime -------------------------------------------------------------------------------------------
     def _open(self) -> None:
-        """Launch the server if asked (then ``urls`` is its url, and in the main thread, where SIGTERM has its default
-        action, SIGTERM a SystemExit); tokenize the probes; list the servers."""
+        """Launch the server if asked (``urls`` becomes its url; in the main thread a default SIGTERM becomes a
+        SystemExit); tokenize the probes; list the servers."""
         if self.launch:
             if threading.current_thread() is threading.main_thread() and \
                     signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # SystemExit: the engine's close stops it
@@ -130,8 +134,7 @@ class ServerPool:
             self._old_sigterm = None
 
     async def _disconnect(self, tasks) -> None:
-        """Stop watching the servers out of rotation, wait for them and for ``tasks`` (the engine's requests still on
-        their way), close the connections."""
+        """Cancel the recoveries, wait for them and ``tasks`` (requests still on their way), close the session."""
         pending = [s.recovery for s in self._servers if s.recovery is not None]
         for task in pending:
             task.cancel()
@@ -168,7 +171,7 @@ class ServerPool:
     async def _wait_healthy(self, server: _Server, deadline: float) -> None:
         wait, last = 0.25, "no answer yet"
         while True:
-            if self._launched is not None and self._launched.exited():
+            if self._launched is not None and self._launched.returncode() is not None:
                 raise ServerError(f"the launched server exited with code {self._launched.returncode()}; "
                                   f"the end of {self._launched.log_path}:\n{self._launched.tail()}")
             try:
@@ -284,17 +287,3 @@ class ServerPool:
                 raise ServerError(f"no {self.title} server left: "
                                   + "; ".join(f"{s.url}: {s.dead}" for s in self._servers))
             await self._changed.wait()
-
-    # ---- the protocol (each engine's module) -----------------------------------------------------------------
-    def _launcher(self):
-        """The LaunchedServer (engines/launch.py) for ``params.launch``."""
-        raise NotImplementedError
-
-    async def _read_server(self, server: _Server) -> None:
-        """Read what ``server`` serves into ``model_info``, ``server_info`` and ``identity``; ServerError if it
-        cannot serve this run."""
-        raise NotImplementedError
-
-    async def _server_tokens(self, server: _Server) -> list:
-        """The server's ids for each of ``self._probes`` (no special tokens added)."""
-        raise NotImplementedError

@@ -1,13 +1,12 @@
-"""``ServerEngine``: an engine whose target runs on servers (the protocols: sglang.py, vllm.py; the servers: pool.py).
+"""``ServerEngine``: an engine whose target runs on servers (protocols: sglang.py, vllm.py; servers: pool.py).
 
-Every request carries token ids and every sampling parameter explicit; at most ``concurrency`` are in flight, each to
-the server the pool chooses; every answer is checked (the engine's ``_check``) before the driver keeps it.
+Requests carry token ids and every sampling parameter explicit, at most ``concurrency`` in flight; every answer is
+checked (``_check``) before it is kept.
 
-Faults: timeouts, refused/reset connections, HTTP 408/429/5xx, malformed JSON and answers that fail a check are
-retried ``retries`` times with exponential backoff and jitter, then the prompt is a ``Failure`` with every attempt's
-reason. Another 4xx is retried once (with a fresh request id), then it is a failure. A request given up on (a timeout)
-or left behind when the run stops early (a gate, Ctrl-C) is cancelled on the server. A refused connection or an HTTP
-503 takes the server out of rotation (pool.py).
+Timeouts, refused/reset connections, HTTP 408/429/5xx, malformed JSON and failed checks are retried ``retries`` times
+with exponential backoff and jitter, then the prompt is a ``Failure`` with every attempt's reason. Another 4xx is
+retried once (fresh request id). A request given up on (timeout) or left behind when the run stops early (a gate,
+Ctrl-C) is cancelled on the server. A refused connection or HTTP 503 takes the server out of rotation (pool.py).
 """
 from __future__ import annotations
 
@@ -54,8 +53,8 @@ class _Permanent(Exception):
 
 def check_ids(ids: list, finish: str, sampling: Sampling) -> str:
     """Check an answer's ``ids`` and ``finish`` (``stop`` or ``length``): at most ``max_new_tokens`` ids, exactly that
-    many on ``length``, no stop id before the end; BadAnswer otherwise. Returns the record's finish_reason (``stop``
-    when the last allowed id is a stop id, as in the hf engine)."""
+    many on ``length``, no stop id before the end; else BadAnswer. Returns the record's finish_reason (``stop`` when
+    the last allowed id is a stop id, as in the hf engine)."""
     stops = set(sampling.stop_token_ids)
     if len(ids) > sampling.max_new_tokens:
         raise BadAnswer(f"{len(ids)} output ids for max_new_tokens={sampling.max_new_tokens}")
@@ -68,10 +67,16 @@ def check_ids(ids: list, finish: str, sampling: Sampling) -> str:
 
 
 class ServerEngine(ServerPool):
-    """An engine whose target runs on servers; ``params``: its section of ``infer`` (config.Servers). A context
-    manager: entering launches the server if asked and checks every server; leaving closes the connections and stops
-    a launched server. A subclass gives what ServerPool asks and ``_sampling``, ``_request``, ``_check``, ``_meta``,
-    ``_abort_request``."""
+    """A context manager: entering launches the server if asked and checks every server; leaving closes the
+    connections and stops a launched server.
+
+    A subclass gives what ServerPool asks and
+        ``_sampling(sampling, record_id)``           the request's sampling params (dict)
+        ``_request(prompt_ids, params, rid)``        (path, JSON body) of one generation request
+        ``_check(answer, prompt_ids, sampling, rid)``  (output_ids, finish_reason, meta) of an answer, or BadAnswer
+        ``_meta(meta)``                              what of that meta the record keeps
+        ``_abort_request(rid)``                      (path, JSON body) that cancels request ``rid``
+    """
 
     def __init__(self, params, tokenizer):
         super().__init__(params, tokenizer)
@@ -130,7 +135,7 @@ class ServerEngine(ServerPool):
         return portable(self._identity)
 
     def describe(self) -> dict:
-        """What the stage keeps about the servers (engine.json): model_info and server_info of each, as read."""
+        """What the stage keeps about the servers (engine.json)."""
         return portable({"engine": self.name, "identity": self._identity,
                          "launched": self._launched.describe() if self._launched else None,
                          "servers": [{"url": s.url, "model_info": s.model_info, "server_info": s.server_info}
@@ -286,23 +291,3 @@ class ServerEngine(ServerPool):
         task = asyncio.get_running_loop().create_task(abort())
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
-
-    # ---- the protocol of requests (each engine's module) -----------------------------------------------------
-    def _sampling(self, sampling: Sampling, record_id: str) -> dict:
-        raise NotImplementedError
-
-    def _request(self, prompt_ids: list, params: dict, rid: str) -> tuple[str, dict]:
-        """(path, JSON body) of one generation request."""
-        raise NotImplementedError
-
-    def _check(self, answer, prompt_ids: list, sampling: Sampling, rid: str) -> tuple[list, str, dict]:
-        """(output_ids, finish_reason, meta) of a checked answer, or BadAnswer."""
-        raise NotImplementedError
-
-    def _meta(self, meta: dict) -> dict:
-        """What of an answer's metadata the record keeps."""
-        raise NotImplementedError
-
-    def _abort_request(self, rid: str) -> tuple[str, dict]:
-        """(path, JSON body) that cancels request ``rid``."""
-        raise NotImplementedError
