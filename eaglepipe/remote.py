@@ -1,9 +1,10 @@
 """Remote code: the Python files a model folder's ``auto_map`` entries name, run only when trusted.
 
 ``target.trust_remote_code`` decides, in ``admit``: off, a folder that needs code stops the stage before anything is
-loaded; on, the folder is recorded as trusted, every loader passes ``trust_remote_code=trusted(folder)`` and a server
-launched for the target gets ``--trust-remote-code``. Code from another repository (``repo--module.Class``) is
-refused.
+loaded, naming the files and the key; on, the folder is recorded as trusted, every loader passes
+``trust_remote_code=trusted(folder)`` and a server launched for the target gets ``--trust-remote-code``. The ``.py``
+files are part of ``target.fingerprint``, their sha256 (``hashes``) of infer's engine.json. Code from another
+repository (``repo--module.Class``) is refused.
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 import torch
 from transformers import DynamicCache
@@ -60,12 +61,9 @@ class Stats:
         return self
 
     def _add(self, proposed: list, accepted: list):
-        """Add per-position counts, the lists growing to the longer one."""
-        self.proposed += [0] * (len(proposed) - len(self.proposed))
-        self.accepted += [0] * (len(proposed) - len(self.accepted))
-        for i, (p, a) in enumerate(zip(proposed, accepted)):
-            self.proposed[i] += p
-            self.accepted[i] += a
+        """Add per-position counts of equal lengths; the lists grow to the longer."""
+        self.proposed = [a + b for a, b in zip_longest(self.proposed, proposed, fillvalue=0)]
+        self.accepted = [a + b for a, b in zip_longest(self.accepted, accepted, fillvalue=0)]
 
     @property
     def acceptance_length(self) -> float:

@@ -97,7 +97,7 @@ def weight_digest(path: Path) -> str:
 
 
 def checked(model: str, trust_remote_code: bool = False) -> Path:
-    """The model folder of ``target.model`` (``resolve``), once ``compat.check`` passes."""
+    """The model folder of ``target.model`` (``resolve``), once ``compat.check`` passes (before anything loads)."""
     folder = resolve(model, trust_remote_code)
     compat.check(folder)
     return folder
