@@ -31,17 +31,17 @@ $(VLLM_VENV)/.installed: requirements-vllm.txt tools/install.sh
 
 vllm-venv: $(VLLM_VENV)/.installed
 
-# eaglepipe/repro.py: the stages that will run with an estimate of each first, a summary of the result last.
+# eaglepipe/tools/repro.py: the stages that will run with an estimate of each first, a summary of the result last.
 repro: venv vllm-venv
-	python -m eaglepipe.repro
+	python -m eaglepipe.tools.repro
 
 # `make infer` runs one stage, re-running only the stale stages upstream of it. `NPROC=8 make hidden` runs the stages
-# that dvc.yaml starts through eaglepipe.runtime under torchrun with 8 processes (a speed knob: nothing is invalidated).
+# that dvc.yaml starts through eaglepipe.core.runtime under torchrun with 8 processes (a speed knob: nothing is invalidated).
 ifdef NPROC
 export EAGLEPIPE_NPROC := $(NPROC)
 endif
 $(STAGES): venv vllm-venv
-	python -m eaglepipe.repro $@
+	python -m eaglepipe.tools.repro $@
 
 test: venv vllm-venv
 	python -m pytest -q tests
@@ -70,12 +70,12 @@ inspect: venv
 
 # Every params key with its type, default and meaning.
 params: venv
-	python -m eaglepipe.config
+	python -m eaglepipe.core.config
 
 # Before a run: tokens to generate and train, the disk of the hidden states, hours at measured or given speeds
-# (eaglepipe/plan.py; `make plan ARGS="--target recipes/kimi-k2.5/config.json --samples 88000"`).
+# (eaglepipe/tools/plan.py; `make plan ARGS="--target recipes/kimi-k2.5/config.json --samples 88000"`).
 plan: venv
-	python -m eaglepipe.plan $(ARGS)
+	python -m eaglepipe.tools.plan $(ARGS)
 
 # The figures a version is compared by, one per line (DVC's own table is one row per file, thousands of columns), and
 # the last run's speed and memory of each stage.

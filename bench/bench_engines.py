@@ -22,12 +22,16 @@ from pathlib import Path
 import click
 import torch
 
-from eaglepipe import chat, config, derive, infer, target
+from eaglepipe.target import chat
+from eaglepipe.core import config
+from eaglepipe.text import derive
+from eaglepipe.infer import run as infer
+from eaglepipe.target import model as target
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
 from eaglepipe.engines.vllm import VLLMEngine
-from eaglepipe.gates import Gates
-from eaglepipe.records import read_prompts
+from eaglepipe.infer.gates import Gates
+from eaglepipe.core.records import read_prompts
 
 
 def timed(prompts, engine, tokenizer, sampling, limits) -> tuple[int, float, dict]:

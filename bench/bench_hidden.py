@@ -20,8 +20,12 @@ import click
 import numpy as np
 import torch
 
-from eaglepipe import config, features, hidden, sequences, target
-from eaglepipe.engines import states
+from eaglepipe.core import config
+from eaglepipe.hidden import layout as features
+from eaglepipe.hidden import extract as hidden
+from eaglepipe.dataset import sequences
+from eaglepipe.target import model as target
+from eaglepipe.hidden import vllm_source as states
 
 
 def load_samples(folder, n, seed):

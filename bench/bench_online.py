@@ -17,7 +17,13 @@ from pathlib import Path
 import click
 import torch
 
-from eaglepipe import config, features, hidden, runtime, speculative, target, train
+from eaglepipe.core import config
+from eaglepipe.hidden import layout as features
+from eaglepipe.hidden import extract as hidden
+from eaglepipe.core import runtime
+from eaglepipe.evaluate import decode as speculative
+from eaglepipe.target import model as target
+from eaglepipe.drafter import train
 from harness import acceptances, decoded_sets, ngram, print_table
 
 
@@ -31,7 +37,7 @@ def main(params, sequences, decoded, epochs):
     p = cfg.train.model_copy(update={"epochs": epochs or cfg.train.epochs})
     folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     rt = runtime.Runtime()
-    states_model = runtime.load_states_target(folder, cfg.hidden.compute_dtype, rt)
+    states_model = target.load_states_target(folder, cfg.hidden.compute_dtype, rt)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -13,7 +13,10 @@ import time
 import click
 import torch
 
-from eaglepipe import config, speculative, target, train
+from eaglepipe.core import config
+from eaglepipe.evaluate import decode as speculative
+from eaglepipe.target import model as target
+from eaglepipe.drafter import train
 from harness import acceptances, decoded_sets, ngram, print_table
 
 # name -> overrides of the train params

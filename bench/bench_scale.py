@@ -15,8 +15,11 @@ import time
 import click
 import torch
 
-from eaglepipe import config, speculative, target, train
-from eaglepipe.records import prompt_of, sample_of
+from eaglepipe.core import config
+from eaglepipe.evaluate import decode as speculative
+from eaglepipe.target import model as target
+from eaglepipe.drafter import train
+from eaglepipe.core.records import prompt_of, sample_of
 from harness import acceptances, decoded_sets, ngram, print_table
 
 

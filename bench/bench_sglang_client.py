@@ -23,7 +23,8 @@ import click
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from eaglepipe import config, target
+from eaglepipe.core import config
+from eaglepipe.target import model as target
 from eaglepipe.engines import Output, Sampling
 from eaglepipe.engines.sglang import SGLangEngine
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the SGLang stand-in, a test double

@@ -14,7 +14,12 @@ import time
 import click
 import torch
 
-from eaglepipe import config, features, sequences, target, train, ttt
+from eaglepipe.core import config
+from eaglepipe.hidden import layout as features
+from eaglepipe.dataset import sequences
+from eaglepipe.target import model as target
+from eaglepipe.drafter import train
+from eaglepipe.drafter.eagle3 import ttt
 
 
 def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:

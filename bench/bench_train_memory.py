@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 import yaml
 
-from eaglepipe import shards
+from eaglepipe.dataset import shards
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
 """Benchmark: how the train stage scales with processes. It runs the stage as dvc.yaml does
-(``python -m eaglepipe.runtime stages/train.py``) on the same hidden states at 1 process and at ``--nproc`` processes
+(``python -m eaglepipe.core.runtime stages/train.py``) on the same hidden states at 1 process and at ``--nproc`` processes
 (torchrun, DDP, gloo on CPU), each with ``--threads`` torch threads, and prints the scaling efficiency:
 
     efficiency = (tokens/s at N processes) / (N x tokens/s at 1 process)
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_stage(work: Path, hidden: Path, nproc: int, threads: int) -> dict:
     name = f"nproc{nproc}"
-    cmd = [sys.executable, "-m", "eaglepipe.runtime", "stages/train.py", "--params", str(work / "params.yaml"),
+    cmd = [sys.executable, "-m", "eaglepipe.core.runtime", "stages/train.py", "--params", str(work / "params.yaml"),
            "--hidden", str(hidden), "--sequences", "data/sequences", "--out", str(work / name),
            "--metrics", str(work / f"{name}.json"),
            "--plots", str(work / f"{name}-plots.json"), "--timings", str(work / f"{name}-timings.json"),

@@ -2,7 +2,7 @@
 
 All of evaluate's held-out prompts (``--prompts``), all 80 MT-bench questions (both turns: turn 2 asked after the
 target's own greedy turn-1 answer, as evaluate asks it) and all 164 HumanEval problems, each answered greedily by vLLM
-(from .venv-vllm, started as the serve check starts it: eaglepipe/serve.py) once per method: plain decoding; the
+(from .venv-vllm, started as the serve check starts it: eaglepipe/evaluate/serve.py) once per method: plain decoding; the
 trained drafter (eagle3, evaluate.num_steps draft tokens); prompt lookup (vLLM's ngram method with evaluate.ngram's
 bounds and as many draft tokens). vLLM's suffix method is left out: it needs Arctic Inference (arctic-inference),
 which PyPI ships for vLLM's CPU build only as source. GSM8K is left out: no package on PyPI ships its test split
@@ -10,7 +10,7 @@ which PyPI ships for vLLM's CPU build only as source. GSM8K is left out: no pack
 
 Per benchmark, per category and, for MT-bench, per turn: acceptance length (tokens emitted over decode steps,
 evaluate's definition, where a step that proposed nothing emits one token) with its standard error over conversations
-(eaglepipe/uncertainty.py), and whether each output equals plain decoding's; the drafter's minus prompt lookup's,
+(eaglepipe/core/uncertainty.py), and whether each output equals plain decoding's; the drafter's minus prompt lookup's,
 paired over the same conversations, and whether it exceeds twice its error (with ``--against LABEL=PATH``, another
 drafter, a lever's, decoded too and compared with both; with ``--crossing LABEL=RATIO``, where a straight line in
 log2 of the trained tokens through the two drafters reaches prompt lookup); per benchmark and method, tokens/s at
@@ -26,9 +26,15 @@ from pathlib import Path
 
 import click
 
-from eaglepipe import benchmarks, config, derive, evaluate, serve, target, uncertainty
+from eaglepipe.dataset import benchmarks
+from eaglepipe.core import config
+from eaglepipe.text import derive
+from eaglepipe.evaluate import run as evaluate
+from eaglepipe.evaluate import serve
+from eaglepipe.target import model as target
+from eaglepipe.core import uncertainty
 from eaglepipe.engines import Sampling
-from eaglepipe.records import write_json
+from eaglepipe.core.records import write_json
 
 SETS = ("heldout", "mtbench", "humaneval")
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import yaml
 
-from eaglepipe import config, speculative, uncertainty
-from eaglepipe.records import read_jsonl
+from eaglepipe.core import config
+from eaglepipe.evaluate import decode as speculative
+from eaglepipe.core import uncertainty
+from eaglepipe.core.records import read_jsonl
 
 STAGES = ["prepare", "infer", "merge", "hidden", "train", "evaluate"]
 
@@ -139,5 +141,5 @@ def env(cache=None, **extra) -> dict:
 
 
 def distributed(commands: dict[str, list[str]]) -> list[str]:
-    """The stages whose dvc.yaml command starts them through eaglepipe.runtime (torchrun under EAGLEPIPE_NPROC)."""
-    return [name for name, cmd in commands.items() if cmd[1:3] == ["-m", "eaglepipe.runtime"]]
+    """The stages whose dvc.yaml command starts them through eaglepipe.core.runtime (torchrun under EAGLEPIPE_NPROC)."""
+    return [name for name, cmd in commands.items() if cmd[1:3] == ["-m", "eaglepipe.core.runtime"]]

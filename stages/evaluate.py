@@ -1,16 +1,22 @@
 """evaluate: speculative decoding with the trained drafter on the benchmarks of evaluate.benchmarks
-(eaglepipe/benchmarks.py), against plain greedy decoding and a prompt-lookup (n-gram) drafter, with the real target
-(definitions: eaglepipe/speculative.py). Fails when any speculative output differs from plain greedy. Runs as one
-process or under torchrun, whose ranks share the conversations (eaglepipe/runtime.py)."""
+(eaglepipe/dataset/benchmarks.py), against plain greedy decoding and a prompt-lookup (n-gram) drafter, with the real target
+(definitions: eaglepipe/evaluate/decode.py). Fails when any speculative output differs from plain greedy. Runs as one
+process or under torchrun, whose ranks share the conversations (eaglepipe/core/runtime.py)."""
 import logging
 from pathlib import Path
 
 import click
 import torch
 
-from eaglepipe import benchmarks, cli, config, derive, evaluate, runtime, target
-from eaglepipe.errors import UserError
-from eaglepipe.records import write_json, write_jsonl
+from eaglepipe.dataset import benchmarks
+from eaglepipe.core import cli
+from eaglepipe.core import config
+from eaglepipe.text import derive
+from eaglepipe.evaluate import run as evaluate
+from eaglepipe.core import runtime
+from eaglepipe.target import model as target
+from eaglepipe.core.errors import UserError
+from eaglepipe.core.records import write_json, write_jsonl
 
 
 @click.command(help=__doc__)
@@ -38,7 +44,7 @@ def main(params, prompts, draft_folder, report, positions, decoded, timings):
     spec = derive.spec_from_params(cfg.target.reasoning)
     chat = evaluate.Chat(tokenizer, cfg.target.chat_template_kwargs, spec, target.stop_ids(folder, tokenizer))
     with runtime.start(cfg.runtime.device) as rt:
-        model = runtime.load_target(folder, "float32", rt, cfg.runtime.device_map)
+        model = target.load_target(folder, "float32", rt, cfg.runtime.device_map)
         drafter = evaluate.load_drafter(draft_folder, model)
         metrics = evaluate.run(conversations, chat, model, drafter, p, rt)
     if rt.is_main:

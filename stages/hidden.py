@@ -1,15 +1,18 @@
 """hidden: the target's hidden states on the merged sequences, for training the drafter (format and layer
-convention: eaglepipe/features.py), from an in-process forward (hidden.engine: hf) or a vLLM server (vllm:
-eaglepipe/engines/states.py). Finished shards are kept in the cache as they are written, so a rerun resumes.
-The hf engine runs as one process or under torchrun, whose ranks share the shards (eaglepipe/runtime.py). With
+convention: eaglepipe/hidden/layout.py), from an in-process forward (hidden.engine: hf) or a vLLM server (vllm:
+eaglepipe/hidden/vllm_source.py). Finished shards are kept in the cache as they are written, so a rerun resumes.
+The hf engine runs as one process or under torchrun, whose ranks share the shards (eaglepipe/core/runtime.py). With
 train.features: online it extracts nothing (train computes the states itself) and publishes an index saying so."""
 import logging
 
 import click
 
-from eaglepipe import cli, hidden, runtime, target
-from eaglepipe.engines import states
-from eaglepipe.errors import UserError
+from eaglepipe.core import cli
+from eaglepipe.hidden import extract as hidden
+from eaglepipe.core import runtime
+from eaglepipe.target import model as target
+from eaglepipe.hidden import vllm_source as states
+from eaglepipe.core.errors import UserError
 
 
 @click.command(help=__doc__)
@@ -38,7 +41,7 @@ def main(params, seq_folder, out, report, timings, cache):
             with states.VLLMStates(folder, cfg.hidden, dtype, cache) as source:
                 rep = hidden.run(seq_folder, out, source, cfg.hidden, target.fingerprint(folder), cache, rt)
         else:
-            model = runtime.load_states_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
+            model = target.load_states_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
             rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
     if rt.is_main:
         cli.publish(rep, report, timings)

@@ -1,16 +1,22 @@
 """infer: the target regenerates `infer.samples` answers to every prompt (to its last turn, or to every turn in order
-under infer.turns: all), token-exact, resumable and incremental (eaglepipe/infer.py); records as in
-eaglepipe/records.py (Response)."""
+under infer.turns: all), token-exact, resumable and incremental (eaglepipe/infer/run.py); records as in
+eaglepipe/core/records.py (Response)."""
 import logging
 from pathlib import Path
 
 import click
 
-from eaglepipe import cli, derive, infer, remote, runtime, target
-from eaglepipe.engines import Sampling, table
-from eaglepipe.errors import UserError
-from eaglepipe.gates import Gates
-from eaglepipe.records import read_prompts, write_json, write_jsonl
+from eaglepipe.core import cli
+from eaglepipe.text import derive
+from eaglepipe.infer import run as infer
+from eaglepipe.target import remote
+from eaglepipe.core import runtime
+from eaglepipe.target import model as target
+from eaglepipe.engines import Sampling
+from eaglepipe.engines import table
+from eaglepipe.core.errors import UserError
+from eaglepipe.infer.gates import Gates
+from eaglepipe.core.records import read_prompts, write_json, write_jsonl
 
 
 @click.command(help=__doc__)

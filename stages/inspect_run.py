@@ -12,8 +12,10 @@ from pathlib import Path
 
 import click
 
-from eaglepipe import inspect as insp
-from eaglepipe import config, derive, target
+from eaglepipe.tools import inspect as insp
+from eaglepipe.core import config
+from eaglepipe.text import derive
+from eaglepipe.target import model as target
 
 
 @click.command(help=__doc__)

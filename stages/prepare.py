@@ -1,12 +1,13 @@
 """prepare: mix the prompt sources of `prepare.sources` into one prompts file (quotas, de-duplication, seeded
-sampling: eaglepipe/prepare.py), benchmark prompts kept out, every record read, skipped or chosen counted."""
+sampling: eaglepipe/dataset/prepare.py), benchmark prompts kept out, every record read, skipped or chosen counted."""
 import logging
 
 import click
 
-from eaglepipe import benchmarks, cli
-from eaglepipe import prepare as lib
-from eaglepipe.records import write_jsonl
+from eaglepipe.dataset import benchmarks
+from eaglepipe.core import cli
+from eaglepipe.dataset import prepare as lib
+from eaglepipe.core.records import write_jsonl
 
 
 @click.command(help=__doc__)

@@ -1,13 +1,15 @@
 """serve: the serve check. vLLM serves the target with the trained drafter on the prompts evaluate decoded; the
 engine's acceptance length must match evaluate's within serve.tolerance and every engine output must equal the plain
-greedy output (eaglepipe/serve.py). Every server it starts is stopped, on success, failure and Ctrl-C."""
+greedy output (eaglepipe/evaluate/serve.py). Every server it starts is stopped, on success, failure and Ctrl-C."""
 import logging
 from pathlib import Path
 
 import click
 
-from eaglepipe import cli, serve, target
-from eaglepipe.errors import UserError
+from eaglepipe.core import cli
+from eaglepipe.evaluate import serve
+from eaglepipe.target import model as target
+from eaglepipe.core.errors import UserError
 
 
 @click.command(help=__doc__)

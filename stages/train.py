@@ -1,6 +1,6 @@
-"""train: the EAGLE-3 drafter on the target's stored hidden states, with training-time test (eaglepipe/train.py); writes
-a checkpoint SGLang and vLLM load as it is (eaglepipe/draft.py). Checkpointed as it goes: a rerun resumes, at any number
-of processes (exactly at the same number). Runs as one process or under torchrun (DDP; eaglepipe/runtime.py)."""
+"""train: the EAGLE-3 drafter on the target's stored hidden states, with training-time test (eaglepipe/drafter/train.py); writes
+a checkpoint SGLang and vLLM load as it is (eaglepipe/drafter/eagle3/model.py). Checkpointed as it goes: a rerun resumes, at any number
+of processes (exactly at the same number). Runs as one process or under torchrun (DDP; eaglepipe/core/runtime.py)."""
 import logging
 import os
 import shutil
@@ -8,9 +8,14 @@ from pathlib import Path
 
 import click
 
-from eaglepipe import cli, draft, features, runtime, target, train
-from eaglepipe.config import CACHE
-from eaglepipe.records import write_json
+from eaglepipe.core import cli
+from eaglepipe.drafter.eagle3 import model as draft
+from eaglepipe.hidden import layout as features
+from eaglepipe.core import runtime
+from eaglepipe.target import model as target
+from eaglepipe.drafter import train
+from eaglepipe.core.config import CACHE
+from eaglepipe.core.records import write_json
 
 
 @click.command(help=__doc__)
@@ -33,7 +38,7 @@ def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkp
     folder = target.checked(cfg.target.model, cfg.target.trust_remote_code)
     with runtime.start(cfg.runtime.device) as rt:
         if cfg.train.features == "online":
-            model = runtime.load_states_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
+            model = target.load_states_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
             feats = train.Online(seq_folder, model, cfg.hidden)
         else:
             feats = features.Stored(hidden_folder)

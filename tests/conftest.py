@@ -1,7 +1,7 @@
 """Shared fixtures: the embedded target (tokenizer and model loaded once per test session); each test's tier."""
 import pytest
 
-from eaglepipe import target
+from eaglepipe.target import model as target
 
 TIERS = ("unit", "e2e", "engine")
 

@@ -1,8 +1,8 @@
-"""What the end-to-end tests share: for the infer stage against servers (tests/test_sglang_e2e.py,
-tests/test_vllm_engine.py, tests/test_serve.py) running it, reading the generation cache, comparing records, the
-kill -9 and server-restart checks every engine passes, waiting; for stages under torchrun (tests/test_distributed.py,
-tests/test_train.py) finding the ranks' processes; for decoding tests (tests/test_evaluate.py, tests/test_serve.py,
-tests/test_distributed.py) an untrained drafter."""
+"""What the end-to-end tests share: for the infer stage against servers (tests/engines/test_sglang_e2e.py,
+tests/engines/test_vllm_engine.py, tests/evaluate/test_serve.py) running it, reading the generation cache, comparing records, the
+kill -9 and server-restart checks every engine passes, waiting; for stages under torchrun (tests/core/test_distributed.py,
+tests/drafter/test_train.py) finding the ranks' processes; for decoding tests (tests/evaluate/test_evaluate.py, tests/evaluate/test_serve.py,
+tests/core/test_distributed.py) an untrained drafter."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from eaglepipe.records import Prompt, content_id
+from eaglepipe.core.records import Prompt, content_id
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
@@ -108,7 +108,7 @@ def server_restart_mid_run(folder: Path, params: Path, prompts: Path, reference:
 
 def start_vllm(folder, port: int, log: Path, extra_args=(), env=None):
     """A launched vLLM server of ``folder`` as the engine tests run it (float32, eager), started."""
-    from eaglepipe import config
+    from eaglepipe.core import config
     from eaglepipe.engines import vllm
 
     cfg = config.Launch(model_path=str(folder), port=port, log=str(log), stop_timeout_s=30,
@@ -164,7 +164,9 @@ def untrained_drafter(target_folder, layers: list[int], draft_vocab: int = 2048,
     import torch
     from transformers import AutoConfig
 
-    from eaglepipe import draft, draft_init, train
+    from eaglepipe.drafter.eagle3 import model as draft
+    from eaglepipe.drafter.eagle3 import init as draft_init
+    from eaglepipe.drafter import train
 
     tgt = train.target_tensors(target_folder, layers[-1])
     cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), draft_vocab, layers, drafter)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from eaglepipe import target
+from eaglepipe.target import model as target
 from eaglepipe.engines import Output
 
 THINK_TOKENS = ["<think>", "</think>"]

@@ -68,7 +68,7 @@ from aiohttp import web
 
 dumps, loads = orjson.dumps, orjson.loads  # the benchmark wants the server cheap
 
-from eaglepipe import target
+from eaglepipe.target import model as target
 
 log = logging.getLogger("sglang_server")
 
@@ -530,7 +530,7 @@ def parse_args(argv=None):
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--model-path", "--model", dest="model_path", default="embedded",
-                    help="'embedded', a Hugging Face model folder or a .gguf file (eaglepipe.target.resolve)")
+                    help="'embedded', a Hugging Face model folder or a .gguf file (eaglepipe.target.model.resolve)")
     ap.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1, help="recorded in /server_info only")
     ap.add_argument("--dp", "--dp-size", dest="dp", type=int, default=1, help="recorded in /server_info only")
     ap.add_argument("--no-compute", action="store_true", help="answer made-up ids without running the model")

@@ -14,7 +14,7 @@ import logging
 import torch
 from transformers import DynamicCache
 
-from . import Failure, Output, Sampling, seed_for
+from eaglepipe.engines import Failure, Output, Sampling, seed_for
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from .. import remote
-from ..config import CACHE
+from eaglepipe.target import remote
+from eaglepipe.core.config import CACHE
 
 
 def _die_with_parent():  # pragma: no cover - runs in the child between fork and exec

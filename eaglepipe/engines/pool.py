@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from ..errors import UserError
+from eaglepipe.core.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class _Unhealthy(ServerError):
 def tokenizer_probes(tokenizer) -> list[str]:
     """Strings whose ids must be the same on the server and here: the chat template rendered, every special and
     added token, and plain text with unicode, digits, code and odd whitespace."""
-    from .. import chat
+    from eaglepipe.target import chat
 
     probes = []
     for turns in ([{"role": "user", "content": "Hi! What is 2+2?"}],

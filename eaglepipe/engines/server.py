@@ -21,9 +21,9 @@ import aiohttp
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
-from ..config import CACHE
-from . import Failure, Output, Sampling
-from .pool import JSON, ServerError, ServerPool, _Server
+from eaglepipe.core.config import CACHE
+from eaglepipe.engines import Failure, Output, Sampling
+from eaglepipe.engines.pool import JSON, ServerError, ServerPool, _Server
 
 __all__ = ["BadAnswer", "ServerEngine", "ServerError", "_Server", "check_ids"]
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import sys
 
-from . import Sampling, seed_for
-from .launch import LaunchedServer
-from .server import BadAnswer, ServerEngine, ServerError, _Server, check_ids
+from eaglepipe.engines import Sampling, seed_for
+from eaglepipe.engines.launch import LaunchedServer
+from eaglepipe.engines.server import BadAnswer, ServerEngine, ServerError, _Server, check_ids
 
 # SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET: the number of prompt ids the #10896/#17240 bug puts in front.
 PROMPT_TAIL = 5

@@ -1,30 +1,30 @@
 """The engines ``infer.engine`` chooses from (``ENGINES``: name -> builder from the ``infer`` params), and ``create``.
 
 A new engine is an entry here, its module, and its name in config.py's ``infer.engine`` (a server engine also gets an
-``infer.<name>`` section); tests/test_config.py checks both agree.
+``infer.<name>`` section); tests/core/test_config.py checks both agree.
 """
 from __future__ import annotations
 
-from .launch import servers
-from .sglang import SGLangEngine
-from .vllm import VLLMEngine
+from eaglepipe.engines.launch import servers
+from eaglepipe.engines.sglang import SGLangEngine
+from eaglepipe.engines.vllm import VLLMEngine
 
 
 def _hf(params, folder, tokenizer, rt):
     """in-process Hugging Face: the target on runtime.device, in infer.dtype (engines/hf.py)."""
     from contextlib import nullcontext
 
-    from .. import runtime
-    from .hf import HFEngine
+    from eaglepipe.engines.hf import HFEngine
+    from eaglepipe.target import model as target
 
-    model = runtime.load_target(folder, params.dtype, rt)
+    model = target.load_target(folder, params.dtype, rt)
     return nullcontext(HFEngine(model, tokenizer.pad_token_id, params.batch_size, params.batch_tokens))
 
 
 def _server(engine):
     """The builder of server engine class ``engine`` over ``infer.<engine.name>`` (completed by ``servers``)."""
     def build(params, folder, tokenizer, rt):
-        from .. import runtime
+        from eaglepipe.core import runtime
 
         section = getattr(params, engine.name)
         return engine(servers(section, folder, runtime.compute_dtype(params.dtype, rt.device)), tokenizer)

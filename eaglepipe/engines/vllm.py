@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-from ..families import composite, load_config, of
-from . import Sampling, seed_for
-from .launch import LaunchedServer
-from .server import BadAnswer, ServerEngine, ServerError, _Server, check_ids
+from eaglepipe.core.errors import UserError
+from eaglepipe.target.families import composite, load_config, of
+from eaglepipe.engines import Sampling, seed_for
+from eaglepipe.engines.launch import LaunchedServer
+from eaglepipe.engines.server import BadAnswer, ServerEngine, ServerError, _Server, check_ids
 
 VENV = Path(".venv-vllm")
 """vLLM's environment, made by ``make vllm-venv`` (requirements-vllm.txt)."""

@@ -1,0 +1,1 @@
+"""The pieces every stage shares: params, errors, records, hashing, the stages' code, the runtime, statistics."""

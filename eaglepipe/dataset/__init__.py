@@ -1,0 +1,1 @@
+"""Prompts and training sequences: sources and formats, benchmarks, prepare, merge, sequences, shards."""

@@ -1,0 +1,1 @@
+"""The drafter: one folder per algorithm, and the training run."""

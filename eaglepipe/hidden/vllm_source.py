@@ -1,0 +1,190 @@
+"""``hidden.engine: vllm``: the target's hidden states from a vLLM server instead of an in-process forward.
+
+The server runs vLLM's ``extract_hidden_states`` with the project's KV connector (``server_args``; states_connector.py).
+Each sequence is one request through infer's vLLM client for one greedy token, naming the file its states go to. The
+server captures the inputs of the ``features.layer_ids`` layers and the last layer's output; ``VLLMStates`` turns them
+into what the hf engine computes: ``aux`` the three layers' states, ``final`` the last one through the target's final
+RMS norm, ``top`` the argmax of the head over it (norm and head from the checkpoint, float32). Ids or layers other
+than those sent fail the sequence. The server's greedy last token is compared with ``top``: disagreements are counted
+(``last_token_disagreements``) and, above ``MOST_DISAGREEMENTS`` of 8 or more sequences, stop the stage. A server
+given by url must share this machine's filesystem and run with ``server_args``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from eaglepipe.target import compat
+from eaglepipe.target import families
+from eaglepipe.core.errors import UserError
+from eaglepipe.engines import Failure, Sampling
+from eaglepipe.engines.launch import servers
+from eaglepipe.engines.server import BadAnswer, ServerError
+from eaglepipe.hidden import connector as states_connector
+from eaglepipe.hidden.connector import NAME, PATH_KEY, read
+from eaglepipe.engines.vllm import VLLMEngine, check_answer, launched
+
+log = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parent.parent.parent
+MOST_DISAGREEMENTS = 0.5  # the share of sequences whose last token may differ from the server's
+
+
+def server_args(layers: list[int]) -> list[str]:
+    """The vLLM arguments that capture the states of ``layers`` (Hugging Face ``hidden_states`` ids; the layer count
+    is the last layer's output) and write them through the connector."""
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}}
+    kv = {"kv_connector": NAME, "kv_connector_module_path": "eaglepipe.hidden.connector",
+          "kv_role": "kv_producer"}
+    return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
+
+
+class StatesEngine(VLLMEngine):
+    """vLLM's client whose requests name their states file (``folder/<record id>.safetensors``) and whose answers must
+    say where it was written; a launched server gets ``server_args`` and this repository on its PYTHONPATH."""
+    name, title = "vllm", "vLLM (hidden states)"
+
+    def __init__(self, params, tokenizer, layers: list[int], folder: Path, interpreter: str | None = None):
+        super().__init__(params, tokenizer, interpreter)
+        self.layers, self.folder = list(layers), Path(folder)
+
+    def _launcher(self):
+        server = launched(self.launch, self.interpreter)
+        server.extra_args += server_args(self.layers)
+        server.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        return server
+
+    async def _read_server(self, server):
+        """Also: one probe request, whose states must come back from ``layers``; otherwise the server is refused."""
+        import asyncio
+
+        await super()._read_server(server)
+        rid = f"probe-{os.getpid()}-{server.url.rsplit(':', 1)[-1]}"
+        path, body = self._request(self._probe_ids[0] or [0], self._sampling(Sampling(max_new_tokens=1), rid), rid)
+        answer = await self._post_json(server, path, body)
+        where = _states_path(answer)
+        if not where:
+            raise ServerError(f"{server.url} captures no hidden states (its answer names no states file): start it "
+                              "with eaglepipe.hidden.vllm_source.server_args, as hidden.vllm.launch does")
+        try:
+            layers = (await asyncio.to_thread(read, where, self.timeout_s))[2]
+        finally:
+            Path(where).unlink(missing_ok=True)
+        if layers != self.layers:
+            raise ServerError(f"{server.url} captures layers {layers}, not {self.layers} (hidden.layers and the "
+                              "layer count): restart it with eaglepipe.hidden.vllm_source.server_args")
+
+    def _request(self, prompt_ids, params, rid):
+        path, body = super()._request(prompt_ids, params, rid)
+        return path, {**body, "kv_transfer_params": {PATH_KEY: str(self.folder / f"{rid}.safetensors")}}
+
+    def _check(self, answer, prompt_ids, sampling, rid):
+        ids, reason, meta = check_answer(answer, prompt_ids, sampling, rid)
+        where = _states_path(answer)
+        if not where:
+            raise BadAnswer("the answer names no states file (kv_transfer_params.states_path): start the server "
+                            "with eaglepipe.hidden.vllm_source.server_args")
+        return ids, reason, {**meta, PATH_KEY: where}
+
+
+def _states_path(answer) -> str | None:
+    """Where the server wrote an answer's states (its ``kv_transfer_params``), or None."""
+    return (answer.get("kv_transfer_params") or {}).get(PATH_KEY) if isinstance(answer, dict) else None
+
+
+class VLLMStates:
+    """hidden.run's states source on vLLM; a context manager that closes the engine (and a launched server) and
+    removes its folder of files in flight."""
+
+    def __init__(self, folder: Path, params, compute_dtype: str, cache_root: Path, interpreter: str | None = None):
+        """``params``: the ``hidden`` section (config.Hidden); ``compute_dtype``: the served dtype (--dtype)."""
+        from eaglepipe.target.model import load_tokenizer
+
+        self.config = families.load_config(folder)
+        text = families.text_config(self.config)
+        self.num_layers = text.num_hidden_layers
+        self.head, self.norm = compat.head_and_norm(folder)
+        self.eps = float(text.rms_norm_eps)
+        self.timeout_s = params.vllm.timeout_s
+        self.files = Path(cache_root) / f"states-{os.getpid()}"
+        for stale in Path(cache_root).glob("states-*"):  # a killed run's, whose process is gone
+            if stale.is_dir() and not _alive(stale.name.split("-", 1)[1]):
+                shutil.rmtree(stale, ignore_errors=True)
+        self.layers = None
+        self._params, self._folder, self._dtype, self._interpreter = params, folder, compute_dtype, interpreter
+        self._tokenizer = load_tokenizer(folder)
+        self.engine = None
+        self.report = {"last_token_disagreements": 0}
+        self.code = ("hidden.vllm_source", "hidden.connector")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.engine is not None:
+            self.engine.close()
+        shutil.rmtree(self.files, ignore_errors=True)
+        return False
+
+    @property
+    def dtype(self) -> str:
+        """What besides the params decides the states (hidden's fingerprint): the engine, its version, the dtype."""
+        return f"vllm {self._engine().identity().get('vllm_version')} {self._dtype}"
+
+    def _engine(self) -> StatesEngine:
+        if self.engine is None:
+            from eaglepipe.hidden import layout as features
+
+            self.layers = features.layer_ids(self._params.layers, self.num_layers)
+            section = servers(self._params.vllm, self._folder, self._dtype)
+            self.engine = StatesEngine(section, self._tokenizer, [*self.layers, self.num_layers], self.files,
+                                       self._interpreter).start()
+        return self.engine
+
+    def states(self, samples: list, layers: list[int], batch_tokens: int):
+        """Yield (index into ``samples`` = [(key, ids, mask)], (aux, final, top) or the reason it failed), as the
+        server answers, ``hidden.vllm.concurrency`` in flight (``batch_tokens`` is the hf engine's)."""
+        engine = self._engine()
+        if layers != self.layers:
+            raise ValueError(f"the server captures layers {self.layers}, not {layers}")
+        sampling = Sampling(temperature=0.0, max_new_tokens=1)
+        done = 0
+        for i, out in engine.stream([list(map(int, s[1])) for s in samples], sampling, [s[0] for s in samples]):
+            if isinstance(out, Failure):
+                yield i, out.reason
+                continue
+            path = out.meta[PATH_KEY]
+            try:
+                got, ids, captured = read(path, self.timeout_s)
+            finally:
+                Path(path).unlink(missing_ok=True)
+            sent = torch.as_tensor(samples[i][1]).long()
+            if captured != [*layers, self.num_layers] or not torch.equal(ids, sent):
+                yield i, (f"the server captured layers {captured} of {ids.numel()} ids, not "
+                          f"{[*layers, self.num_layers]} of the {sent.numel()} sent")
+                continue
+            final = F.rms_norm(got[:, 3].float(), self.norm.shape, self.norm, self.eps)  # every served family's
+            top = torch.cat([(final[r:r + 512] @ self.head.T).argmax(-1) for r in range(0, len(final), 512)])
+            self.report["last_token_disagreements"] += int(top[-1]) != out.output_ids[0]
+            done += 1
+            yield i, (got[:, :3].flatten(1), final, top)
+        if self.report["last_token_disagreements"] > MOST_DISAGREEMENTS * max(done, 1) and done >= 8:
+            raise UserError(f"hidden (vllm): the head over the normed last state picks the server's own next token on "
+                            f"only {done - self.report['last_token_disagreements']} of {done} sequences: the target's "
+                            "final norm or head is not the RMS norm and head read from its checkpoint")
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,172 @@
+"""Which targets the pipeline serves (``check``, run before the target is loaded).
+
+A decoder-only causal LM that transformers loads (``AutoModelForCausalLM``), or a composite of
+``families.COMPOSITES`` served text-only through its language model (``AutoModelForImageTextToText``), with at least
+``MIN_LAYERS`` decoder layers, RMS norms, a ``silu`` gated MLP, rotary position embeddings over the whole head, and
+safetensors weights holding the embedding, the final norm and the head (or tied embeddings) under the names ``names``
+finds, stored as floats (``FLOAT_DTYPES``; FP8 layers: quant.py). Anything else raises ``UnsupportedTarget``.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from eaglepipe.target import families
+from eaglepipe.core.errors import UserError
+
+
+@dataclass(frozen=True)
+class Names:
+    """The names of the weights train reads: the embedding, the final norm, the head, and the decoder layers' prefix."""
+    embed: str
+    norm: str
+    head: str
+    layers: str
+
+
+PREFIXES = (("model.", "lm_head.weight"),  # a text-only checkpoint
+            ("model.language_model.", "lm_head.weight"),  # transformers' composites (Qwen3-VL, Kimi-K2.5 as saved)
+            ("language_model.model.", "language_model.lm_head.weight"))  # Kimi-K2.5 as published
+"""Where a checkpoint keeps its language model (its ``embed_tokens``, ``norm``, ``layers``) and its head."""
+
+
+def names(stored) -> Names:
+    """The ``Names`` in ``stored`` (tensor names): under the first of ``PREFIXES`` with an embedding (else the
+    text-only names), decoder layers under ``layers.``, or ``blocks.`` where only that is stored (Kimi-K2.5 as
+    transformers saves it)."""
+    prefix, head = next(((p, h) for p, h in PREFIXES if p + "embed_tokens.weight" in stored), PREFIXES[0])
+    layers = "blocks." if not any(n.startswith(prefix + "layers.") for n in stored) and \
+        any(n.startswith(prefix + "blocks.") for n in stored) else "layers."
+    return Names(prefix + "embed_tokens.weight", prefix + "norm.weight", head, prefix + layers)
+
+
+MIN_LAYERS = 4
+FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors dtype names of the weights train reads as they are
+
+
+class UnsupportedTarget(UserError):
+    """The target is one the pipeline cannot serve (``check``); the message names the folder and the reason."""
+
+
+def weights(folder: Path) -> dict[str, tuple[str, str, tuple]]:
+    """Every tensor of the target's safetensors files: name -> (file, safetensors dtype, shape), from the headers."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]
+    if not (folder / files[0]).exists():
+        raise UnsupportedTarget(f"target {folder}: no safetensors weights (model.safetensors or its index): train "
+                                "reads the target's embedding, head and one layer from them")
+    found = {}
+    for file in files:
+        with safe_open(str(folder / file), framework="pt") as f:
+            for name in f.keys():
+                view = f.get_slice(name)
+                found[name] = (file, view.get_dtype(), tuple(view.get_shape()))
+    return found
+
+
+def read(folder: Path, wanted: dict, stored: dict | None = None) -> dict:
+    """{key: tensor} for ``wanted`` = {key: weight name} (names the files lack left out) from the target's
+    safetensors files (``stored``: ``weights(folder)`` if not given); an FP8 weight with block scales comes
+    dequantized to float32 (quant.py)."""
+    from safetensors import safe_open
+
+    from eaglepipe.target import quant
+
+    folder = Path(folder)
+    stored = weights(folder) if stored is None else stored
+    wanted = {**wanted, **{k + quant.SCALE: n + quant.SCALE for k, n in wanted.items() if n + quant.SCALE in stored}}
+    by_file = {}
+    for key, name in wanted.items():
+        if name in stored:
+            by_file.setdefault(stored[name][0], {})[key] = name
+    found = {}
+    for file, names_ in by_file.items():
+        with safe_open(str(folder / file), framework="pt") as f:
+            found.update({key: f.get_tensor(name) for key, name in names_.items()})
+    for key in [k for k in found if k + quant.SCALE in found]:
+        found[key] = quant.dequantize(found[key], found.pop(key + quant.SCALE), quant.block_size(folder))
+    return found
+
+
+def head_and_norm(folder: Path, stored: dict | None = None) -> tuple:
+    """(the output head, the final norm's weight), float32; the head is the embedding where they are tied."""
+    stored = weights(folder) if stored is None else stored
+    n = names(stored)
+    found = read(folder, {"head": n.head if n.head in stored else n.embed, "norm": n.norm}, stored)
+    return found["head"].float(), found["norm"].float()
+
+
+def check(folder: Path):
+    """The target's (text) transformers config, once every requirement above holds; else ``UnsupportedTarget``
+    naming the first that does not. Reads config.json and the safetensors headers only."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+
+    folder = Path(folder)
+
+    def refuse(reason: str):
+        raise UnsupportedTarget(f"target {folder}: {reason}")
+
+    try:
+        config = families.load_config(folder)
+    except (OSError, ValueError, KeyError) as e:  # no config.json, an unknown model_type
+        refuse(f"transformers cannot read its config.json ({str(e).splitlines()[0][:200]})")
+    kind = config.model_type
+    if getattr(config, "is_encoder_decoder", False):
+        refuse(f"{kind} is an encoder-decoder model; EAGLE-3 drafts for decoder-only targets")
+    composite = families.composite(config)
+    if composite and kind not in families.COMPOSITES:
+        refuse(f"{kind} nests its language model in a composite (multimodal) config; of those, only "
+               f"{', '.join(families.COMPOSITES)} are served (text-only)")
+    if type(config) not in (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if composite else MODEL_FOR_CAUSAL_LM_MAPPING):
+        refuse(f"transformers has no image-text-to-text model for model_type {kind} (AutoModelForImageTextToText), "
+               "which serves a composite's language model" if composite else
+               f"transformers has no causal LM for model_type {kind} (AutoModelForCausalLM): not a decoder-only LM")
+    text = families.text_config(config)
+    for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "rms_norm_eps",
+                  "hidden_act", "max_position_embeddings", "vocab_size", "rope_parameters"):
+        if getattr(text, field, None) is None:
+            refuse(f"its {text.model_type} config has no {field}, which the drafter's Llama config takes from the "
+                   "target")
+    L = text.num_hidden_layers
+    if L < MIN_LAYERS:
+        refuse(f"it has {L} decoder layers, fewer than {MIN_LAYERS}: EAGLE-3 reads the inputs of three distinct "
+               "layers, and layer 0's (the embeddings) is one several SGLang and vLLM models cannot capture")
+    if text.hidden_act != "silu":
+        refuse(f"its MLP activation is {text.hidden_act}; the drafter's Llama layer in SGLang and vLLM has silu only")
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if heads % kv_heads or head_dim % 2:
+        refuse(f"{heads} attention heads over {kv_heads} KV heads of size {head_dim}: the drafter's grouped-query "
+               "attention needs a whole number of query heads per KV head and an even head size (RoPE)")
+    rope = dict(text.rope_parameters)
+    partial = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        refuse(f"its RoPE rotates {partial} of each head; the drafter's Llama attention rotates the whole head")
+    if "mrope_section" in rope and not composite or \
+            rope.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS) or "rope_theta" not in rope:
+        refuse(f"its RoPE {rope} is not one the drafter's Llama attention computes")
+    _check_weights(weights(folder), getattr(config, "tie_word_embeddings", False), text, refuse)
+    return text
+
+
+def _check_weights(stored: dict, tied: bool, text, refuse) -> None:
+    """``check``'s requirements on the safetensors files (``stored``: ``weights``), each failure to ``refuse``."""
+    n = names(stored)
+    for name in (n.embed, n.norm) + (() if tied and n.head not in stored else (n.head,)):
+        if name not in stored:
+            refuse(f"its weights have no {name} (the Hugging Face Llama-style names train reads)")
+        if stored[name][1] not in FLOAT_DTYPES:
+            refuse(f"its {name} is stored as {stored[name][1]}, not as floats (train reads it as it is)")
+    if not any(name.startswith(n.layers) for name in stored):
+        refuse(f"its weights have no {n.layers}* (the decoder layers, one of which the drafter starts from)")
+    if stored[n.embed][2] != (text.vocab_size, text.hidden_size):
+        refuse(f"its {n.embed} is {list(stored[n.embed][2])}, not [vocab_size, hidden_size] "
+               f"[{text.vocab_size}, {text.hidden_size}]")

@@ -1,0 +1,1 @@
+"""Commands outside every stage: make repro, make plan, make inspect."""
