@@ -7,6 +7,7 @@ file counted once). A type the filesystem cannot do fails, and is reported so.
 
     python bench/bench_dvc_cache.py [--gb 2] [--where .cache]
 """
+
 import json
 import os
 import shutil
@@ -54,19 +55,40 @@ def measure(root: Path, link: str, gb: float) -> dict:
     out = dvc(repo, "checkout", "data/hidden")
     checkout_s = time.perf_counter() - start
     if out.returncode or not (data / "train-00000.safetensors").exists():
-        return {"type": link, "works": False, "error": (out.stderr or out.stdout or "checkout restored nothing").strip()
-                .splitlines()[-1][:200]}
-    kind = "symlink" if (data / "train-00000.safetensors").is_symlink() else \
-        "hardlink" if os.stat(data / "train-00000.safetensors").st_nlink > 1 else "copy or reflink"
-    return {"type": link, "works": out.returncode == 0, "workspace_files": kind, "data_mb": round(written),
-            "disk_mb_after_add": round(after), "disk_ratio": round(after / written, 2), "add_s": round(add_s, 1),
-            "add_mb_per_s": round(written / add_s), "checkout_s": round(checkout_s, 1)}
+        return {
+            "type": link,
+            "works": False,
+            "error": (out.stderr or out.stdout or "checkout restored nothing").strip().splitlines()[-1][:200],
+        }
+    kind = (
+        "symlink"
+        if (data / "train-00000.safetensors").is_symlink()
+        else "hardlink"
+        if os.stat(data / "train-00000.safetensors").st_nlink > 1
+        else "copy or reflink"
+    )
+    return {
+        "type": link,
+        "works": out.returncode == 0,
+        "workspace_files": kind,
+        "data_mb": round(written),
+        "disk_mb_after_add": round(after),
+        "disk_ratio": round(after / written, 2),
+        "add_s": round(add_s, 1),
+        "add_mb_per_s": round(written / add_s),
+        "checkout_s": round(checkout_s, 1),
+    }
 
 
 @click.command(help=__doc__)
 @click.option("--gb", default=2.0, show_default=True, help="Size of the data/hidden written for each type.")
-@click.option("--where", default=".cache", show_default=True, type=click.Path(file_okay=False),
-              help="The repositories go in a temporary folder here (the filesystem DVC's cache would be on).")
+@click.option(
+    "--where",
+    default=".cache",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="The repositories go in a temporary folder here (the filesystem DVC's cache would be on).",
+)
 def main(gb, where):
     Path(where).mkdir(parents=True, exist_ok=True)
     results = []
@@ -77,9 +99,11 @@ def main(gb, where):
             print(json.dumps(results[-1]), flush=True)
     for r in results:
         if r.get("works"):
-            print(f"{r['type']:>8}: {r['data_mb']} MB of states take {r['disk_mb_after_add']} MB with DVC's cache "
-                  f"(x{r['disk_ratio']}); dvc add {r['add_s']} s ({r['add_mb_per_s']} MB/s), checkout "
-                  f"{r['checkout_s']} s; workspace files: {r['workspace_files']}")
+            print(
+                f"{r['type']:>8}: {r['data_mb']} MB of states take {r['disk_mb_after_add']} MB with DVC's cache "
+                f"(x{r['disk_ratio']}); dvc add {r['add_s']} s ({r['add_mb_per_s']} MB/s), checkout "
+                f"{r['checkout_s']} s; workspace files: {r['workspace_files']}"
+            )
         else:
             print(f"{r['type']:>8}: does not work here ({r.get('error', 'checkout failed')})")
 

@@ -13,6 +13,7 @@ so vLLM keeps one core for itself). Prints each throughput and its ratio to the 
 token ids of the first run in its dtype (a dtype named twice, or several concurrencies, tell whether its answers
 repeat).
 """
+
 import itertools
 import os
 import tempfile
@@ -22,24 +23,33 @@ from pathlib import Path
 import click
 import torch
 
-from eaglepipe.target import chat
 from eaglepipe.core import config
-from eaglepipe.text import derive
-from eaglepipe.infer import run as infer
-from eaglepipe.target import model as target
+from eaglepipe.core.records import read_prompts
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
 from eaglepipe.engines.vllm import VLLMEngine
+from eaglepipe.infer import run as infer
 from eaglepipe.infer.gates import Gates
-from eaglepipe.core.records import read_prompts
+from eaglepipe.target import chat
+from eaglepipe.target import model as target
+from eaglepipe.text import derive
 
 
 def timed(prompts, engine, tokenizer, sampling, limits) -> tuple[int, float, dict]:
     gates = Gates(config.Gates(warmup=1, every=1, min_reasoning=0, max_truncated=1, max_empty=1), False)
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
-        responses, _ = infer.run(prompts, engine, tokenizer, sampling, derive.spec_from_params("none"), gates,
-                                 infer.Cache(Path(cache)), {}, limits=limits)
+        responses, _ = infer.run(
+            prompts,
+            engine,
+            tokenizer,
+            sampling,
+            derive.spec_from_params("none"),
+            gates,
+            infer.Cache(Path(cache)),
+            {},
+            limits=limits,
+        )
         seconds = time.perf_counter() - start
     return sum(len(r.output_ids) for r in responses), seconds, {r.id: r.output_ids for r in responses}
 
@@ -51,12 +61,24 @@ def timed(prompts, engine, tokenizer, sampling, limits) -> tuple[int, float, dic
 @click.option("--temperature", default=0.8, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--batch-size", default=64, show_default=True, help="hf engine.")
-@click.option("--concurrency", type=int, multiple=True, help="vLLM requests in flight, one run per value "
-              "[default: infer.vllm.concurrency].")
-@click.option("--vllm-threads", type=int, multiple=True, help="OMP_NUM_THREADS of a vLLM server, one run per value "
-              "(0: unset) [default: --threads].")
-@click.option("--vllm-dtype", multiple=True, type=click.Choice(["float32", "bfloat16"]),
-              help="--dtype of a vLLM server, one run per value and per --vllm-threads [default: float32].")
+@click.option(
+    "--concurrency",
+    type=int,
+    multiple=True,
+    help="vLLM requests in flight, one run per value [default: infer.vllm.concurrency].",
+)
+@click.option(
+    "--vllm-threads",
+    type=int,
+    multiple=True,
+    help="OMP_NUM_THREADS of a vLLM server, one run per value (0: unset) [default: --threads].",
+)
+@click.option(
+    "--vllm-dtype",
+    multiple=True,
+    type=click.Choice(["float32", "bfloat16"]),
+    help="--dtype of a vLLM server, one run per value and per --vllm-threads [default: float32].",
+)
 @click.option("--no-hf", is_flag=True, help="Time vLLM only.")
 def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurrency, vllm_threads, vllm_dtype, no_hf):
     folder = target.resolve("embedded").resolve()
@@ -72,8 +94,13 @@ def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurren
     if not no_hf:
         torch.set_num_threads(threads)
         model = target.load_model(folder)
-        runs.append(("hf", f"hf engine (batch {batch_size}, {threads} threads)",
-                     *timed(ps, HFEngine(model, tokenizer.pad_token_id, batch_size), tokenizer, sampling, limits)))
+        runs.append(
+            (
+                "hf",
+                f"hf engine (batch {batch_size}, {threads} threads)",
+                *timed(ps, HFEngine(model, tokenizer.pad_token_id, batch_size), tokenizer, sampling, limits),
+            )
+        )
         del model
     for omp in vllm_threads or (threads,):
         os.environ.pop("OMP_NUM_THREADS", None)
@@ -81,20 +108,31 @@ def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurren
             os.environ["OMP_NUM_THREADS"] = str(omp)  # the launched server inherits it
         concurrencies = concurrency or (config.Infer().vllm.concurrency,)
         for dtype, conc in itertools.product(vllm_dtype or ("float32",), concurrencies):
-            launch = config.Launch(model_path=str(folder), port=8031, extra_args=["--dtype", dtype, "--enforce-eager"],
-                                   log=str(config.CACHE / "vllm" / "bench-engines.log"))
+            launch = config.Launch(
+                model_path=str(folder),
+                port=8031,
+                extra_args=["--dtype", dtype, "--enforce-eager"],
+                log=str(config.CACHE / "vllm" / "bench-engines.log"),
+            )
             servers = config.Servers(launch=launch, concurrency=conc, health_timeout_s=900.0, timeout_s=1800.0)
             with VLLMEngine(servers, tokenizer) as engine:
-                runs.append((dtype, f"vLLM ({dtype}, concurrency {conc}, OMP_NUM_THREADS {omp or 'unset'})",
-                             *timed(ps, engine, tokenizer, sampling, limits)))
+                runs.append(
+                    (
+                        dtype,
+                        f"vLLM ({dtype}, concurrency {conc}, OMP_NUM_THREADS {omp or 'unset'})",
+                        *timed(ps, engine, tokenizer, sampling, limits),
+                    )
+                )
 
     print(f"prompts {len(ps)}, max_new_tokens {max_new_tokens}, temperature {temperature}")
     first, firsts = runs[0][2] / runs[0][3], {}
     for dtype, name, tokens, seconds, answers in runs:
         same = answers == firsts.setdefault(dtype, answers)
-        print(f"{name:60s} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s, "
-              f"x{tokens / seconds / first:.2f} of the first"
-              + ("" if dtype == "hf" else f"; answers {'equal' if same else 'differ from'} the first {dtype} run's"))
+        print(
+            f"{name:60s} {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.1f} tokens/s, "
+            f"x{tokens / seconds / first:.2f} of the first"
+            + ("" if dtype == "hf" else f"; answers {'equal' if same else 'differ from'} the first {dtype} run's")
+        )
 
 
 if __name__ == "__main__":

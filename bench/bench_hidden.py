@@ -11,6 +11,7 @@ With ``--vllm``, also ``hidden.engine: vllm``'s extraction of the same sequences
 started once before the timing and not timed, ``--concurrency`` requests in flight, its prefix cache off: each
 repeat sends the same sequences, which it would otherwise serve from the cache) and its ratio to the hf engine's.
 """
+
 import contextlib
 import json
 import time
@@ -21,11 +22,11 @@ import numpy as np
 import torch
 
 from eaglepipe.core import config
-from eaglepipe.hidden import layout as features
-from eaglepipe.hidden import extract as hidden
 from eaglepipe.dataset import sequences
-from eaglepipe.target import model as target
+from eaglepipe.hidden import extract as hidden
+from eaglepipe.hidden import layout as features
 from eaglepipe.hidden import vllm_source as states
+from eaglepipe.target import model as target
 
 
 def load_samples(folder, n, seed):
@@ -49,13 +50,17 @@ def bare(model, samples, batch_tokens, base_only):
         width = lengths[batch[0]]
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         for row, i in enumerate(batch):
-            ids[row, :lengths[i]] = torch.as_tensor(samples[i][1])
+            ids[row, : lengths[i]] = torch.as_tensor(samples[i][1])
         fwd(input_ids=ids, output_hidden_states=True, use_cache=False)
 
 
 @click.command(help=__doc__)
-@click.option("--sequences", default="data/sequences", show_default=True,
-              help="Merged sequences to read (random ones when the folder has no index.json).")
+@click.option(
+    "--sequences",
+    default="data/sequences",
+    show_default=True,
+    help="Merged sequences to read (random ones when the folder has no index.json).",
+)
 @click.option("--samples", default=48, show_default=True, help="Sequences measured.")
 @click.option("--repeats", default=3, show_default=True, help="Repeats per method; the best time is kept.")
 @click.option("--batch-tokens", default=4096, show_default=True, help="As hidden.batch_tokens.")
@@ -78,10 +83,21 @@ def main(sequences, samples, repeats, batch_tokens, model, threads, with_vllm, c
     }
     with contextlib.ExitStack() as stack:
         if with_vllm:
-            p = config.Hidden(engine="vllm", vllm=config.Servers(concurrency=concurrency, launch=config.Launch(
-                port=30011, extra_args=["--enforce-eager", "--no-enable-prefix-caching"])))
-            source = stack.enter_context(states.VLLMStates(folder, p, "float32",  # as the hf model above
-                                                           config.CACHE / "bench-hidden"))
+            p = config.Hidden(
+                engine="vllm",
+                vllm=config.Servers(
+                    concurrency=concurrency,
+                    launch=config.Launch(port=30011, extra_args=["--enforce-eager", "--no-enable-prefix-caching"]),
+                ),
+            )
+            source = stack.enter_context(
+                states.VLLMStates(
+                    folder,
+                    p,
+                    "float32",  # as the hf model above
+                    config.CACHE / "bench-hidden",
+                )
+            )
             runs["hidden_vllm"] = lambda: hidden.extract_shard(source, items, layers, batch_tokens, "bfloat16")
         for fn in runs.values():  # warm-up (and the server's start)
             fn()
@@ -92,17 +108,24 @@ def main(sequences, samples, repeats, batch_tokens, model, threads, with_vllm, c
                 fn()
                 best[name] = min(best[name], time.perf_counter() - start)
     speed = {k: tokens / v for k, v in best.items()}
-    result = {"data": what, "tokens": tokens, "batch_tokens": batch_tokens, "threads": torch.get_num_threads(),
-              "tokens_per_s": {k: round(v, 1) for k, v in speed.items()},
-              "ratio_vs_bare_forward": round(speed["hidden"] / speed["bare_forward"], 3),
-              "ratio_vs_bare_decoder_stack": round(speed["hidden"] / speed["bare_decoder_stack"], 3)}
+    result = {
+        "data": what,
+        "tokens": tokens,
+        "batch_tokens": batch_tokens,
+        "threads": torch.get_num_threads(),
+        "tokens_per_s": {k: round(v, 1) for k, v in speed.items()},
+        "ratio_vs_bare_forward": round(speed["hidden"] / speed["bare_forward"], 3),
+        "ratio_vs_bare_decoder_stack": round(speed["hidden"] / speed["bare_decoder_stack"], 3),
+    }
     if with_vllm:
         result["ratio_vllm_vs_hf"] = round(speed["hidden_vllm"] / speed["hidden"], 3)
     print(json.dumps(result, indent=2))
     ok = result["ratio_vs_bare_forward"] >= 0.85
-    print(f"hidden: {speed['hidden']:.0f} tokens/s, bare forward with output_hidden_states: "
-          f"{speed['bare_forward']:.0f} tokens/s, ratio {result['ratio_vs_bare_forward']:.3f} "
-          f"({'>=' if ok else '<'} 0.85)")
+    print(
+        f"hidden: {speed['hidden']:.0f} tokens/s, bare forward with output_hidden_states: "
+        f"{speed['bare_forward']:.0f} tokens/s, ratio {result['ratio_vs_bare_forward']:.3f} "
+        f"({'>=' if ok else '<'} 0.85)"
+    )
 
 
 if __name__ == "__main__":

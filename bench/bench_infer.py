@@ -5,6 +5,7 @@
 Both sides decode greedily with the same stop ids and max_new_tokens; both count the tokens up to and including
 the first stop token of each row. Prints both throughputs and their ratio (the goal is >= 0.9).
 """
+
 import tempfile
 import time
 from pathlib import Path
@@ -12,26 +13,31 @@ from pathlib import Path
 import click
 import torch
 
-from eaglepipe.target import chat
 from eaglepipe.core import config
-from eaglepipe.text import derive
-from eaglepipe.infer import run as infer
-from eaglepipe.target import model as target
+from eaglepipe.core.records import read_prompts
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
+from eaglepipe.infer import run as infer
 from eaglepipe.infer.gates import Gates
-from eaglepipe.core.records import read_prompts
+from eaglepipe.target import chat
+from eaglepipe.target import model as target
+from eaglepipe.text import derive
 
 
 def bare_loop(model, tokenizer, ids, batch_size, max_new_tokens, stops) -> tuple[int, float]:
     tokens, start = 0, time.perf_counter()
     for b in range(0, len(ids), batch_size):
-        batch = ids[b:b + batch_size]
+        batch = ids[b : b + batch_size]
         enc = tokenizer.pad({"input_ids": batch}, padding_side="left", return_tensors="pt")
         with torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops,
-                                 pad_token_id=tokenizer.pad_token_id)
-        for row in out[:, enc["input_ids"].shape[1]:].tolist():
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=stops,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        for row in out[:, enc["input_ids"].shape[1] :].tolist():
             tokens += next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
     return tokens, time.perf_counter() - start
 
@@ -53,8 +59,16 @@ def main(prompts, n, batch_size, max_new_tokens):
     gates = Gates(config.Gates(warmup=1, every=1, min_reasoning=0, max_truncated=1, max_empty=1), False)
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
-        responses, _ = infer.run(ps, HFEngine(model, tokenizer.pad_token_id, batch_size), tokenizer, sampling,
-                                 derive.spec_from_params("none"), gates, infer.Cache(Path(cache)), {})
+        responses, _ = infer.run(
+            ps,
+            HFEngine(model, tokenizer.pad_token_id, batch_size),
+            tokenizer,
+            sampling,
+            derive.spec_from_params("none"),
+            gates,
+            infer.Cache(Path(cache)),
+            {},
+        )
         stage_s = time.perf_counter() - start
     stage_tokens = sum(len(r.output_ids) for r in responses)
     print(f"prompts {len(ps)}, batch size {batch_size}, max_new_tokens {max_new_tokens}")

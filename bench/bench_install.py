@@ -2,6 +2,7 @@
 against uv (tools/install.sh, EAGLEPIPE_PIP=1 for pip), in fresh venvs in a temporary folder, in one run; prints
 each install's seconds, the ratio and whether the two ways installed the same versions. The package caches are
 cleared first, so each way downloads what it installs (``--warm`` keeps them)."""
+
 import os
 import shutil
 import subprocess
@@ -17,19 +18,26 @@ INSTALLS = [("main", ["-r", "requirements.txt"]), ("vllm", ["-r", "requirements-
 
 def build(folder: Path, pip: bool) -> tuple[dict[str, float], list[str]]:
     """Both venvs under ``folder``; seconds per install and the packages of each (``pip list --format=freeze``)."""
-    env = {**os.environ, "EAGLEPIPE_PIP": "1"} if pip else {k: v for k, v in os.environ.items()
-                                                          if k != "EAGLEPIPE_PIP"}
+    env = {**os.environ, "EAGLEPIPE_PIP": "1"} if pip else {k: v for k, v in os.environ.items() if k != "EAGLEPIPE_PIP"}
     seconds, frozen = {}, []
     for name, args in INSTALLS:
         venv = folder / name
         start = time.perf_counter()
         subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(ROOT / "tools/install.sh"), str(venv), *args], cwd=ROOT, env=env, check=True,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [str(ROOT / "tools/install.sh"), str(venv), *args], cwd=ROOT, env=env, check=True, stderr=subprocess.DEVNULL
+        )
         seconds[name] = time.perf_counter() - start
-        frozen += [f"{name} {line}" for line in subprocess.run(
-            [str(venv / "bin/python"), "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True,
-            check=True).stdout.splitlines() if not line.startswith("uv==")]
+        frozen += [
+            f"{name} {line}"
+            for line in subprocess.run(
+                [str(venv / "bin/python"), "-m", "pip", "list", "--format=freeze"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.splitlines()
+            if not line.startswith("uv==")
+        ]
     return seconds, frozen
 
 

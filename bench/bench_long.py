@@ -13,6 +13,7 @@ sets CHUNK past the length, the full L x L scores per head and step kept for bac
 ``--whole-up-to`` tokens (beyond, it outgrows a 24 GiB machine's memory). Memory growing
 linearly with length doubles with each doubling: the last column is each row's ratio to the row of half its length.
 """
+
 import json
 import resource
 import subprocess
@@ -24,12 +25,12 @@ import click
 import torch
 
 from eaglepipe.core import config
-from eaglepipe.drafter.eagle3 import model as draft
-from eaglepipe.target import families
-from eaglepipe.hidden import layout as features
-from eaglepipe.target import model as target
 from eaglepipe.drafter import train
+from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.drafter.eagle3 import ttt
+from eaglepipe.hidden import layout as features
+from eaglepipe.target import families
+from eaglepipe.target import model as target
 
 
 def rss_mib() -> float:
@@ -51,8 +52,11 @@ def one_step(params: str, length: int, chunk: int, device: torch.device) -> dict
     head_draft = tgt["head"][model.to_target(torch.arange(p.draft_vocab_size))].to(device)
     H, every = tc.hidden_size, torch.ones(length, dtype=torch.bool)
     sample = features.Sample("long", torch.randint(0, tc.vocab_size, (length,)), every, every, None, 0)
-    states = {"aux": torch.randn(length, 3 * H), "final": torch.randn(length, H),
-              "top": model.to_target(torch.randint(0, p.draft_vocab_size, (length,)))}
+    states = {
+        "aux": torch.randn(length, 3 * H),
+        "final": torch.randn(length, H),
+        "top": model.to_target(torch.randint(0, p.draft_vocab_size, (length,))),
+    }
     model = model.to(device)
     opt = train.optimizer(model, p)
     ttt.CHUNK = chunk
@@ -69,8 +73,11 @@ def one_step(params: str, length: int, chunk: int, device: torch.device) -> dict
     if gpu:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated(device) / 2**20 if gpu else
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    peak = (
+        torch.cuda.max_memory_allocated(device) / 2**20
+        if gpu
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
     return {"peak_mib": peak - before, "seconds": seconds}
 
 
@@ -89,9 +96,12 @@ def main(params, lengths, whole_up_to, device, one):
     for mode, chunk in (("blocks", ttt.CHUNK), ("whole", 1 << 30)):
         peak = {}
         for length in (n for n in lengths if mode == "blocks" or n <= whole_up_to):
-            out = subprocess.run([sys.executable, __file__, "--params", params, "--device", device,
-                                  "--one", str(length), str(chunk)],
-                                 check=True, capture_output=True, text=True).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, "--params", params, "--device", device, "--one", str(length), str(chunk)],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
             got = json.loads(out.strip().splitlines()[-1])
             peak[length] = got["peak_mib"]
             ratio = f"{peak[length] / peak[length // 2]:.2f}" if length // 2 in peak else ""

@@ -10,21 +10,21 @@ per second (offline: over hidden's seconds plus train's), both drafters' accepta
 decoded (data/decoded/<benchmark>.jsonl, evaluate's params, EAGLE only), their largest difference, and the n-gram
 baseline's.
 """
+
 import tempfile
 import time
 from pathlib import Path
 
 import click
 import torch
-
-from eaglepipe.core import config
-from eaglepipe.hidden import layout as features
-from eaglepipe.hidden import extract as hidden
-from eaglepipe.core import runtime
-from eaglepipe.evaluate import decode as speculative
-from eaglepipe.target import model as target
-from eaglepipe.drafter import train
 from harness import acceptances, decoded_sets, ngram, print_table
+
+from eaglepipe.core import config, runtime
+from eaglepipe.drafter import train
+from eaglepipe.evaluate import decode as speculative
+from eaglepipe.hidden import extract as hidden
+from eaglepipe.hidden import layout as features
+from eaglepipe.target import model as target
 
 
 @click.command(help=__doc__)
@@ -45,8 +45,10 @@ def main(params, sequences, decoded, epochs):
         hidden.run(sequences, tmp / "hidden", states_model, cfg.hidden, target.fingerprint(folder), tmp / "cache")
         hidden_s = time.perf_counter() - start
         print(f"hidden: {hidden_s:.0f} s", flush=True)
-        for name, feats in (("offline", features.Stored(tmp / "hidden")),
-                            ("online", train.Online(sequences, states_model, cfg.hidden))):
+        for name, feats in (
+            ("offline", features.Stored(tmp / "hidden")),
+            ("online", train.Online(sequences, states_model, cfg.hidden)),
+        ):
             start = time.perf_counter()
             drafter, report, _ = train.run(feats, folder, p, tmp / f"ckpt-{name}")
             runs[name] = (drafter, report, time.perf_counter() - start)
@@ -56,19 +58,38 @@ def main(params, sequences, decoded, epochs):
     torch.set_num_threads(e.threads or torch.get_num_threads())
     model, tokenizer = target.load_model(folder), target.load_tokenizer(folder)
     sets, stops = decoded_sets(decoded), target.stop_ids(folder, tokenizer)
-    lengths = {name: acceptances(model, speculative.EagleDrafter(drafter), sets, stops, e)
-               for name, (drafter, _, _) in runs.items()}
+    lengths = {
+        name: acceptances(model, speculative.EagleDrafter(drafter), sets, stops, e)
+        for name, (drafter, _, _) in runs.items()
+    }
 
     tokens = runs["offline"][1]["train_tokens"] * p.epochs
     seconds = {"offline": hidden_s + runs["offline"][2], "online": runs["online"][2]}
     print(f"\n{runs['offline'][1]['train_tokens']} trained tokens x {p.epochs} epochs")
-    print_table(sets, ["features", "seconds", "trained tokens/s"], [],
-                [([name, f"{seconds[name]:.0f}" + (f" (hidden {hidden_s:.0f} + train {runs[name][2]:.0f})"
-                                                   if name == "offline" else ""), f"{tokens / seconds[name]:.0f}"],
-                  lengths[name], []) for name in runs], ngram(sets, stops, e))
+    print_table(
+        sets,
+        ["features", "seconds", "trained tokens/s"],
+        [],
+        [
+            (
+                [
+                    name,
+                    f"{seconds[name]:.0f}"
+                    + (f" (hidden {hidden_s:.0f} + train {runs[name][2]:.0f})" if name == "offline" else ""),
+                    f"{tokens / seconds[name]:.0f}",
+                ],
+                lengths[name],
+                [],
+            )
+            for name in runs
+        ],
+        ngram(sets, stops, e),
+    )
     gap = max(abs(lengths["online"][b].length - lengths["offline"][b].length) for b in sets)
-    print(f"\nonline / offline tokens/s: {seconds['offline'] / seconds['online']:.2f}; "
-          f"largest acceptance difference: {gap:.3f}")
+    print(
+        f"\nonline / offline tokens/s: {seconds['offline'] / seconds['online']:.2f}; "
+        f"largest acceptance difference: {gap:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -7,17 +7,18 @@ is trained on data/hidden in this process (what the train stage computes for tho
 (the evaluate params, EAGLE only) measured on every turn evaluate decoded (data/decoded/<benchmark>.jsonl); the
 n-gram baseline's once. Prints one row per point: validation acc per TTT step, acceptance per benchmark, train seconds.
 """
+
 import tempfile
 import time
 
 import click
 import torch
+from harness import acceptances, decoded_sets, ngram, print_table
 
 from eaglepipe.core import config
+from eaglepipe.drafter import train
 from eaglepipe.evaluate import decode as speculative
 from eaglepipe.target import model as target
-from eaglepipe.drafter import train
-from harness import acceptances, decoded_sets, ngram, print_table
 
 # name -> overrides of the train params
 POINTS = {
@@ -37,8 +38,13 @@ POINTS = {
 @click.option("--params", default="params.yaml", show_default=True)
 @click.option("--hidden", "hidden_folder", default="data/hidden", show_default=True)
 @click.option("--decoded", default="data/decoded", show_default=True, help="What evaluate decoded, per benchmark.")
-@click.option("--point", "points", multiple=True, type=click.Choice(list(POINTS)),
-              help="A point to run (repeatable); all of them by default.")
+@click.option(
+    "--point",
+    "points",
+    multiple=True,
+    type=click.Choice(list(POINTS)),
+    help="A point to run (repeatable); all of them by default.",
+)
 @click.option("--list", "list_points", is_flag=True, help="List the points and exit.")
 def main(params, hidden_folder, decoded, points, list_points):
     if list_points:
@@ -59,9 +65,16 @@ def main(params, hidden_folder, decoded, points, list_points):
         valid = [report["valid"][f"acc_{k}"] for k in range(cfg.train.ttt_steps)]
         rows.append((name, valid, acceptances(model, speculative.EagleDrafter(drafter), sets, stops, p), seconds))
         print(f"{name}: valid acc {valid}, acceptance length {rows[-1][2]}, trained in {seconds:.0f} s", flush=True)
-    print_table(sets, ["recipe", "valid acc per step"], ["train s"],
-                [([f"{name} {POINTS[name]}", ", ".join(f"{a:.3f}" for a in valid)], lengths, [f"{seconds:.0f}"])
-                 for name, valid, lengths, seconds in rows], ngram(sets, stops, p))
+    print_table(
+        sets,
+        ["recipe", "valid acc per step"],
+        ["train s"],
+        [
+            ([f"{name} {POINTS[name]}", ", ".join(f"{a:.3f}" for a in valid)], lengths, [f"{seconds:.0f}"])
+            for name, valid, lengths, seconds in rows
+        ],
+        ngram(sets, stops, p),
+    )
 
 
 if __name__ == "__main__":

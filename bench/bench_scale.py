@@ -9,18 +9,19 @@ drafter's acceptance length (the evaluate params, EAGLE only) on every turn eval
 target's own greedy first answer), then the n-gram baseline's once. The validation split is the same for every
 size. Prints one row per size and the baseline.
 """
+
 import tempfile
 import time
 
 import click
 import torch
+from harness import acceptances, decoded_sets, ngram, print_table
 
 from eaglepipe.core import config
+from eaglepipe.core.records import prompt_of, sample_of
+from eaglepipe.drafter import train
 from eaglepipe.evaluate import decode as speculative
 from eaglepipe.target import model as target
-from eaglepipe.drafter import train
-from eaglepipe.core.records import prompt_of, sample_of
-from harness import acceptances, decoded_sets, ngram, print_table
 
 
 @click.command(help=__doc__)
@@ -36,10 +37,15 @@ def main(params, hidden_folder, decoded, answers, half_prompts):
     p = cfg.evaluate
     sets = decoded_sets(decoded)
     stops = target.stop_ids(folder, tokenizer)
-    sizes = [("1 answer, half the prompts", lambda rid: sample_of(rid) == 0 and
-              int(prompt_of(rid), 16) % 2 == 0)] if half_prompts else []
-    sizes += [(f"{k} answer{'s' if k > 1 else ''} per prompt", lambda rid, k=k: sample_of(rid) < k)
-              for k in map(int, answers.split(","))]
+    sizes = (
+        [("1 answer, half the prompts", lambda rid: sample_of(rid) == 0 and int(prompt_of(rid), 16) % 2 == 0)]
+        if half_prompts
+        else []
+    )
+    sizes += [
+        (f"{k} answer{'s' if k > 1 else ''} per prompt", lambda rid, k=k: sample_of(rid) < k)
+        for k in map(int, answers.split(","))
+    ]
     rows = []
     for name, keep in sizes:
         start = time.perf_counter()
@@ -48,13 +54,22 @@ def main(params, hidden_folder, decoded, answers, half_prompts):
         seconds = time.perf_counter() - start
         torch.set_num_threads(p.threads or torch.get_num_threads())
         lengths = acceptances(model, speculative.EagleDrafter(drafter), sets, stops, p)
-        rows.append((name, report["train_samples"], report["train_tokens"], report["valid"]["acc_0"], lengths,
-                     seconds))
-        print(f"{name}: {rows[-1][1]} samples, {rows[-1][2]} tokens, valid acc_0 {rows[-1][3]}, acceptance length "
-              f"{ {b: str(v) for b, v in lengths.items()} }, trained in {seconds:.0f} s", flush=True)
-    print_table(sets, ["training data", "samples", "tokens", "valid acc_0"], ["train s"],
-                [([name, samples, tokens, f"{acc:.3f}"], lengths, [f"{seconds:.0f}"])
-                 for name, samples, tokens, acc, lengths, seconds in rows], ngram(sets, stops, p))
+        rows.append((name, report["train_samples"], report["train_tokens"], report["valid"]["acc_0"], lengths, seconds))
+        print(
+            f"{name}: {rows[-1][1]} samples, {rows[-1][2]} tokens, valid acc_0 {rows[-1][3]}, acceptance length "
+            f"{ {b: str(v) for b, v in lengths.items()} }, trained in {seconds:.0f} s",
+            flush=True,
+        )
+    print_table(
+        sets,
+        ["training data", "samples", "tokens", "valid acc_0"],
+        ["train s"],
+        [
+            ([name, samples, tokens, f"{acc:.3f}"], lengths, [f"{seconds:.0f}"])
+            for name, samples, tokens, acc, lengths, seconds in rows
+        ],
+        ngram(sets, stops, p),
+    )
 
 
 if __name__ == "__main__":

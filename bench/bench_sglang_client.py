@@ -10,6 +10,7 @@ wait for a core shows up as latency above --latency, and lowers the ratio.
 
     .venv/bin/python bench/bench_sglang_client.py [--concurrency 256] [--latency 0.5] [--rounds 40]
 """
+
 import json
 import os
 import random
@@ -24,9 +25,10 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 
 from eaglepipe.core import config
-from eaglepipe.target import model as target
 from eaglepipe.engines import Output, Sampling
 from eaglepipe.engines.sglang import SGLangEngine
+from eaglepipe.target import model as target
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the SGLang stand-in, a test double
 from sglang_server import free_port, start_server, stop_server  # noqa: E402
 
@@ -74,18 +76,33 @@ def main(concurrency, latency, rounds, prompt_len, max_new_tokens, floor):
     seen = sorted(o.meta["latency_s"] for o in outs if isinstance(o, Output))
     ideal = concurrency / latency
     rps = n / wall
-    result = {"requests": n, "ok": ok, "concurrency": concurrency, "latency_s": latency,
-              "wall_s": round(wall, 2), "requests_per_s": round(rps, 1), "ideal_per_s": round(ideal, 1),
-              "ratio": round(rps / ideal, 3), "client_cpu_ms_per_request": round(1000 * cpu / n, 3),
-              "client_cpu_cores": round(cpu / wall, 2),
-              "request_latency_s": {"mean": round(sum(seen) / len(seen), 3), "p50": seen[len(seen) // 2],
-                                    "p99": seen[len(seen) * 99 // 100]},
-              "server_cpu_ms_per_request": round(1000 * server_cpu / n, 3),
-              "server_max_inflight": max_inflight, "load_average": os.getloadavg()[0], "cpus": os.cpu_count()}
+    result = {
+        "requests": n,
+        "ok": ok,
+        "concurrency": concurrency,
+        "latency_s": latency,
+        "wall_s": round(wall, 2),
+        "requests_per_s": round(rps, 1),
+        "ideal_per_s": round(ideal, 1),
+        "ratio": round(rps / ideal, 3),
+        "client_cpu_ms_per_request": round(1000 * cpu / n, 3),
+        "client_cpu_cores": round(cpu / wall, 2),
+        "request_latency_s": {
+            "mean": round(sum(seen) / len(seen), 3),
+            "p50": seen[len(seen) // 2],
+            "p99": seen[len(seen) * 99 // 100],
+        },
+        "server_cpu_ms_per_request": round(1000 * server_cpu / n, 3),
+        "server_max_inflight": max_inflight,
+        "load_average": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+    }
     print(json.dumps(result))
-    print(f"{rps:.0f} requests/s of an ideal {ideal:.0f} (concurrency {concurrency} / latency {latency}s): "
-          f"ratio {rps / ideal:.3f} ({'meets' if rps / ideal >= floor else 'BELOW'} the {floor} floor); "
-          f"client CPU {1000 * cpu / n:.3f} ms per request")
+    print(
+        f"{rps:.0f} requests/s of an ideal {ideal:.0f} (concurrency {concurrency} / latency {latency}s): "
+        f"ratio {rps / ideal:.3f} ({'meets' if rps / ideal >= floor else 'BELOW'} the {floor} floor); "
+        f"client CPU {1000 * cpu / n:.3f} ms per request"
+    )
 
 
 if __name__ == "__main__":

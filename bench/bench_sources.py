@@ -7,6 +7,7 @@ and a small one that holds them once, runs stages/prepare.py on each (in a child
 run's file size, records read, seconds and peak resident memory. Sources are streamed, so the big run's peak stays
 close to the small one's whatever the file's size.
 """
+
 import json
 import os
 import subprocess
@@ -24,8 +25,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def conversation(i: int) -> dict:
     """A two-turn sharegpt record, distinct for each ``i``, of a few hundred bytes to a few kilobytes."""
     question = f"Question {i}: why is the sky blue at noon and red at dusk? " * (1 + i % 40)
-    return {"conversations": [{"from": "human", "value": question},
-                              {"from": "gpt", "value": "Rayleigh scattering favours short wavelengths. " * 8}]}
+    return {
+        "conversations": [
+            {"from": "human", "value": question},
+            {"from": "gpt", "value": "Rayleigh scattering favours short wavelengths. " * 8},
+        ]
+    }
 
 
 def write_array(path: Path, distinct: int, size: int) -> None:
@@ -41,11 +46,28 @@ def write_array(path: Path, distinct: int, size: int) -> None:
 def run_stage(folder: Path, source: Path) -> tuple[dict, float, float]:
     """The prepare stage on ``source`` alone: its report for the source, seconds, and peak resident memory (MiB)."""
     params, report, log = folder / "params.yaml", folder / "report.json", folder / "stage.log"
-    params.write_text(yaml.safe_dump({"prepare": {"on_error": "fail", "sources": [
-        {"name": "big", "path": str(source), "format": "sharegpt", "n": 100}]}}))
-    command = [sys.executable, str(ROOT / "stages" / "prepare.py"), "--params", str(params),
-               "--out", str(folder / "prompts.jsonl"), "--report", str(report),
-               "--timings", str(folder / "timings.json")]
+    params.write_text(
+        yaml.safe_dump(
+            {
+                "prepare": {
+                    "on_error": "fail",
+                    "sources": [{"name": "big", "path": str(source), "format": "sharegpt", "n": 100}],
+                }
+            }
+        )
+    )
+    command = [
+        sys.executable,
+        str(ROOT / "stages" / "prepare.py"),
+        "--params",
+        str(params),
+        "--out",
+        str(folder / "prompts.jsonl"),
+        "--report",
+        str(report),
+        "--timings",
+        str(folder / "timings.json"),
+    ]
     start = time.perf_counter()
     with open(log, "wb") as err:
         child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err)
@@ -68,8 +90,11 @@ def main(gib, distinct):
             path = folder / f"{name}.json"
             write_array(path, distinct, size)
             counts, seconds, peak = run_stage(folder, path)
-            print(f"| {name} | {path.stat().st_size} | {counts['read']} | {counts['read'] - counts['duplicates']} "
-                  f"| {seconds:.1f} | {peak:.1f} |", flush=True)
+            print(
+                f"| {name} | {path.stat().st_size} | {counts['read']} | {counts['read'] - counts['duplicates']} "
+                f"| {seconds:.1f} | {peak:.1f} |",
+                flush=True,
+            )
             path.unlink()
 
 

@@ -8,6 +8,7 @@ batches, each collated just before its step (as in train.run, so its data is as 
 TTT forward + loss, backward, clipping and the AdamW step. Both count the tokens of the training batches. Prints both
 throughputs and their ratio (the goal is >= 0.85).
 """
+
 import tempfile
 import time
 
@@ -15,11 +16,11 @@ import click
 import torch
 
 from eaglepipe.core import config
-from eaglepipe.hidden import layout as features
 from eaglepipe.dataset import sequences
-from eaglepipe.target import model as target
 from eaglepipe.drafter import train
 from eaglepipe.drafter.eagle3 import ttt
+from eaglepipe.hidden import layout as features
+from eaglepipe.target import model as target
 
 
 def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:

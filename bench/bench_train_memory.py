@@ -8,6 +8,7 @@ the shards when it trains on it, so the peaks should agree within 15% while the 
 
     python bench/bench_train_memory.py [--hidden data/hidden] [--times 8] [--steps 20]
 """
+
 import json
 import os
 import signal
@@ -41,21 +42,43 @@ def replicate(hidden: Path, out: Path, times: int) -> int:
                 if not (out / name).exists():
                     os.symlink(hidden.resolve() / entry["file"], out / name)
                     size += (hidden / entry["file"]).stat().st_size
-                ids = [rid if c == 0 else rid.replace(".", f"x{c}.", 1) if "." in rid else f"{rid}x{c}"
-                       for rid in entry["ids"]]
+                ids = [
+                    rid if c == 0 else rid.replace(".", f"x{c}.", 1) if "." in rid else f"{rid}x{c}"
+                    for rid in entry["ids"]
+                ]
                 entries.append({**entry, "file": name, "ids": ids})
-        index[split] = {**index[split], "shards": entries, "samples": index[split]["samples"] * times,
-                        "tokens": index[split]["tokens"] * times}
+        index[split] = {
+            **index[split],
+            "shards": entries,
+            "samples": index[split]["samples"] * times,
+            "tokens": index[split]["tokens"] * times,
+        }
     (out / "index.json").write_text(json.dumps(index))
     return size
 
 
 def peak_rss_mb(work: Path, hidden: Path, name: str, steps: int) -> float:
     """Run the stage on ``hidden`` until its first checkpoint (after ``steps`` steps); its peak RSS in MB."""
-    cmd = [sys.executable, "stages/train.py", "--params", str(work / "params.yaml"), "--hidden", str(hidden),
-           "--sequences", "data/sequences", "--out", str(work / name), "--metrics", str(work / f"{name}.json"),
-           "--plots", str(work / f"{name}-p.json"), "--timings", str(work / f"{name}-t.json"),
-           "--checkpoints", str(work / f"{name}-checkpoints")]
+    cmd = [
+        sys.executable,
+        "stages/train.py",
+        "--params",
+        str(work / "params.yaml"),
+        "--hidden",
+        str(hidden),
+        "--sequences",
+        "data/sequences",
+        "--out",
+        str(work / name),
+        "--metrics",
+        str(work / f"{name}.json"),
+        "--plots",
+        str(work / f"{name}-p.json"),
+        "--timings",
+        str(work / f"{name}-t.json"),
+        "--checkpoints",
+        str(work / f"{name}-checkpoints"),
+    ]
     log = open(work / f"{name}.log", "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env=dict(os.environ, OMP_NUM_THREADS="1"))
     while not (work / f"{name}-checkpoints" / "state.pt").exists():
@@ -69,8 +92,13 @@ def peak_rss_mb(work: Path, hidden: Path, name: str, steps: int) -> float:
 
 
 @click.command(help=__doc__)
-@click.option("--hidden", default="data/hidden", show_default=True, type=click.Path(file_okay=False),
-              help="hidden's shards (the 1x data).")
+@click.option(
+    "--hidden",
+    default="data/hidden",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="hidden's shards (the 1x data).",
+)
 @click.option("--times", default=8, show_default=True, help="How many times over the larger data holds it.")
 @click.option("--steps", default=20, show_default=True, help="Optimizer steps each run trains before it is stopped.")
 def main(hidden, times, steps):
@@ -84,13 +112,24 @@ def main(hidden, times, steps):
         large = replicate(hidden, work / "many", times)
         one, many = peak_rss_mb(work, work / "x1", "x1", steps), peak_rss_mb(work, work / "many", "many", steps)
     ratio = many / one
-    print(json.dumps({"data": str(hidden), "times": times, "steps": steps,
-                      "hidden_mb": {"1": round(small / 2**20), str(times): round(large / 2**20)},
-                      "peak_rss_mb": {"1": round(one, 1), str(times): round(many, 1)}, "ratio": round(ratio, 3)},
-                     indent=2))
-    print(f"train's peak RSS: {one:.0f} MB on {small / 2**20:.0f} MB of hidden states, {many:.0f} MB on "
-          f"{large / 2**20:.0f} MB ({times}x): ratio {ratio:.3f} ({'within' if abs(ratio - 1) <= 0.15 else 'beyond'} "
-          "15%)")
+    print(
+        json.dumps(
+            {
+                "data": str(hidden),
+                "times": times,
+                "steps": steps,
+                "hidden_mb": {"1": round(small / 2**20), str(times): round(large / 2**20)},
+                "peak_rss_mb": {"1": round(one, 1), str(times): round(many, 1)},
+                "ratio": round(ratio, 3),
+            },
+            indent=2,
+        )
+    )
+    print(
+        f"train's peak RSS: {one:.0f} MB on {small / 2**20:.0f} MB of hidden states, {many:.0f} MB on "
+        f"{large / 2**20:.0f} MB ({times}x): ratio {ratio:.3f} ({'within' if abs(ratio - 1) <= 0.15 else 'beyond'} "
+        "15%)"
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ log2 of the trained tokens through the two drafters reaches prompt lookup); per 
 float rounding flips a near-tie, so equality is counted, not required; evaluate (make repro) stays the lossless
 check. Writes the figures as JSON (``--out``) and prints the table.
 """
+
 import logging
 import math
 import sys
@@ -26,15 +27,14 @@ from pathlib import Path
 
 import click
 
+from eaglepipe.core import config, uncertainty
+from eaglepipe.core.records import write_json
 from eaglepipe.dataset import benchmarks
-from eaglepipe.core import config
-from eaglepipe.text import derive
+from eaglepipe.engines import Sampling
 from eaglepipe.evaluate import run as evaluate
 from eaglepipe.evaluate import serve
 from eaglepipe.target import model as target
-from eaglepipe.core import uncertainty
-from eaglepipe.engines import Sampling
-from eaglepipe.core.records import write_json
+from eaglepipe.text import derive
 
 SETS = ("heldout", "mtbench", "humaneval")
 
@@ -42,18 +42,25 @@ SETS = ("heldout", "mtbench", "humaneval")
 def methods(e: config.Evaluate, draft: Path, against: dict[str, Path]) -> dict[str, dict]:
     """The speculative configs compared with plain decoding: the drafter, prompt lookup, then each other drafter
     (``eagle3:<label>``)."""
-    return {"eagle3": serve.eagle3(draft, e.num_steps),
-            "ngram": {"method": "ngram", "num_speculative_tokens": e.num_steps, "prompt_lookup_max": e.ngram.max,
-                      "prompt_lookup_min": e.ngram.min},
-            **{f"eagle3:{label}": serve.eagle3(path, e.num_steps) for label, path in against.items()}}
+    return {
+        "eagle3": serve.eagle3(draft, e.num_steps),
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": e.num_steps,
+            "prompt_lookup_max": e.ngram.max,
+            "prompt_lookup_min": e.ngram.min,
+        },
+        **{f"eagle3:{label}": serve.eagle3(path, e.num_steps) for label, path in against.items()},
+    }
 
 
 def comparisons(methods: list[str]) -> list[tuple[str, str]]:
     """The paired differences reported, (a, b) for a − b: every drafter against prompt lookup, each other drafter
     against the drafter."""
     drafters = [m for m in methods if m.startswith("eagle3")]
-    return [(m, "ngram") for m in drafters if "ngram" in methods] + \
-        [(m, "eagle3") for m in drafters if m != "eagle3" and "eagle3" in methods]
+    return [(m, "ngram") for m in drafters if "ngram" in methods] + [
+        (m, "eagle3") for m in drafters if m != "eagle3" and "eagle3" in methods
+    ]
 
 
 def turns_of(conversations, chat, answers: dict | None = None) -> list[dict]:
@@ -94,8 +101,10 @@ def groups(conversations, rows) -> list[tuple[str | None, str | None, list[int]]
     out = [(None, None, list(range(len(rows))))]
     categories = sorted({conversations[r["conversation"]].category for r in rows})
     if len(categories) > 1:
-        out += [("per_category", c, [i for i, r in enumerate(rows) if conversations[r["conversation"]].category == c])
-                for c in categories]
+        out += [
+            ("per_category", c, [i for i, r in enumerate(rows) if conversations[r["conversation"]].category == c])
+            for c in categories
+        ]
     if len({r["turn"] for r in rows}) > 1:
         out += [("per_turn", str(t), [i for i, r in enumerate(rows) if r["turn"] == t]) for t in (1, 2)]
     return out
@@ -115,9 +124,17 @@ def report(conversations, rows, decoded: dict, plain: list) -> dict:
     for kind, key, idx in groups(conversations, rows):
         e, n = per_conversation(rows, decoded, idx)
         se = uncertainty.ratio_se(e, n)
-        place(out, kind, key, {"turns": len(idx), "equal_to_plain": sum(decoded["outputs"][i] == plain[i] for i in idx),
-                               "acceptance_length": round(sum(e) / sum(n), 4) if sum(n) else None,
-                               "acceptance_length_se": None if se is None else round(se, 4)})
+        place(
+            out,
+            kind,
+            key,
+            {
+                "turns": len(idx),
+                "equal_to_plain": sum(decoded["outputs"][i] == plain[i] for i in idx),
+                "acceptance_length": round(sum(e) / sum(n), 4) if sum(n) else None,
+                "acceptance_length_se": None if se is None else round(se, 4),
+            },
+        )
     return out
 
 
@@ -132,8 +149,16 @@ def versus(conversations, rows, a: dict, b: dict) -> dict:
             place(out, kind, key, {"difference": None, "se": None, "beyond_2se": False})
             continue
         diff, se = sum(x[0]) / sum(x[1]) - sum(y[0]) / sum(y[1]), uncertainty.difference_se(x, y)
-        place(out, kind, key, {"difference": round(diff, 4), "se": None if se is None else round(se, 4),
-                               "beyond_2se": se is not None and abs(diff) > 2 * se})
+        place(
+            out,
+            kind,
+            key,
+            {
+                "difference": round(diff, 4),
+                "se": None if se is None else round(se, 4),
+                "beyond_2se": se is not None and abs(diff) > 2 * se,
+            },
+        )
     return out
 
 
@@ -147,28 +172,53 @@ def crossings(sets: dict, ratios: dict[str, float]) -> dict:
     for label, ratio in ratios.items():
         for name, s in sets.items():
             for kind, key, idx in groups(s["conversations"], s["rows"]):
-                lo, hi, goal = (per_conversation(s["rows"], s["decoded"][m], idx)
-                                for m in ("eagle3", f"eagle3:{label}", "ngram"))
-                x = uncertainty.extrapolate(lo, hi, goal, math.log2(ratio)) if all(
-                    sum(steps) for _, steps in (lo, hi, goal)) else {}
-                place(out.setdefault(label, {}).setdefault(name, {}), kind, key,
-                      {k: None if x.get(k) is None or math.isinf(x[k]) else round(x[k], 4)
-                       for k in ("slope", "slope_se", "gap", "gap_se", "beyond", "beyond_se")})
+                lo, hi, goal = (
+                    per_conversation(s["rows"], s["decoded"][m], idx) for m in ("eagle3", f"eagle3:{label}", "ngram")
+                )
+                x = (
+                    uncertainty.extrapolate(lo, hi, goal, math.log2(ratio))
+                    if all(sum(steps) for _, steps in (lo, hi, goal))
+                    else {}
+                )
+                place(
+                    out.setdefault(label, {}).setdefault(name, {}),
+                    kind,
+                    key,
+                    {
+                        k: None if x.get(k) is None or math.isinf(x[k]) else round(x[k], 4)
+                        for k in ("slope", "slope_se", "gap", "gap_se", "beyond", "beyond_se")
+                    },
+                )
     return out
 
 
 def flat(by_group: dict) -> list[tuple[str, dict]]:
     """``report``'s or ``versus``'s groups as (label, figures) rows: all, each turn, each category."""
-    return [("all", by_group)] + [(f"turn {k}", v) for k, v in by_group.get("per_turn", {}).items()] + \
-        list(by_group.get("per_category", {}).items())
+    return (
+        [("all", by_group)]
+        + [(f"turn {k}", v) for k, v in by_group.get("per_turn", {}).items()]
+        + list(by_group.get("per_category", {}).items())
+    )
 
 
-def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concurrency: int, limit: int | None = None,
-        only: tuple = (), against: dict[str, Path] | None = None, ratios: dict[str, float] | None = None) -> dict:
+def run(
+    cfg,
+    folder,
+    tokenizer,
+    draft: Path,
+    heldout: Path,
+    max_new: int,
+    concurrency: int,
+    limit: int | None = None,
+    only: tuple = (),
+    against: dict[str, Path] | None = None,
+    ratios: dict[str, float] | None = None,
+) -> dict:
     e = cfg.evaluate
     stops = target.stop_ids(folder, tokenizer)
-    chat = evaluate.Chat(tokenizer, cfg.target.chat_template_kwargs, derive.spec_from_params(cfg.target.reasoning),
-                         stops)
+    chat = evaluate.Chat(
+        tokenizer, cfg.target.chat_template_kwargs, derive.spec_from_params(cfg.target.reasoning), stops
+    )
     sampling = Sampling(temperature=0.0, max_new_tokens=max_new, stop_token_ids=tuple(sorted(stops)))
     sets = {}
     for name in SETS:
@@ -185,8 +235,10 @@ def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concur
             s["rows"] += second
             rest = server.decode(second, sampling) if second else {"outputs": [], "seconds": 0.0, "tokens": 0}
             s["plain"] = first["outputs"] + rest["outputs"]
-            results[name]["plain"] = {"seconds": first["seconds"] + rest["seconds"],
-                                      "tokens": first["tokens"] + rest["tokens"]}
+            results[name]["plain"] = {
+                "seconds": first["seconds"] + rest["seconds"],
+                "tokens": first["tokens"] + rest["tokens"],
+            }
             logging.info("plain %s: %d turns", name, len(s["rows"]))
     ran = []
     for method, spec in methods(e, draft, against or {}).items():
@@ -196,21 +248,33 @@ def run(cfg, folder, tokenizer, draft: Path, heldout: Path, max_new: int, concur
         with serve.Served(folder, tokenizer, cfg.serve, spec, f"bench-{method}", concurrency) as server:
             for name, s in sets.items():
                 got = s["decoded"][method] = server.decode(s["rows"], sampling)
-                results[name][method] = {"seconds": got["seconds"], "tokens": got["tokens"],
-                                         **report(s["conversations"], s["rows"], got, s["plain"])}
+                results[name][method] = {
+                    "seconds": got["seconds"],
+                    "tokens": got["tokens"],
+                    **report(s["conversations"], s["rows"], got, s["plain"]),
+                }
                 logging.info("%s %s: acceptance length %s", method, name, results[name][method]["acceptance_length"])
-    paired = {f"{a} - {b}": {name: versus(s["conversations"], s["rows"], s["decoded"][a], s["decoded"][b])
-                             for name, s in sets.items()}
-              for a, b in comparisons(ran)}
+    paired = {
+        f"{a} - {b}": {
+            name: versus(s["conversations"], s["rows"], s["decoded"][a], s["decoded"][b]) for name, s in sets.items()
+        }
+        for a, b in comparisons(ran)
+    }
     for name, by_method in results.items():
         plain_tps = by_method["plain"]["tokens"] / by_method["plain"]["seconds"]
         for m in by_method.values():
             m["tokens_per_s"] = round(m["tokens"] / m["seconds"], 2)
             m["speedup"] = round(m["tokens_per_s"] / plain_tps, 3)
             m["seconds"] = round(m["seconds"], 2)
-    return {"max_new_tokens": max_new, "concurrency": concurrency, "num_steps": e.num_steps,
-            "ngram": {"max": e.ngram.max, "min": e.ngram.min}, "benchmarks": results, "paired": paired,
-            "crossing": crossings(sets, ratios or {})}
+    return {
+        "max_new_tokens": max_new,
+        "concurrency": concurrency,
+        "num_steps": e.num_steps,
+        "ngram": {"max": e.ngram.max, "min": e.ngram.min},
+        "benchmarks": results,
+        "paired": paired,
+        "crossing": crossings(sets, ratios or {}),
+    }
 
 
 def figure(value: float | None, se: float | None, signed: bool = False) -> str:
@@ -221,8 +285,10 @@ def figure(value: float | None, se: float | None, signed: bool = False) -> str:
 
 
 def table(result: dict) -> str:
-    lines = ["| benchmark | group | method | acceptance length ± SE | equal to plain | tokens/s | vs plain |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "| benchmark | group | method | acceptance length ± SE | equal to plain | tokens/s | vs plain |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     for name, by_method in result["benchmarks"].items():
         for method, m in by_method.items():
             if method == "plain":
@@ -230,47 +296,89 @@ def table(result: dict) -> str:
                 continue
             for group, g in flat(m):
                 speed = [str(m["tokens_per_s"]), f"{m['speedup']:.2f}"] if group == "all" else ["", ""]
-                lines.append(f"| {name} | {group} | {method} | "
-                             f"{figure(g['acceptance_length'], g['acceptance_length_se'])} | "
-                             f"{g['equal_to_plain']}/{g['turns']} | "
-                             + " | ".join(speed) + " |")
+                lines.append(
+                    f"| {name} | {group} | {method} | "
+                    f"{figure(g['acceptance_length'], g['acceptance_length_se'])} | "
+                    f"{g['equal_to_plain']}/{g['turns']} | " + " | ".join(speed) + " |"
+                )
     if result["paired"]:
-        lines += ["", "| a − b | benchmark | group | difference ± SE (paired over conversations) | beyond 2 SE |",
-                  "|---|---|---|---:|---|"]
-        lines += [f"| {pair} | {name} | {group} | {figure(d['difference'], d['se'], signed=True)} | "
-                  f"{'yes' if d['beyond_2se'] else 'no'} |"
-                  for pair, by_name in result["paired"].items() for name, by_group in by_name.items()
-                  for group, d in flat(by_group)]
+        lines += [
+            "",
+            "| a − b | benchmark | group | difference ± SE (paired over conversations) | beyond 2 SE |",
+            "|---|---|---|---:|---|",
+        ]
+        lines += [
+            f"| {pair} | {name} | {group} | {figure(d['difference'], d['se'], signed=True)} | "
+            f"{'yes' if d['beyond_2se'] else 'no'} |"
+            for pair, by_name in result["paired"].items()
+            for name, by_group in by_name.items()
+            for group, d in flat(by_group)
+        ]
     if result.get("crossing"):
-        lines += ["", "| drafter | benchmark | group | τ per doubling of the trained tokens ± SE | "
-                  "n-gram ahead by ± SE | doublings beyond it to n-gram ± SE |", "|---|---|---|---:|---:|---:|"]
-        lines += [f"| eagle3:{label} | {name} | {group} | {figure(c['slope'], c['slope_se'], signed=True)} | "
-                  f"{figure(c['gap'], c['gap_se'], signed=True)} | "
-                  f"{figure(c['beyond'], c['beyond_se']) if c['beyond'] is not None else 'never (slope <= 0)'} |"
-                  for label, by_name in result["crossing"].items() for name, by_group in by_name.items()
-                  for group, c in flat(by_group)]
+        lines += [
+            "",
+            "| drafter | benchmark | group | τ per doubling of the trained tokens ± SE | "
+            "n-gram ahead by ± SE | doublings beyond it to n-gram ± SE |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| eagle3:{label} | {name} | {group} | {figure(c['slope'], c['slope_se'], signed=True)} | "
+            f"{figure(c['gap'], c['gap_se'], signed=True)} | "
+            f"{figure(c['beyond'], c['beyond_se']) if c['beyond'] is not None else 'never (slope <= 0)'} |"
+            for label, by_name in result["crossing"].items()
+            for name, by_group in by_name.items()
+            for group, c in flat(by_group)
+        ]
     return "\n".join(lines)
 
 
 @click.command(help=__doc__)
 @click.option("--params", default="params.yaml", show_default=True, type=click.Path(dir_okay=False))
-@click.option("--draft", default="models/draft", show_default=True, type=click.Path(file_okay=False),
-              help="The trained drafter (make repro writes it).")
-@click.option("--prompts", default="data/eval/heldout.jsonl", show_default=True, type=click.Path(dir_okay=False),
-              help="The held-out prompts (evaluate's --prompts).")
+@click.option(
+    "--draft",
+    default="models/draft",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="The trained drafter (make repro writes it).",
+)
+@click.option(
+    "--prompts",
+    default="data/eval/heldout.jsonl",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="The held-out prompts (evaluate's --prompts).",
+)
 @click.option("--max-new-tokens", type=int, default=None, help="Per turn [default: evaluate.max_new_tokens].")
 @click.option("--concurrency", default=16, show_default=True, help="Requests in flight.")
-@click.option("--methods", "only", multiple=True, type=click.Choice(["eagle3", "ngram"]),
-              help="Only these methods beside plain decoding [default: all].")
-@click.option("--against", multiple=True, metavar="LABEL=PATH",
-              help="Another drafter, decoded as eagle3:LABEL and compared with --draft paired (a lever's drafter).")
-@click.option("--crossing", multiple=True, metavar="LABEL=RATIO",
-              help="An --against drafter trained on RATIO times the drafter's tokens (metrics/train.json's "
-                   "train_tokens, at the same epochs): extrapolate, per benchmark, where acceptance reaches prompt "
-                   "lookup's.")
+@click.option(
+    "--methods",
+    "only",
+    multiple=True,
+    type=click.Choice(["eagle3", "ngram"]),
+    help="Only these methods beside plain decoding [default: all].",
+)
+@click.option(
+    "--against",
+    multiple=True,
+    metavar="LABEL=PATH",
+    help="Another drafter, decoded as eagle3:LABEL and compared with --draft paired (a lever's drafter).",
+)
+@click.option(
+    "--crossing",
+    multiple=True,
+    metavar="LABEL=RATIO",
+    help="An --against drafter trained on RATIO times the drafter's tokens (metrics/train.json's "
+    "train_tokens, at the same epochs): extrapolate, per benchmark, where acceptance reaches prompt "
+    "lookup's.",
+)
 @click.option("--limit", type=int, default=None, help="Only the first N conversations of each benchmark (a smoke run).")
-@click.option("--out", default="metrics/timings/bench.json", show_default=True, type=click.Path(dir_okay=False),
-              help="The figures as JSON (not in git: they hold this machine's speeds).")
+@click.option(
+    "--out",
+    default="metrics/timings/bench.json",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="The figures as JSON (not in git: they hold this machine's speeds).",
+)
 def main(params, draft, prompts, max_new_tokens, concurrency, only, against, crossing, limit, out):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = config.load(params)
@@ -292,9 +400,19 @@ def main(params, draft, prompts, max_new_tokens, concurrency, only, against, cro
     if missing := [f"{label}={path}" for label, path in others.items() if not (Path(path) / "config.json").exists()]:
         sys.exit(f"--against: no drafter at {missing}")
     folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
-    result = run(cfg, folder, target.load_tokenizer(folder), Path(draft).resolve(), Path(prompts),
-                 max_new_tokens or cfg.evaluate.max_new_tokens, concurrency, limit, only,
-                 {label: Path(path).resolve() for label, path in others.items()}, ratios)
+    result = run(
+        cfg,
+        folder,
+        target.load_tokenizer(folder),
+        Path(draft).resolve(),
+        Path(prompts),
+        max_new_tokens or cfg.evaluate.max_new_tokens,
+        concurrency,
+        limit,
+        only,
+        {label: Path(path).resolve() for label, path in others.items()},
+        ratios,
+    )
     write_json(out, result)
     print(table(result))
 

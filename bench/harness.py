@@ -1,5 +1,6 @@
 """What the bench scripts share: the turns evaluate decoded, acceptance length on them, and the pipeline's stages
 run as dvc.yaml runs them with every output moved into a work folder."""
+
 import json
 import os
 import shlex
@@ -8,10 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from eaglepipe.core import config
-from eaglepipe.evaluate import decode as speculative
-from eaglepipe.core import uncertainty
+from eaglepipe.core import config, uncertainty
 from eaglepipe.core.records import read_jsonl
+from eaglepipe.evaluate import decode as speculative
 
 STAGES = ["prepare", "infer", "merge", "hidden", "train", "evaluate"]
 
@@ -19,8 +19,11 @@ STAGES = ["prepare", "infer", "merge", "hidden", "train", "evaluate"]
 def decoded_sets(decoded, names=config.BENCHMARKS) -> dict[str, list[tuple[list[int], list[int]]]]:
     """Each benchmark's turns as evaluate decoded them (``data/decoded/<name>.jsonl``): (prompt ids, plain greedy
     output ids), in order; MT-bench's second turns follow the target's own greedy first answer."""
-    return {name: [(row["prompt_ids"], row["output_ids"]) for _, row in read_jsonl(Path(decoded) / f"{name}.jsonl")]
-            for name in names if (Path(decoded) / f"{name}.jsonl").exists()}
+    return {
+        name: [(row["prompt_ids"], row["output_ids"]) for _, row in read_jsonl(Path(decoded) / f"{name}.jsonl")]
+        for name in names
+        if (Path(decoded) / f"{name}.jsonl").exists()
+    }
 
 
 class Turns:
@@ -74,8 +77,15 @@ def ngram(sets: dict, stops, p) -> dict[str, Turns]:
         lengths[name] = Turns()
         for ids, output in prompts:
             stats = speculative.Stats()
-            speculative.replay(speculative.NgramDrafter(p.ngram.max, p.ngram.min), ids, output, p.max_new_tokens,
-                               stops, p.num_steps, stats)
+            speculative.replay(
+                speculative.NgramDrafter(p.ngram.max, p.ngram.min),
+                ids,
+                output,
+                p.max_new_tokens,
+                stops,
+                p.num_steps,
+                stats,
+            )
             lengths[name].add(stats)
     return lengths
 
@@ -84,9 +94,11 @@ def print_table(sets: dict, before: list[str], after: list[str], rows, baseline:
     """Acceptance lengths as a markdown table: a row per (cells before, {set: Turns}, cells after) in ``rows``, the
     n-gram baseline's row last, each length with its standard error and, after the first row, its difference from
     the first row's; the heading says how many turns each set holds."""
-    print(f"\nacceptance length ± its standard error over turns, on the turns evaluate decoded "
-          f"({', '.join(f'{b} {len(v)}' for b, v in sets.items())}); Δ: against the first row on the same turns, "
-          "paired, * where it exceeds twice its standard error")
+    print(
+        f"\nacceptance length ± its standard error over turns, on the turns evaluate decoded "
+        f"({', '.join(f'{b} {len(v)}' for b, v in sets.items())}); Δ: against the first row on the same turns, "
+        "paired, * where it exceeds twice its standard error"
+    )
     print("| " + " | ".join([*before, *sets, *after]) + " |")
     print("|---|" + "---:|" * (len(before) - 1 + len(sets) + len(after)))
     rows = rows + [(["n-gram baseline (no training)"] + [""] * (len(before) - 1), baseline, [""] * len(after))]
@@ -121,23 +133,33 @@ def stage_commands(work: Path, stages=STAGES, dvc_file: Path = Path("dvc.yaml"))
     write (their metrics and timings too) moved under ``work``; what they read and do not write (the sources, the
     held-out prompts, an upstream stage's outputs) stays the project's."""
     all_stages = yaml.safe_load(dvc_file.read_text())["stages"]
-    written = {str(next(iter(o)) if isinstance(o, dict) else o) for name in stages
-               for kind in ("outs", "metrics", "plots") for o in all_stages[name].get(kind, [])}
+    written = {
+        str(next(iter(o)) if isinstance(o, dict) else o)
+        for name in stages
+        for kind in ("outs", "metrics", "plots")
+        for o in all_stages[name].get(kind, [])
+    }
 
     def move(token: str) -> str:
         if token == "params.yaml":
             return str(work / "params.yaml")
-        moved = token.startswith("metrics/") or any(token == w or token.startswith(w.rstrip("/") + "/")
-                                                    for w in written)
+        moved = token.startswith("metrics/") or any(
+            token == w or token.startswith(w.rstrip("/") + "/") for w in written
+        )
         return str(work / token) if moved else token
+
     return {name: [move(t) for t in shlex.split(all_stages[name]["cmd"])] for name in stages}
 
 
 def env(cache=None, **extra) -> dict:
     """The environment a stage command runs in: this interpreter's bin folder first on PATH (its ``python``), and
     with ``cache`` the stages' resumable work (``EAGLEPIPE_CACHE``, config.CACHE) in that folder."""
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-            **({"EAGLEPIPE_CACHE": str(cache)} if cache else {}), **extra}
+    return {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        **({"EAGLEPIPE_CACHE": str(cache)} if cache else {}),
+        **extra,
+    }
 
 
 def distributed(commands: dict[str, list[str]]) -> list[str]:

@@ -3,21 +3,25 @@ convention: eaglepipe/hidden/layout.py), from an in-process forward (hidden.engi
 eaglepipe/hidden/vllm_source.py). Finished shards are kept in the cache as they are written, so a rerun resumes.
 The hf engine runs as one process or under torchrun, whose ranks share the shards (eaglepipe/core/runtime.py). With
 train.features: online it extracts nothing (train computes the states itself) and publishes an index saying so."""
+
 import logging
 
 import click
 
-from eaglepipe.core import cli
-from eaglepipe.hidden import extract as hidden
-from eaglepipe.core import runtime
-from eaglepipe.target import model as target
-from eaglepipe.hidden import vllm_source as states
+from eaglepipe.core import cli, runtime
 from eaglepipe.core.errors import UserError
+from eaglepipe.hidden import extract as hidden
+from eaglepipe.hidden import vllm_source as states
+from eaglepipe.target import model as target
 
 
 @click.command(help=__doc__)
-@click.option("--params", required=True, type=click.Path(dir_okay=False),
-              help="params.yaml (target.model, hidden, train.features, runtime).")
+@click.option(
+    "--params",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="params.yaml (target.model, hidden, train.features, runtime).",
+)
 @click.option("--sequences", "seq_folder", required=True, type=click.Path(file_okay=False), help="merge's output.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder of the shards.")
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Run report (DVC metrics).")
@@ -35,8 +39,10 @@ def main(params, seq_folder, out, report, timings, cache):
             return
         if cfg.hidden.engine == "vllm":
             if rt.world > 1:
-                raise UserError("hidden.engine vllm runs as one process: the server spreads the target itself "
-                                "(hidden.vllm.launch tp, dp, extra_args)")
+                raise UserError(
+                    "hidden.engine vllm runs as one process: the server spreads the target itself "
+                    "(hidden.vllm.launch tp, dp, extra_args)"
+                )
             dtype = runtime.states_dtype(cfg.hidden.compute_dtype, rt.device)
             with states.VLLMStates(folder, cfg.hidden, dtype, cache) as source:
                 rep = hidden.run(seq_folder, out, source, cfg.hidden, target.fingerprint(folder), cache, rt)
@@ -45,8 +51,13 @@ def main(params, seq_folder, out, report, timings, cache):
             rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
     if rt.is_main:
         cli.publish(rep, report, timings)
-        logging.info("hidden: %d tokens (%d stored in the published shards), %s bytes per stored token, layers %s",
-                     rep["tokens"], rep["stored_tokens"], rep["bytes_per_token"], rep["layers"])
+        logging.info(
+            "hidden: %d tokens (%d stored in the published shards), %s bytes per stored token, layers %s",
+            rep["tokens"],
+            rep["stored_tokens"],
+            rep["bytes_per_token"],
+            rep["layers"],
+        )
 
 
 if __name__ == "__main__":

@@ -1,29 +1,29 @@
 """infer: the target regenerates `infer.samples` answers to every prompt (to its last turn, or to every turn in order
 under infer.turns: all), token-exact, resumable and incremental (eaglepipe/infer/run.py); records as in
 eaglepipe/core/records.py (Response)."""
+
 import logging
 from pathlib import Path
 
 import click
 
-from eaglepipe.core import cli
-from eaglepipe.text import derive
-from eaglepipe.infer import run as infer
-from eaglepipe.target import remote
-from eaglepipe.core import runtime
-from eaglepipe.target import model as target
-from eaglepipe.engines import Sampling
-from eaglepipe.engines import table
+from eaglepipe.core import cli, runtime
 from eaglepipe.core.errors import UserError
-from eaglepipe.infer.gates import Gates
 from eaglepipe.core.records import read_prompts, write_json, write_jsonl
+from eaglepipe.engines import Sampling, table
+from eaglepipe.infer import run as infer
+from eaglepipe.infer.gates import Gates
+from eaglepipe.target import model as target
+from eaglepipe.target import remote
+from eaglepipe.text import derive
 
 
 @click.command(help=__doc__)
 @click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target, infer).")
 @click.option("--prompts", required=True, type=click.Path(dir_okay=False), help="Prompt records (prepare's).")
-@click.option("--out", required=True, type=click.Path(file_okay=False),
-              help="Output folder: responses.jsonl and engine.json.")
+@click.option(
+    "--out", required=True, type=click.Path(file_okay=False), help="Output folder: responses.jsonl and engine.json."
+)
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Run report (DVC metrics).")
 @cli.timings
 @cli.cache("infer")
@@ -38,16 +38,31 @@ def main(params, prompts, out, report, timings, cache):
     sampling = Sampling.from_params(p, target.stop_ids(folder, tokenizer))
     with runtime.start(cfg.runtime.device) as rt, table.create(p, folder, tokenizer, rt) as engine:
         template_kwargs = cfg.target.chat_template_kwargs
-        fp = infer.fingerprint(target.fingerprint(folder), engine.name, engine.identity(), sampling, template_kwargs,
-                               spec if p.turns == "all" else None)
+        fp = infer.fingerprint(
+            target.fingerprint(folder),
+            engine.name,
+            engine.identity(),
+            sampling,
+            template_kwargs,
+            spec if p.turns == "all" else None,
+        )
         work = Path(cache) / fp
         try:
             with rt.locked(work):  # another run on this cache waits for this one, then reuses what it generated
-                responses, rep = infer.run(prompt_list, engine, tokenizer, sampling, spec,
-                                           Gates(p.gates, spec.expects_reasoning, derive.markup(tokenizer)),
-                                           infer.Cache(work), template_kwargs, p.max_failure_rate, p.samples,
-                                           infer.Limits(target.context_length(folder), cfg.merge.max_length,
-                                                        p.on_error, prompts), p.turns)
+                responses, rep = infer.run(
+                    prompt_list,
+                    engine,
+                    tokenizer,
+                    sampling,
+                    spec,
+                    Gates(p.gates, spec.expects_reasoning, derive.markup(tokenizer)),
+                    infer.Cache(work),
+                    template_kwargs,
+                    p.max_failure_rate,
+                    p.samples,
+                    infer.Limits(target.context_length(folder), cfg.merge.max_length, p.on_error, prompts),
+                    p.turns,
+                )
         except UserError as e:
             raise UserError(f"{e}. Nothing was published; the records are in {work}") from None
         write_jsonl(Path(out) / "responses.jsonl", responses)

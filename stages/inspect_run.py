@@ -5,6 +5,7 @@ content its answer, tool calls parse, nothing is cut short unexpectedly, and eve
 Reads --responses (a run's records, or the generations a run stopped by a gate left in
 .cache/infer/<fingerprint>/generations.jsonl), --params and --report if present. Writes nothing.
 """
+
 # Not stages/inspect.py: a script there would shadow the standard library's inspect for every script in stages/.
 import json
 import logging
@@ -12,10 +13,10 @@ from pathlib import Path
 
 import click
 
-from eaglepipe.tools import inspect as insp
 from eaglepipe.core import config
-from eaglepipe.text import derive
 from eaglepipe.target import model as target
+from eaglepipe.text import derive
+from eaglepipe.tools import inspect as insp
 
 
 @click.command(help=__doc__)
@@ -24,8 +25,12 @@ from eaglepipe.target import model as target
 @click.option("--seed", default=0, show_default=True, help="Which records: the same seed shows the same ones.")
 @click.option("--source", default=None, help="Only records of this source.")
 @click.option("--max-chars", default=1200, show_default=True, help="Longer fields show their start and end (0: all).")
-@click.option("--params", default="params.yaml", show_default=True,
-              help="For the tokenizer (token counts, re-deriving each record) and target.reasoning / tool_calls.")
+@click.option(
+    "--params",
+    default="params.yaml",
+    show_default=True,
+    help="For the tokenizer (token counts, re-deriving each record) and target.reasoning / tool_calls.",
+)
 @click.option("--report", default="metrics/infer.json", show_default=True, help="Run report to summarise, if present.")
 def main(responses, n, seed, source, max_chars, params, report):
     logging.basicConfig(level=logging.WARNING)

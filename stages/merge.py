@@ -1,13 +1,14 @@
 """merge: responses -> training sequences (prompt_ids + output_ids, loss mask on the output), never re-tokenised,
 split per prompt and shuffled (eaglepipe/dataset/sequences.py); every record is re-validated against its own ids first."""
+
 from pathlib import Path
 
 import click
 
 from eaglepipe.core import cli
-from eaglepipe.text import derive
 from eaglepipe.dataset import merge
 from eaglepipe.target import model as target
+from eaglepipe.text import derive
 
 
 @click.command(help=__doc__)

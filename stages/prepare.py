@@ -1,23 +1,31 @@
 """prepare: mix the prompt sources of `prepare.sources` into one prompts file (quotas, de-duplication, seeded
 sampling: eaglepipe/dataset/prepare.py), benchmark prompts kept out, every record read, skipped or chosen counted."""
+
 import logging
 
 import click
 
-from eaglepipe.dataset import benchmarks
 from eaglepipe.core import cli
-from eaglepipe.dataset import prepare as lib
 from eaglepipe.core.records import write_jsonl
+from eaglepipe.dataset import benchmarks
+from eaglepipe.dataset import prepare as lib
 
 
 @click.command(help=__doc__)
 @click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (section prepare).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Prompt records (JSON Lines).")
-@click.option("--report", required=True, type=click.Path(dir_okay=False),
-              help="Counts per source: read, valid, skipped by reason, left out and changed by each conversation "
-                   "rule, duplicates, selected (DVC metrics).")
-@click.option("--heldout", type=click.Path(dir_okay=False, exists=True),
-              help="The held-out prompts evaluate decodes (kept out of training with MT-bench and HumanEval).")
+@click.option(
+    "--report",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Counts per source: read, valid, skipped by reason, left out and changed by each conversation "
+    "rule, duplicates, selected (DVC metrics).",
+)
+@click.option(
+    "--heldout",
+    type=click.Path(dir_okay=False, exists=True),
+    help="The held-out prompts evaluate decodes (kept out of training with MT-bench and HumanEval).",
+)
 @cli.timings
 @cli.stage
 def main(params, out, report, heldout, timings):

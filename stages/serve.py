@@ -1,21 +1,26 @@
 """serve: the serve check. vLLM serves the target with the trained drafter on the prompts evaluate decoded; the
 engine's acceptance length must match evaluate's within serve.tolerance and every engine output must equal the plain
 greedy output (eaglepipe/evaluate/serve.py). Every server it starts is stopped, on success, failure and Ctrl-C."""
+
 import logging
 from pathlib import Path
 
 import click
 
 from eaglepipe.core import cli
+from eaglepipe.core.errors import UserError
 from eaglepipe.evaluate import serve
 from eaglepipe.target import model as target
-from eaglepipe.core.errors import UserError
 
 
 @click.command(help=__doc__)
 @click.option("--params", required=True, type=click.Path(dir_okay=False), help="params.yaml (target, evaluate, serve).")
-@click.option("--decoded", required=True, type=click.Path(dir_okay=False),
-              help="What evaluate decoded (JSON Lines: data/decoded/heldout.jsonl).")
+@click.option(
+    "--decoded",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="What evaluate decoded (JSON Lines: data/decoded/heldout.jsonl).",
+)
 @click.option("--draft", "draft_folder", required=True, type=click.Path(file_okay=False), help="Trained drafter.")
 @click.option("--report", required=True, type=click.Path(dir_okay=False), help="Metrics (DVC metrics).")
 @cli.timings
@@ -23,24 +28,40 @@ from eaglepipe.core.errors import UserError
 def main(params, decoded, draft_folder, report, timings):
     cfg = cli.params(params)
     if not Path(decoded).is_file():
-        raise UserError(f"{decoded} does not exist: the serve check replays what evaluate decoded, so "
-                        "evaluate.benchmarks must include the benchmark it names (dvc.yaml: heldout)")
+        raise UserError(
+            f"{decoded} does not exist: the serve check replays what evaluate decoded, so "
+            "evaluate.benchmarks must include the benchmark it names (dvc.yaml: heldout)"
+        )
     folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     tokenizer = target.load_tokenizer(folder)
     rows = serve.load_decoded(decoded)
-    metrics = serve.check(folder.resolve(), tokenizer, draft_folder, rows, target.stop_ids(folder, tokenizer),
-                          cfg.serve, cfg.evaluate.num_steps, cfg.evaluate.max_new_tokens)
+    metrics = serve.check(
+        folder.resolve(),
+        tokenizer,
+        draft_folder,
+        rows,
+        target.stop_ids(folder, tokenizer),
+        cfg.serve,
+        cfg.evaluate.num_steps,
+        cfg.evaluate.max_new_tokens,
+    )
     cli.publish(metrics, report, timings)
-    logging.info("vLLM: acceptance length %.4f (evaluate %.4f), outputs equal %s; %.1f tokens/s with the drafter",
-                 metrics["acceptance_length"], metrics["evaluate_acceptance_length"], metrics["outputs_equal"],
-                 metrics["run"]["speculative_tokens_per_s"])
+    logging.info(
+        "vLLM: acceptance length %.4f (evaluate %.4f), outputs equal %s; %.1f tokens/s with the drafter",
+        metrics["acceptance_length"],
+        metrics["evaluate_acceptance_length"],
+        metrics["outputs_equal"],
+        metrics["run"]["speculative_tokens_per_s"],
+    )
     if not metrics["passed"]:
-        raise UserError(f"the serve check failed (see {report}): outputs equal {metrics['outputs_equal']} "
-                        f"{metrics['mismatches'][:3]}, layers {metrics['engine_layers']} in vLLM vs "
-                        f"{metrics['layers']} in evaluate, acceptance length {metrics['acceptance_length']} in vLLM vs "
-                        f"{metrics['evaluate_acceptance_length']} in evaluate (relative difference "
-                        f"{metrics['relative_difference']}, tolerance {metrics['tolerance']}), counters agree "
-                        f"{metrics['counters_agree']}")
+        raise UserError(
+            f"the serve check failed (see {report}): outputs equal {metrics['outputs_equal']} "
+            f"{metrics['mismatches'][:3]}, layers {metrics['engine_layers']} in vLLM vs "
+            f"{metrics['layers']} in evaluate, acceptance length {metrics['acceptance_length']} in vLLM vs "
+            f"{metrics['evaluate_acceptance_length']} in evaluate (relative difference "
+            f"{metrics['relative_difference']}, tolerance {metrics['tolerance']}), counters agree "
+            f"{metrics['counters_agree']}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """train: the EAGLE-3 drafter on the target's stored hidden states, with training-time test (eaglepipe/drafter/train.py); writes
 a checkpoint SGLang and vLLM load as it is (eaglepipe/drafter/eagle3/model.py). Checkpointed as it goes: a rerun resumes, at any number
 of processes (exactly at the same number). Runs as one process or under torchrun (DDP; eaglepipe/core/runtime.py)."""
+
 import logging
 import os
 import shutil
@@ -8,30 +9,48 @@ from pathlib import Path
 
 import click
 
-from eaglepipe.core import cli
-from eaglepipe.drafter.eagle3 import model as draft
-from eaglepipe.hidden import layout as features
-from eaglepipe.core import runtime
-from eaglepipe.target import model as target
-from eaglepipe.drafter import train
+from eaglepipe.core import cli, runtime
 from eaglepipe.core.config import CACHE
 from eaglepipe.core.records import write_json
+from eaglepipe.drafter import train
+from eaglepipe.drafter.eagle3 import model as draft
+from eaglepipe.hidden import layout as features
+from eaglepipe.target import model as target
 
 
 @click.command(help=__doc__)
-@click.option("--params", required=True, type=click.Path(dir_okay=False),
-              help="params.yaml (target.model, train, hidden (online), runtime).")
-@click.option("--hidden", "hidden_folder", required=True, type=click.Path(file_okay=False),
-              help="hidden's shards (read with train.features: offline).")
-@click.option("--sequences", "seq_folder", required=True, type=click.Path(file_okay=False),
-              help="merge's sequences (read with train.features: online, the target computing their states).")
+@click.option(
+    "--params",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="params.yaml (target.model, train, hidden (online), runtime).",
+)
+@click.option(
+    "--hidden",
+    "hidden_folder",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="hidden's shards (read with train.features: offline).",
+)
+@click.option(
+    "--sequences",
+    "seq_folder",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="merge's sequences (read with train.features: online, the target computing their states).",
+)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder of the drafter.")
 @click.option("--metrics", required=True, type=click.Path(dir_okay=False), help="Last epoch's figures (DVC metrics).")
-@click.option("--plots", required=True, type=click.Path(dir_okay=False),
-              help="One row per epoch, split and TTT step (DVC plots).")
+@click.option(
+    "--plots", required=True, type=click.Path(dir_okay=False), help="One row per epoch, split and TTT step (DVC plots)."
+)
 @cli.timings
-@click.option("--checkpoints", default=None, type=click.Path(file_okay=False),
-              help=f"Checkpoint folder [default: {CACHE / 'train'}/<fingerprint>].")
+@click.option(
+    "--checkpoints",
+    default=None,
+    type=click.Path(file_okay=False),
+    help=f"Checkpoint folder [default: {CACHE / 'train'}/<fingerprint>].",
+)
 @cli.stage
 def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkpoints):
     cfg = cli.params(params)

@@ -1,4 +1,5 @@
 """Shared fixtures: the embedded target (tokenizer and model loaded once per test session); each test's tier."""
+
 import pytest
 
 from eaglepipe.target import model as target

@@ -3,6 +3,7 @@ tests/engines/test_vllm_engine.py, tests/evaluate/test_serve.py) running it, rea
 kill -9 and server-restart checks every engine passes, waiting; for stages under torchrun (tests/core/test_distributed.py,
 tests/drafter/test_train.py) finding the ranks' processes; for decoding tests (tests/evaluate/test_evaluate.py, tests/evaluate/test_serve.py,
 tests/core/test_distributed.py) an untrained drafter."""
+
 from __future__ import annotations
 
 import json
@@ -17,23 +18,44 @@ from pathlib import Path
 from eaglepipe.core.records import Prompt, content_id
 
 ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
-             "Say hello in Spanish.", "Name a planet.", "What do bees make?"]
-PROMPTS = [Prompt(content_id([{"role": "user", "content": q}], None), "t", [{"role": "user", "content": q}])
-           for q in QUESTIONS]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is 2 plus 2?",
+    "Say hello in Spanish.",
+    "Name a planet.",
+    "What do bees make?",
+]
+PROMPTS = [
+    Prompt(content_id([{"role": "user", "content": q}], None), "t", [{"role": "user", "content": q}]) for q in QUESTIONS
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def infer_cmd(folder: Path, params: Path, prompts: Path) -> list[str]:
     """stages/infer.py writing into ``folder``: out/, report.json, timings.json and its cache in cache/."""
-    return [sys.executable, "stages/infer.py", "--params", str(params), "--prompts", str(prompts),
-            "--out", str(folder / "out"), "--report", str(folder / "report.json"),
-            "--timings", str(folder / "timings.json"), "--cache", str(folder / "cache")]
+    return [
+        sys.executable,
+        "stages/infer.py",
+        "--params",
+        str(params),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(folder / "out"),
+        "--report",
+        str(folder / "report.json"),
+        "--timings",
+        str(folder / "timings.json"),
+        "--cache",
+        str(folder / "cache"),
+    ]
 
 
 def run_infer(folder: Path, params: Path, prompts: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(infer_cmd(folder, params, prompts), cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        infer_cmd(folder, params, prompts), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def records(folder: Path) -> list[dict]:
@@ -62,12 +84,14 @@ def assert_same_records(got: list[dict], reference: list[dict], engine: str) -> 
         assert g["meta"]["engine"] == engine and ref["meta"]["engine"] == "hf"
 
 
-def kill_9_then_resume(folder: Path, params: Path, prompts: Path, reference: list[dict], engine: str,
-                       wait_s: float) -> None:
+def kill_9_then_resume(
+    folder: Path, params: Path, prompts: Path, reference: list[dict], engine: str, wait_s: float
+) -> None:
     """kill -9 of the infer stage once two records are cached, then a rerun: it generates only the rest, every
     prompt is cached once and the records are ``reference``'s (the same prompts through the embedded engine)."""
-    proc = subprocess.Popen(infer_cmd(folder, params, prompts), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        infer_cmd(folder, params, prompts), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         wait_for(lambda: len(cache_lines(folder)) >= 2 or proc.poll() is not None, wait_s, "two cached records")
         proc.send_signal(signal.SIGKILL)
@@ -84,14 +108,16 @@ def kill_9_then_resume(folder: Path, params: Path, prompts: Path, reference: lis
     assert_same_records(records(folder), reference, engine)
 
 
-def server_restart_mid_run(folder: Path, params: Path, prompts: Path, reference: list[dict], engine: str,
-                           restart, wait_s: float) -> None:
+def server_restart_mid_run(
+    folder: Path, params: Path, prompts: Path, reference: list[dict], engine: str, restart, wait_s: float
+) -> None:
     """The infer stage runs; once two records are cached ``restart()`` kills its server with requests in flight and
     starts another on the same port: the stage takes the server out of rotation, back when it is healthy, and ends
     with every prompt cached once and ``reference``'s records."""
     with open(folder / "stage.log", "w") as log:
-        proc = subprocess.Popen(infer_cmd(folder, params, prompts), cwd=ROOT, env=ENV, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            infer_cmd(folder, params, prompts), cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             wait_for(lambda: len(cache_lines(folder)) >= 2 or proc.poll() is not None, wait_s, "two cached records")
             assert proc.poll() is None, "the stage finished before the server was killed"
@@ -111,8 +137,13 @@ def start_vllm(folder, port: int, log: Path, extra_args=(), env=None):
     from eaglepipe.core import config
     from eaglepipe.engines import vllm
 
-    cfg = config.Launch(model_path=str(folder), port=port, log=str(log), stop_timeout_s=30,
-                        extra_args=["--dtype", "float32", "--enforce-eager", *extra_args])
+    cfg = config.Launch(
+        model_path=str(folder),
+        port=port,
+        log=str(log),
+        stop_timeout_s=30,
+        extra_args=["--dtype", "float32", "--enforce-eager", *extra_args],
+    )
     server = vllm.launched(cfg, str(ROOT / vllm.python()))
     server.env.update(env or {})
     server.start()
@@ -164,9 +195,9 @@ def untrained_drafter(target_folder, layers: list[int], draft_vocab: int = 2048,
     import torch
     from transformers import AutoConfig
 
-    from eaglepipe.drafter.eagle3 import model as draft
-    from eaglepipe.drafter.eagle3 import init as draft_init
     from eaglepipe.drafter import train
+    from eaglepipe.drafter.eagle3 import init as draft_init
+    from eaglepipe.drafter.eagle3 import model as draft
 
     tgt = train.target_tensors(target_folder, layers[-1])
     cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), draft_vocab, layers, drafter)

@@ -1,5 +1,6 @@
 """What tests of several folders share: the project root, the project's params with keys replaced, the tiny
 params of the end-to-end runs, dvc.yaml's stages and each stage script's arguments."""
+
 from pathlib import Path
 
 import yaml
@@ -34,9 +35,33 @@ STAGE_ARGS = {
     "infer": ["--prompts", "o/p.jsonl", "--out", "o/r", "--report", "o/r.json", "--timings", "o/t.json"],
     "merge": ["--responses", "o/r.jsonl", "--out", "o/s", "--report", "o/r.json", "--timings", "o/t.json"],
     "hidden": ["--sequences", "o/s", "--out", "o/h", "--report", "o/r.json", "--timings", "o/t.json"],
-    "train": ["--hidden", "o/h", "--sequences", "o/s", "--out", "o/d", "--metrics", "o/m.json", "--plots", "o/c.json",
-              "--timings", "o/t.json"],
-    "evaluate": ["--prompts", "o/p.jsonl", "--draft", "o/d", "--report", "o/r.json", "--positions", "o/p.json",
-                 "--decoded", "o/decoded", "--timings", "o/t.json"],
+    "train": [
+        "--hidden",
+        "o/h",
+        "--sequences",
+        "o/s",
+        "--out",
+        "o/d",
+        "--metrics",
+        "o/m.json",
+        "--plots",
+        "o/c.json",
+        "--timings",
+        "o/t.json",
+    ],
+    "evaluate": [
+        "--prompts",
+        "o/p.jsonl",
+        "--draft",
+        "o/d",
+        "--report",
+        "o/r.json",
+        "--positions",
+        "o/p.json",
+        "--decoded",
+        "o/decoded",
+        "--timings",
+        "o/t.json",
+    ],
     "serve": ["--decoded", "o/d.jsonl", "--draft", "o/d", "--report", "o/r.json", "--timings", "o/t.json"],
 }

@@ -13,25 +13,40 @@ weights (a link), for the stage and tests/sglang_server.py (``--reasoning``) to 
 scripted engine implements the engine interface and answers with token ids made by this tokenizer, as a reasoning model
 served token-exact would.
 """
+
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from eaglepipe.target import model as target
 from eaglepipe.engines import Output
+from eaglepipe.target import model as target
 
 THINK_TOKENS = ["<think>", "</think>"]
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
-TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
-               "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-               "<|tool_call_argument_begin|>", "<|tool_call_end|>",
-               "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
-               "<｜tool▁sep｜>"]
+TOOL_TOKENS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+]
 MARKERS = THINK_TOKENS + HARMONY_TOKENS + TOOL_TOKENS
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
-CHAT_TEMPLATE = r"""
+CHAT_TEMPLATE = (
+    r"""
 {%- if harmony is defined and harmony -%}
     {{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nReasoning: medium\n\n'
         + '# Valid channels: analysis, commentary, final. Channel must be included for every message.' }}
@@ -57,7 +72,9 @@ CHAT_TEMPLATE = r"""
     {%- endfor -%}
     {%- if add_generation_prompt -%}{{- '<|start|>assistant' }}{%- endif -%}
 {%- else -%}
-    {%- set system = messages[0].content if messages[0].role == 'system' else '""" + DEFAULT_SYSTEM + r"""' -%}
+    {%- set system = messages[0].content if messages[0].role == 'system' else '"""
+    + DEFAULT_SYSTEM
+    + r"""' -%}
     {{- '<|im_start|>system\n' + system }}
     {%- if tools -%}
         {{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n'
@@ -91,6 +108,7 @@ CHAT_TEMPLATE = r"""
     {%- endif -%}
 {%- endif -%}
 """
+)
 
 
 def build_model_folder(folder: Path, weights: bool = False) -> Path:
@@ -141,6 +159,7 @@ def ids(tokenizer, text: str) -> list[int]:
 
 # --- a reasoning model, scripted ----------------------------------------------------------------------------------
 
+
 def think_answer(question: str, tools: list | None = None) -> tuple[str, str]:
     """(reasoning, answer) a reasoning model might give; with tools, the answer is a Hermes-style tool call."""
     reasoning = f"The user asks: {question} Let me think step by step about it."
@@ -156,6 +175,7 @@ class ScriptedEngine:
     ``script(prompt_text) -> (output text, finish_reason)`` writes each answer as text; the engine returns it as
     token ids of the test tokenizer, the way a token-exact server returns ``output_ids``. ``served`` counts the
     answers handed out, so a test can see how much compute a failing run spent."""
+
     name = "scripted"
 
     def __init__(self, tokenizer, script, label: str = "reasoning"):
@@ -173,7 +193,7 @@ class ScriptedEngine:
             text, finish = self.script(self.tokenizer.decode(prompt, skip_special_tokens=False))
             out = ids(self.tokenizer, text)
             if finish == "length":
-                out = out[:sampling.max_new_tokens]
+                out = out[: sampling.max_new_tokens]
             self.served += 1
             yield i, Output(out, finish, {"engine": self.name, "rid": rids[i]})
 
@@ -203,7 +223,11 @@ def harmony_model(prompt_text: str) -> tuple[str, str]:
     question = question_of(prompt_text)
     thought = f"User asks: {question} Need to answer briefly."
     if "namespace functions" in prompt_text:
-        return (f"<|channel|>analysis<|message|>{thought} Use the search tool.<|end|><|start|>assistant<|channel|>"
-                f'commentary to=functions.search <|constrain|>json<|message|>{{"query": "{question}"}}<|call|>'), "stop"
-    return (f"<|channel|>analysis<|message|>{thought}<|end|><|start|>assistant<|channel|>final<|message|>"
-            f"Answer: {question}<|return|>"), "stop"
+        return (
+            f"<|channel|>analysis<|message|>{thought} Use the search tool.<|end|><|start|>assistant<|channel|>"
+            f'commentary to=functions.search <|constrain|>json<|message|>{{"query": "{question}"}}<|call|>'
+        ), "stop"
+    return (
+        f"<|channel|>analysis<|message|>{thought}<|end|><|start|>assistant<|channel|>final<|message|>"
+        f"Answer: {question}<|return|>"
+    ), "stop"

@@ -46,6 +46,7 @@ Faults (--fault-rate of /generate requests, kinds from --faults; "cycle" faults 
     abort                             finish_reason {"type": "abort"} with partial output
     finish                            an unknown finish_reason
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,18 +73,65 @@ from eaglepipe.target import model as target
 
 log = logging.getLogger("sglang_server")
 
-FAULTS = ("http429", "http500", "http503", "reset", "hang", "malformed", "truncated", "prefix", "count", "abort",
-          "finish")
+FAULTS = (
+    "http429",
+    "http500",
+    "http503",
+    "reset",
+    "hang",
+    "malformed",
+    "truncated",
+    "prefix",
+    "count",
+    "abort",
+    "finish",
+)
 EXTRA_FAULTS = ("http400",)
 PRE_FAULTS = {"http429", "http500", "http503", "http400", "reset", "hang", "malformed", "truncated"}
-SAMPLING_KEYS = {"max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
-                 "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-                 "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval", "logit_bias",
-                 "sampling_seed"}
-KNOBS = {"latency": 0.0, "fault_rate": 0.0, "faults": list(FAULTS), "fault_mode": "random", "fault_budget": None,
-         "hang_s": 30.0, "batch_arrays": False, "exclude_stop": False, "old_api": False, "tokenize_skew": False,
-         "unhealthy": False, "seed": 0, "fail_rids": [], "fake_stop_after": None, "reasoning": None}
+SAMPLING_KEYS = {
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+}
+KNOBS = {
+    "latency": 0.0,
+    "fault_rate": 0.0,
+    "faults": list(FAULTS),
+    "fault_mode": "random",
+    "fault_budget": None,
+    "hang_s": 30.0,
+    "batch_arrays": False,
+    "exclude_stop": False,
+    "old_api": False,
+    "tokenize_skew": False,
+    "unhealthy": False,
+    "seed": 0,
+    "fail_rids": [],
+    "fake_stop_after": None,
+    "reasoning": None,
+}
 TAIL = 5  # SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET
 KEEPALIVE_S = 5.0  # SGLang's uvicorn closes a connection idle this long (http_server.py, timeout_keep_alive)
 REASONING_MODES = (None, "wrap", "drop")
@@ -104,8 +152,16 @@ def sglang_error(status: int, message: str) -> web.Response:
 
 def new_stats() -> dict:
     """What GET /stats counts, from zero (at start and on ``reset_stats``)."""
-    return {"generate_requests": 0, "answers": 0, "faults": {}, "aborts": 0, "aborted_rids": [], "rids": [],
-            "max_inflight": 0, "connections": []}
+    return {
+        "generate_requests": 0,
+        "answers": 0,
+        "faults": {},
+        "aborts": 0,
+        "aborted_rids": [],
+        "rids": [],
+        "max_inflight": 0,
+        "connections": [],
+    }
 
 
 class FakeSGLang:
@@ -123,10 +179,19 @@ class FakeSGLang:
         self.special = set(self.tokenizer.all_special_ids)
         gen_config = self.folder / "generation_config.json"
         defaults = json.loads(gen_config.read_text()) if gen_config.exists() else {}
-        self.defaults = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-                         "repetition_penalty": 1.0,
-                         **{k: defaults[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                            if defaults.get(k) is not None}}
+        self.defaults = {
+            "max_new_tokens": 128,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            **{
+                k: defaults[k]
+                for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                if defaults.get(k) is not None
+            },
+        }
         self.engine = None
         if not args.no_compute:
             import torch
@@ -171,7 +236,7 @@ class FakeSGLang:
         if open_id is None:
             return None
         k = len(ids)
-        while k and ids[k - 1] != open_id and not self.tokenizer.decode(ids[k - 1:k]).strip():
+        while k and ids[k - 1] != open_id and not self.tokenizer.decode(ids[k - 1 : k]).strip():
             k -= 1
         return k - 1 if k and ids[k - 1] == open_id else None
 
@@ -192,23 +257,56 @@ class FakeSGLang:
         return web.Response(status=200 if self.ready() else 503)
 
     def model_info_body(self):
-        return {"model_path": str(self.folder), "tokenizer_path": str(self.folder), "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
-                "has_audio_understanding": False, "model_type": self.model_type, "architectures": self.architectures}
+        return {
+            "model_path": str(self.folder),
+            "tokenizer_path": str(self.folder),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": self.model_type,
+            "architectures": self.architectures,
+        }
 
     def server_info_body(self):
         a = self.args
-        return {"model_path": str(self.folder), "tokenizer_path": str(self.folder), "tokenizer_mode": "auto",
-                "skip_tokenizer_init": False, "load_format": "auto", "trust_remote_code": False,
-                "dtype": "float32", "kv_cache_dtype": "auto", "quantization": None, "context_length": None,
-                "device": "cpu", "served_model_name": str(self.folder), "chat_template": None,
-                "reasoning_parser": None, "tool_call_parser": None, "sampling_defaults": "model",
-                "is_embedding": False, "host": a.host, "port": a.port, "tp_size": a.tp, "dp_size": a.dp,
-                "random_seed": self.random_seed, "weight_version": "default", "extra_args": a.extra,
-                "max_total_num_tokens": 65536, "max_req_input_len": 8192,
-                "internal_states": [{"last_gen_throughput": round(self.rng.random() * 100, 2),
-                                     "uptime_s": round(time.time() - self.started, 1)}],
-                "version": "0.0.0+eaglepipe-test-server", "no_compute": a.no_compute}
+        return {
+            "model_path": str(self.folder),
+            "tokenizer_path": str(self.folder),
+            "tokenizer_mode": "auto",
+            "skip_tokenizer_init": False,
+            "load_format": "auto",
+            "trust_remote_code": False,
+            "dtype": "float32",
+            "kv_cache_dtype": "auto",
+            "quantization": None,
+            "context_length": None,
+            "device": "cpu",
+            "served_model_name": str(self.folder),
+            "chat_template": None,
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "sampling_defaults": "model",
+            "is_embedding": False,
+            "host": a.host,
+            "port": a.port,
+            "tp_size": a.tp,
+            "dp_size": a.dp,
+            "random_seed": self.random_seed,
+            "weight_version": "default",
+            "extra_args": a.extra,
+            "max_total_num_tokens": 65536,
+            "max_req_input_len": 8192,
+            "internal_states": [
+                {
+                    "last_gen_throughput": round(self.rng.random() * 100, 2),
+                    "uptime_s": round(time.time() - self.started, 1),
+                }
+            ],
+            "version": "0.0.0+eaglepipe-test-server",
+            "no_compute": a.no_compute,
+        }
 
     async def model_info(self, request):
         if self.knobs["old_api"] and not request.path.startswith("/get_"):
@@ -229,9 +327,13 @@ class FakeSGLang:
         tokens = [self.tokenizer.encode(p, add_special_tokens=add) for p in ([prompt] if single else prompt)]
         if self.knobs["tokenize_skew"]:  # a server whose tokenizer maps special tokens elsewhere
             tokens = [[t + 1 if t in self.special else t for t in ids] for ids in tokens]
-        return web.json_response({"tokens": tokens[0] if single else tokens,
-                                  "count": len(tokens[0]) if single else [len(t) for t in tokens],
-                                  "max_model_len": getattr(self.tokenizer, "model_max_length", -1)})
+        return web.json_response(
+            {
+                "tokens": tokens[0] if single else tokens,
+                "count": len(tokens[0]) if single else [len(t) for t in tokens],
+                "max_model_len": getattr(self.tokenizer, "model_max_length", -1),
+            }
+        )
 
     async def detokenize(self, request):
         body = await request.json()
@@ -280,8 +382,11 @@ class FakeSGLang:
         k = self.knobs
         n = self.requests
         self.requests += 1
-        if not k["fault_rate"] or not k["faults"] or (k["fault_budget"] is not None and
-                                                     self.injected >= k["fault_budget"]):
+        if (
+            not k["fault_rate"]
+            or not k["faults"]
+            or (k["fault_budget"] is not None and self.injected >= k["fault_budget"])
+        ):
             return None
         if k["fault_mode"] == "cycle":
             if int((n + 1) * k["fault_rate"]) <= int(n * k["fault_rate"]):
@@ -336,17 +441,26 @@ class FakeSGLang:
         sps = [sps] * n if isinstance(sps, dict) else sps
         if not isinstance(sps, list) or len(sps) != n:
             raise RequestError("sampling_params should be a dict or one dict per request")
-        return single, [{"input_ids": list(i), "sampling_params": self.sampling(sp), "rid": r}
-                        for i, sp, r in zip(inputs, sps, rids)]
+        return single, [
+            {"input_ids": list(i), "sampling_params": self.sampling(sp), "rid": r}
+            for i, sp, r in zip(inputs, sps, rids)
+        ]
 
     def sampling(self, sp: dict) -> dict:
         unknown = set(sp) - SAMPLING_KEYS
         if unknown:
             raise RequestError(f"unknown sampling params {sorted(unknown)}")
         sp = {k: v for k, v in sp.items() if v is not None}
-        p = {**self.defaults, "stop_token_ids": [], "ignore_eos": False, "skip_special_tokens": True,
-             "no_stop_trim": False, "spaces_between_special_tokens": True, **sp}
-        if not 0.0 <= p["temperature"]:
+        p = {
+            **self.defaults,
+            "stop_token_ids": [],
+            "ignore_eos": False,
+            "skip_special_tokens": True,
+            "no_stop_trim": False,
+            "spaces_between_special_tokens": True,
+            **sp,
+        }
+        if not p["temperature"] >= 0.0:
             raise RequestError(f"temperature must be non-negative, got {p['temperature']}.")
         if not 0.0 < p["top_p"] <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {p['top_p']}.")
@@ -383,12 +497,18 @@ class FakeSGLang:
             gen = [1000 + (h + 7919 * k) % 20000 for k in range(budget)]
             after = self.knobs["fake_stop_after"]
             if after and sp["stop_token_ids"] and after <= budget:
-                gen = gen[:after - 1] + [min(sp["stop_token_ids"])]
+                gen = gen[: after - 1] + [min(sp["stop_token_ids"])]
         else:
             top_k = sp["top_k"] if sp["top_k"] > 0 else -1
-            sampling = Sampling(temperature=sp["temperature"], top_p=sp["top_p"], top_k=top_k, min_p=sp["min_p"],
-                                max_new_tokens=budget, seed=int(sp.get("sampling_seed") or 0),
-                                stop_token_ids=tuple(sorted(stops)))
+            sampling = Sampling(
+                temperature=sp["temperature"],
+                top_p=sp["top_p"],
+                top_k=top_k,
+                min_p=sp["min_p"],
+                max_new_tokens=budget,
+                seed=int(sp.get("sampling_seed") or 0),
+                stop_token_ids=tuple(sorted(stops)),
+            )
             gen = next(self.engine.stream([model_ids], sampling, [rid]))[1].output_ids
         gen = block + gen
         # SGLang's Req.check_finished: the length limit first, then the stop ids; the matched id stays in output_ids.
@@ -401,10 +521,19 @@ class FakeSGLang:
         text_ids = gen[:-1] if finish["type"] == "stop" and not sp["no_stop_trim"] else gen
         text = self.tokenizer.decode(text_ids, skip_special_tokens=sp["skip_special_tokens"]) if self.engine else ""
         out_ids = gen[:-1] if finish["type"] == "stop" and self.knobs["exclude_stop"] else gen
-        return {"text": text, "output_ids": out_ids,
-                "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
-                              "weight_version": "default", "completion_tokens": len(gen), "cached_tokens": 0,
-                              "e2e_latency": round(time.perf_counter() - start, 6)}}
+        return {
+            "text": text,
+            "output_ids": out_ids,
+            "meta_info": {
+                "id": rid,
+                "finish_reason": finish,
+                "prompt_tokens": len(ids),
+                "weight_version": "default",
+                "completion_tokens": len(gen),
+                "cached_tokens": 0,
+                "e2e_latency": round(time.perf_counter() - start, 6),
+            },
+        }
 
     def corrupt(self, kind: str, answer: dict, prompt: list) -> dict:
         ids, meta = answer["output_ids"], answer["meta_info"]
@@ -413,7 +542,7 @@ class FakeSGLang:
         elif kind == "count":
             meta["completion_tokens"] += 1
         elif kind == "abort":
-            answer["output_ids"] = ids[:len(ids) // 2]
+            answer["output_ids"] = ids[: len(ids) // 2]
             meta["finish_reason"] = {"type": "abort", "message": "Abort in fault injection.", "status_code": 500}
         elif kind == "finish":
             meta["finish_reason"] = {"type": "weird"}
@@ -470,8 +599,7 @@ class FakeSGLang:
             for it, a in zip(items, answers):
                 if it["rid"] in self.aborted:
                     self.aborted.discard(it["rid"])
-                    a["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort request.",
-                                                       "status_code": 400}
+                    a["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort request.", "status_code": 400}
             if fault:
                 answers[0] = self.corrupt(fault, answers[0], items[0]["input_ids"])
             self.stats["answers"] += len(answers)
@@ -484,9 +612,15 @@ class FakeSGLang:
     async def pre_fault(self, fault: str, request: web.Request):
         if fault.startswith("http"):
             status = int(fault[4:])
-            return sglang_error(status, {429: "Too many requests.", 500: "Internal server error (injected).",
-                                         503: "Service unavailable (injected).",
-                                         400: "Invalid request (injected)."}[status])
+            return sglang_error(
+                status,
+                {
+                    429: "Too many requests.",
+                    500: "Internal server error (injected).",
+                    503: "Service unavailable (injected).",
+                    400: "Invalid request (injected).",
+                }[status],
+            )
         if fault == "reset":
             request.transport.abort()
             raise asyncio.CancelledError  # nothing more to send on this connection
@@ -529,8 +663,13 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--model-path", "--model", dest="model_path", default="embedded",
-                    help="'embedded', a Hugging Face model folder or a .gguf file (eaglepipe.target.model.resolve)")
+    ap.add_argument(
+        "--model-path",
+        "--model",
+        dest="model_path",
+        default="embedded",
+        help="'embedded', a Hugging Face model folder or a .gguf file (eaglepipe.target.model.resolve)",
+    )
     ap.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1, help="recorded in /server_info only")
     ap.add_argument("--dp", "--dp-size", dest="dp", type=int, default=1, help="recorded in /server_info only")
     ap.add_argument("--no-compute", action="store_true", help="answer made-up ids without running the model")
@@ -540,22 +679,49 @@ def parse_args(argv=None):
     ap.add_argument("--fault-mode", dest="fault_mode", choices=("random", "cycle"))
     ap.add_argument("--fault-budget", dest="fault_budget", type=int, help="inject at most this many faults")
     ap.add_argument("--hang-s", dest="hang_s", type=float)
-    ap.add_argument("--startup-delay", dest="startup_delay", type=float, default=0.0,
-                    help="answer 503 on /health and /generate for this long after starting")
+    ap.add_argument(
+        "--startup-delay",
+        dest="startup_delay",
+        type=float,
+        default=0.0,
+        help="answer 503 on /health and /generate for this long after starting",
+    )
     ap.add_argument("--batch-arrays", dest="batch_arrays", action="store_const", const=True)
-    ap.add_argument("--exclude-stop", dest="exclude_stop", action="store_const", const=True,
-                    help="leave the matched stop id out of output_ids (but count it)")
-    ap.add_argument("--old-api", dest="old_api", action="store_const", const=True,
-                    help="only the old /get_model_info and /get_server_info")
-    ap.add_argument("--tokenize-skew", dest="tokenize_skew", action="store_const", const=True,
-                    help="/tokenize maps special tokens to other ids (a mismatched tokenizer)")
-    ap.add_argument("--reasoning", choices=("wrap", "drop"),
-                    help="serve a reasoning model: 'wrap' puts a think block before the model's answer (needs "
-                         "<think> and </think> in the tokenizer), 'drop' serves the answer without it (thinking "
-                         "lost); see the module docstring")
+    ap.add_argument(
+        "--exclude-stop",
+        dest="exclude_stop",
+        action="store_const",
+        const=True,
+        help="leave the matched stop id out of output_ids (but count it)",
+    )
+    ap.add_argument(
+        "--old-api",
+        dest="old_api",
+        action="store_const",
+        const=True,
+        help="only the old /get_model_info and /get_server_info",
+    )
+    ap.add_argument(
+        "--tokenize-skew",
+        dest="tokenize_skew",
+        action="store_const",
+        const=True,
+        help="/tokenize maps special tokens to other ids (a mismatched tokenizer)",
+    )
+    ap.add_argument(
+        "--reasoning",
+        choices=("wrap", "drop"),
+        help="serve a reasoning model: 'wrap' puts a think block before the model's answer (needs "
+        "<think> and </think> in the tokenizer), 'drop' serves the answer without it (thinking "
+        "lost); see the module docstring",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fake-stop-after", dest="fake_stop_after", type=int,
-                    help="--no-compute: answers end with a stop id after this many ids")
+    ap.add_argument(
+        "--fake-stop-after",
+        dest="fake_stop_after",
+        type=int,
+        help="--no-compute: answers end with a stop id after this many ids",
+    )
     args, extra = ap.parse_known_args(argv)
     args.extra = extra  # SGLang flags the launcher passes through (recorded in /server_info)
     return args
@@ -571,9 +737,13 @@ def free_port() -> int:
 def start_server(port: int, log: Path, *args) -> subprocess.Popen:
     """This server on a loopback port; returns once /health answers 200."""
     out = open(log, "ab")
-    proc = subprocess.Popen([sys.executable, __file__, "--port", str(port),
-                             *map(str, args)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--port", str(port), *map(str, args)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     out.close()
     wait_healthy(f"http://127.0.0.1:{port}", proc, log)
     return proc
@@ -596,8 +766,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 1
 
 def configure(url: str, **knobs) -> dict:
     """Set the server's test knobs (faults, latency, ...; CLEAN resets them all)."""
-    req = urllib.request.Request(url + "/_test/config", data=dumps(knobs), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/_test/config", data=dumps(knobs), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return loads(r.read())
 
@@ -608,9 +779,23 @@ def stats(url: str) -> dict:
         return loads(r.read())
 
 
-CLEAN = dict(latency=0.0, fault_rate=0.0, faults="all", fault_mode="random", fault_budget=None, hang_s=30.0,
-             batch_arrays=False, exclude_stop=False, old_api=False, tokenize_skew=False, unhealthy=False, seed=0,
-             fail_rids=[], fake_stop_after=None, reset_stats=True)
+CLEAN = dict(
+    latency=0.0,
+    fault_rate=0.0,
+    faults="all",
+    fault_mode="random",
+    fault_budget=None,
+    hang_s=30.0,
+    batch_arrays=False,
+    exclude_stop=False,
+    old_api=False,
+    tokenize_skew=False,
+    unhealthy=False,
+    seed=0,
+    fail_rids=[],
+    fake_stop_after=None,
+    reset_stats=True,
+)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -627,10 +812,22 @@ def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     server = FakeSGLang(args)
-    log.info("serving %s on %s:%d (%s)", server.folder, args.host, args.port,
-             "no compute" if args.no_compute else "HFEngine, batch size 1")
-    web.run_app(make_app(server), host=args.host, port=args.port, access_log=None, print=None, shutdown_timeout=0.5,
-                keepalive_timeout=KEEPALIVE_S)
+    log.info(
+        "serving %s on %s:%d (%s)",
+        server.folder,
+        args.host,
+        args.port,
+        "no compute" if args.no_compute else "HFEngine, batch size 1",
+    )
+    web.run_app(
+        make_app(server),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        print=None,
+        shutdown_timeout=0.5,
+        keepalive_timeout=KEEPALIVE_S,
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 DVC's own table puts every key of every metrics file in one row per file, thousands of characters wide; this prints
 the same numbers one under the other, lists included, so they read in a terminal: ``make metrics``.
 """
+
 import json
 import sys
 

@@ -10,6 +10,7 @@ The template follows dvc-render's contract: it holds ``{plot_divs}`` (where DVC 
     python3 tools/plots_page.py --out .venv/plots/page.html
     dvc plots show --html-template .venv/plots/page.html
 """
+
 import json
 import re
 import subprocess
@@ -50,8 +51,19 @@ def install(prefix: Path) -> None:
     if all(installed_version(prefix, n) == v for n, v in LIBRARIES.items()):
         return
     prefix.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["npm", "install", "--prefix", str(prefix), "--save-exact", "--no-audit", "--no-fund",
-                    *(f"{n}@{v}" for n, v in LIBRARIES.items())], check=True)
+    subprocess.run(
+        [
+            "npm",
+            "install",
+            "--prefix",
+            str(prefix),
+            "--save-exact",
+            "--no-audit",
+            "--no-fund",
+            *(f"{n}@{v}" for n, v in LIBRARIES.items()),
+        ],
+        check=True,
+    )
 
 
 def page(scripts: dict[str, str]) -> str:
@@ -73,8 +85,9 @@ def page(scripts: dict[str, str]) -> str:
 def main(prefix, out) -> None:
     prefix = Path(prefix)
     install(prefix)
-    scripts = {n: (prefix / "node_modules" / n / "build" / f"{n}.min.js").read_text(encoding="utf-8")
-               for n in LIBRARIES}
+    scripts = {
+        n: (prefix / "node_modules" / n / "build" / f"{n}.min.js").read_text(encoding="utf-8") for n in LIBRARIES
+    }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page(scripts), encoding="utf-8")

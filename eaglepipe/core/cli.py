@@ -1,4 +1,5 @@
 """What every stage script shares: logging, the validated params, user errors as one line, the reports."""
+
 from __future__ import annotations
 
 import functools
@@ -12,19 +13,29 @@ from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.records import write_json
 
-timings = click.option("--timings", required=True, type=click.Path(dir_okay=False),
-                       help="This run's seconds, speed and peak memory (metrics/timings, not in git; see publish).")
+timings = click.option(
+    "--timings",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="This run's seconds, speed and peak memory (metrics/timings, not in git; see publish).",
+)
 
 
 def cache(stage_name: str):
     """The option of a stage that keeps resumable work folders, one per fingerprint, under ``config.CACHE``."""
-    return click.option("--cache", default=str(config.CACHE / stage_name), show_default=True,
-                        type=click.Path(file_okay=False), help="Folder of resumable work folders, one per fingerprint.")
+    return click.option(
+        "--cache",
+        default=str(config.CACHE / stage_name),
+        show_default=True,
+        type=click.Path(file_okay=False),
+        help="Folder of resumable work folders, one per fingerprint.",
+    )
 
 
 def stage(fn):
     """Decorate a stage's click command body: plain logging, and a ``UserError`` (or a missing file) ends the stage
     as one line naming its cause, with exit code 1."""
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -34,6 +45,7 @@ def stage(fn):
             raise click.ClickException(str(e)) from None
         except FileNotFoundError as e:
             raise click.ClickException(f"{e.filename}: no such file") from None
+
     return run
 
 
@@ -51,7 +63,8 @@ def publish(report: dict, metrics, timings) -> None:
     run = {**report.pop("run", {}), "peak_rss_mb": round(peak_kib / 1024, 1)}
     torch = sys.modules.get("torch")  # a stage that never imported torch (prepare does not) used no GPU
     if torch is not None and torch.cuda.is_initialized():
-        run["peak_gpu_mb"] = round(max(torch.cuda.max_memory_allocated(i)
-                                       for i in range(torch.cuda.device_count())) / 2**20, 1)
+        run["peak_gpu_mb"] = round(
+            max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 2**20, 1
+        )
     write_json(timings, run)
     write_json(metrics, report)

@@ -5,6 +5,7 @@ also those inside functions (importing ``a.b.c`` runs ``a/__init__``, ``a/b/__in
 naming each difference; ``--write`` rewrites the ``.py`` entries of each stage's ``deps`` (the script first, then the
 package in path order; the rest of the file stays as it is).
 """
+
 from __future__ import annotations
 
 import ast
@@ -38,7 +39,7 @@ def imported(path: Path, root: Path) -> set[str]:
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                parent = ".".join(parts[:len(parts) - node.level + 1])
+                parent = ".".join(parts[: len(parts) - node.level + 1])
                 base = f"{parent}.{base}" if base else parent
             found = [base] + [f"{base}.{a.name}" for a in node.names]
         else:

@@ -1,6 +1,7 @@
 """Pydantic's validation errors of a params file, told in params terms: one line per problem, naming the key
 (``infer.gates.max_empty``, ``prepare.sources[1].format``), the value and what is allowed, with the closest known key
 for an unknown one; of a union's alternatives only the one the value's shape was meant for."""
+
 from __future__ import annotations
 
 import difflib
@@ -18,8 +19,11 @@ def _model_at(root, loc: tuple):
         if field is None:
             return None
         args = getattr(field.annotation, "__args__", ())  # a union's or a container's: one level, then two
-        found = [a for a in (field.annotation, *args, *(b for a in args for b in getattr(a, "__args__", ())))
-                 if isinstance(a, type) and issubclass(a, BaseModel)]
+        found = [
+            a
+            for a in (field.annotation, *args, *(b for a in args for b in getattr(a, "__args__", ())))
+            if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
         if not found:
             return None
         model = found[0]
@@ -29,8 +33,11 @@ def _model_at(root, loc: tuple):
 def _loc(err: dict) -> tuple:
     """The error's location in params terms, without pydantic's union-branch tags."""
     tags = ("list[", "tuple[", "literal[", "function-", "union[")
-    return tuple(p for p in err["loc"] if not (isinstance(p, str) and (
-        p.startswith(tags) or p in ("Markers", "Launch", "str", "int"))))
+    return tuple(
+        p
+        for p in err["loc"]
+        if not (isinstance(p, str) and (p.startswith(tags) or p in ("Markers", "Launch", "str", "int")))
+    )
 
 
 def _describe(err: dict, root) -> str:
@@ -66,8 +73,9 @@ def problems(e: ValidationError, root) -> list[str]:
     lines, errors = [], e.errors()
     kept = [err for err in errors if _relevant(err)]
     # an error of a union's other alternative is kept only when no kept one is about its key
-    kept += [err for err in errors if not _relevant(err)
-             and not any(_loc(k)[:len(_loc(err))] == _loc(err) for k in kept)]
+    kept += [
+        err for err in errors if not _relevant(err) and not any(_loc(k)[: len(_loc(err))] == _loc(err) for k in kept)
+    ]
     for err in sorted(kept, key=errors.index):
         line = _describe(err, root)
         if line not in lines:  # a union reports one error per alternative

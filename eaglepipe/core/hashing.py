@@ -1,4 +1,5 @@
 """Content hashes of files (read in blocks; ``file_digest`` reads each once)."""
+
 from __future__ import annotations
 
 import fcntl

@@ -26,14 +26,16 @@ Response (``data/responses/responses.jsonl``, written by infer)
 Training sequences (``data/sequences/{train,valid}/``, written by merge) are binary, see ``sequences.py``:
     per sample ``input_ids`` (= prompt_ids + output_ids) and ``loss_mask`` (1 exactly on output ids).
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import jsonlines
 import orjson
@@ -170,8 +172,9 @@ def generation_from_json(rec: dict, path="<generation>", line=None) -> Generatio
     _check_ids(path, line, rec, "prompt_ids", True)
     _check_ids(path, line, rec, "output_ids", False)
     if rec.get("finish_reason") not in FINISH_REASONS:
-        raise RecordError(path, line, "finish_reason",
-                          f"should be one of {FINISH_REASONS}, got {rec.get('finish_reason')!r}")
+        raise RecordError(
+            path, line, "finish_reason", f"should be one of {FINISH_REASONS}, got {rec.get('finish_reason')!r}"
+        )
     sample = _check(path, line, rec, "sample", int)
     turn = rec.get("turn", 0)
     if not isinstance(turn, int) or isinstance(turn, bool) or turn < 0:
@@ -180,10 +183,23 @@ def generation_from_json(rec: dict, path="<generation>", line=None) -> Generatio
         rid = rec["id"]
         parts = _part_of(rid, sample_of), _part_of(rid, turn_of)
         name = "id" if None in parts else "sample" if parts[0] != sample else "turn" if parts[1] != turn else "id"
-        raise RecordError(path, line, name, f"sample {sample}, turn {turn} and id {rid!r} disagree (answer k > 0 of "
-                          "a prompt has the id '<prompt id>.k', turn t of it '<id>@t')")
-    return Generation(rec["id"], rec["source"], rec["prompt_ids"], rec["output_ids"], rec["finish_reason"],
-                      rec.get("meta") or {}, sample, turn)
+        raise RecordError(
+            path,
+            line,
+            name,
+            f"sample {sample}, turn {turn} and id {rid!r} disagree (answer k > 0 of "
+            "a prompt has the id '<prompt id>.k', turn t of it '<id>@t')",
+        )
+    return Generation(
+        rec["id"],
+        rec["source"],
+        rec["prompt_ids"],
+        rec["output_ids"],
+        rec["finish_reason"],
+        rec.get("meta") or {},
+        sample,
+        turn,
+    )
 
 
 def response_from_json(rec: dict, path="<response>", line=None) -> Response:
@@ -193,9 +209,22 @@ def response_from_json(rec: dict, path="<response>", line=None) -> Response:
     _check(path, line, rec, "reasoning_closed", bool)
     _check(path, line, rec, "tool_calls", list)
     _check(path, line, rec, "sampling", dict)
-    return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, rec["text"],
-                    rec["reasoning"], rec["content"], rec["reasoning_closed"], rec["tool_calls"], rec["sampling"],
-                    gen.meta, gen.sample, gen.turn)
+    return Response(
+        gen.id,
+        gen.source,
+        gen.prompt_ids,
+        gen.output_ids,
+        gen.finish_reason,
+        rec["text"],
+        rec["reasoning"],
+        rec["content"],
+        rec["reasoning_closed"],
+        rec["tool_calls"],
+        rec["sampling"],
+        gen.meta,
+        gen.sample,
+        gen.turn,
+    )
 
 
 class LineError(ValueError):

@@ -12,6 +12,7 @@ round differently); the compute dtype decides the numbers (``hidden.compute_dtyp
 ``torchrun --standalone --nproc-per-node N`` on it when ``EAGLEPIPE_NPROC`` = N is above 1 (without ``--standalone``
 when ``PET_NNODES`` is set: a job across nodes, whose rendezvous torchrun reads from its ``PET_*`` variables).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Runtime:
     """This process's place in the job: its device, rank, world size and rank on its node."""
+
     device: torch.device = torch.device("cpu")
     rank: int = 0
     world: int = 1
@@ -64,8 +66,9 @@ class Runtime:
             return module
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                       broadcast_buffers=False)
+        return DistributedDataParallel(
+            module, device_ids=[self.device.index] if self.device.type == "cuda" else None, broadcast_buffers=False
+        )
 
     @contextlib.contextmanager
     def locked(self, folder: Path):
@@ -85,8 +88,10 @@ class Runtime:
                         log.info("another run holds %s; waiting for it", folder / ".lock")
                         fcntl.flock(lock, fcntl.LOCK_EX)
             if self.gather(busy)[0]:  # every rank learns it, so every rank stops
-                raise UserError(f"another run holds {folder / '.lock'}: run this job of {self.world} processes once "
-                                "it has ended (its ranks cannot wait that long in the process group)")
+                raise UserError(
+                    f"another run holds {folder / '.lock'}: run this job of {self.world} processes once "
+                    "it has ended (its ranks cannot wait that long in the process group)"
+                )
             yield
 
     def save(self, path: Path, state: dict) -> None:
@@ -110,8 +115,9 @@ class Runtime:
         try:  # tensors and plain data only: a state file from elsewhere cannot run code
             return torch.load(path, weights_only=True, map_location="cpu")
         except pickle.UnpicklingError as e:
-            raise UserError(f"{path}: not a checkpoint this code wrote ({str(e).splitlines()[0][:120]}); delete it to "
-                            "start over") from None
+            raise UserError(
+                f"{path}: not a checkpoint this code wrote ({str(e).splitlines()[0][:120]}); delete it to start over"
+            ) from None
 
     def gather(self, obj) -> list:
         """Every rank's ``obj`` (picklable), in rank order, on every rank; a barrier too."""
@@ -134,8 +140,10 @@ def device(name: str = "auto", local_rank: int = 0, world: int = 1) -> torch.dev
     if name == "cuda":
         name = f"cuda:{local_rank}"
     elif world > 1:
-        raise UserError(f"runtime.device = {name!r} names one GPU, but this job runs {world} processes: use cuda or "
-                        "auto (each rank takes cuda:LOCAL_RANK)")
+        raise UserError(
+            f"runtime.device = {name!r} names one GPU, but this job runs {world} processes: use cuda or "
+            "auto (each rank takes cuda:LOCAL_RANK)"
+        )
     index = torch.device(name).index
     if index >= torch.cuda.device_count():
         raise UserError(f"{name}: torch sees {torch.cuda.device_count()} CUDA devices")
@@ -198,7 +206,7 @@ def set_rng_state(state: dict) -> None:
     """Restore ``rng_state``'s states: the CPU's, and those of the GPUs this process sees (on fewer GPUs the first
     ones; on none, only the CPU's)."""
     torch.set_rng_state(state["cpu"])
-    for i, cuda in enumerate(state["cuda"][:torch.cuda.device_count() if torch.cuda.is_available() else 0]):
+    for i, cuda in enumerate(state["cuda"][: torch.cuda.device_count() if torch.cuda.is_available() else 0]):
         torch.cuda.set_rng_state(cuda, i)
 
 
@@ -212,8 +220,9 @@ def launch(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
         return
     single_node = [] if "PET_NNODES" in os.environ else ["--standalone"]  # torchrun = python -m torch.distributed.run
-    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *single_node, "--nproc-per-node", nproc,
-                              *argv])
+    os.execv(
+        sys.executable, [sys.executable, "-m", "torch.distributed.run", *single_node, "--nproc-per-node", nproc, *argv]
+    )
 
 
 if __name__ == "__main__":

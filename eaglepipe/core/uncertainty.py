@@ -4,6 +4,7 @@ cluster is the sample. Delta method: for R = Σa_i / Σb_i over n clusters, SE(R
 z_i = (a_i - R·b_i) / Σb; for the difference of two ratios measured on the same clusters, each cluster's z terms are
 subtracted before squaring (paired), so what the clusters share cancels; any smooth function of several ratios on the
 same clusters (``extrapolate``) takes the same chain rule per cluster."""
+
 from __future__ import annotations
 
 import math
@@ -43,9 +44,13 @@ def extrapolate(lo: tuple[list, list], hi: tuple[list, list], goal: tuple[list, 
     z_lo, z_hi, z_goal = (influence(*x) for x in (lo, hi, goal))
     slope, gap = (r_hi - r_lo) / doublings, r_goal - r_hi
     z_slope = [(h - l) / doublings for h, l in zip(z_hi, z_lo)]
-    out = {"slope": slope, "slope_se": cluster_se(z_slope), "gap": gap,
-           "gap_se": cluster_se([g - h for g, h in zip(z_goal, z_hi)])}
+    out = {
+        "slope": slope,
+        "slope_se": cluster_se(z_slope),
+        "gap": gap,
+        "gap_se": cluster_se([g - h for g, h in zip(z_goal, z_hi)]),
+    }
     if slope <= 0:
         return {**out, "beyond": math.inf, "beyond_se": None}
-    z_beyond = [(g - h) / slope - gap * s / slope ** 2 for g, h, s in zip(z_goal, z_hi, z_slope)]
+    z_beyond = [(g - h) / slope - gap * s / slope**2 for g, h, s in zip(z_goal, z_hi, z_slope)]
     return {**out, "beyond": gap / slope, "beyond_se": cluster_se(z_beyond)}

@@ -13,6 +13,7 @@ MT-bench   system: the Llama-2 default system prompt (``LLAMA2_SYSTEM``); user: 
            target's own greedy answer to turn 1 (evaluate.py). Category: the question's.
 HumanEval  one user turn holding the problem's ``prompt`` as it is: no instruction, no system turn. Category ``code``.
 """
+
 from __future__ import annotations
 
 import random
@@ -21,8 +22,8 @@ from dataclasses import dataclass, field, fields
 
 from eaglepipe.core.config import BENCHMARKS
 from eaglepipe.core.errors import UserError
-from eaglepipe.dataset.formats import BadRecord
 from eaglepipe.core.records import RecordError, read_jsonl
+from eaglepipe.dataset.formats import BadRecord
 from eaglepipe.dataset.sources import identity, raw_records, resolve
 from eaglepipe.text.turns import interleave
 
@@ -33,13 +34,15 @@ LLAMA2_SYSTEM = (
     "Your answers should not include any harmful, unethical, racist, sexist, toxic, dangerous, or illegal content. "
     "Please ensure that your responses are socially unbiased and positive in nature.\n\nIf a question does not make "
     "any sense, or is not factually coherent, explain why instead of answering something not correct. If you don't "
-    "know the answer to a question, please don't share false information.")
+    "know the answer to a question, please don't share false information."
+)
 
 
 @dataclass(frozen=True)
 class Conversation:
     """``messages`` up to the first user turn to answer; each of ``follow_ups`` is a later user turn, asked after the
     target's own answer to the turn before (``messages_for``)."""
+
     benchmark: str
     id: str
     category: str
@@ -55,8 +58,7 @@ class Conversation:
         """The chat that asks turn ``len(answers) + 1``, given the assistant messages that answered the turns before
         it: messages, answer 1, follow-up 1, ..."""
         try:
-            return interleave([self.messages] + [[{"role": "user", "content": f}] for f in self.follow_ups],
-                              answers)
+            return interleave([self.messages] + [[{"role": "user", "content": f}] for f in self.follow_ups], answers)
         except ValueError:
             raise ValueError(f"{self.benchmark} {self.id} has {self.turns} turn(s), {len(answers)} answered") from None
 
@@ -114,16 +116,20 @@ def mtbench_questions(path: str = MTBENCH) -> list[Question]:
         turns = _field(file, line, rec, "turns", list)
         if not turns or not all(isinstance(t, str) and t.strip() for t in turns):
             raise RecordError(file, line, "turns", "should be a list of non-empty strings")
-        questions.append(Question(_field(file, line, rec, "question_id", int), _field(file, line, rec, "category", str),
-                                  tuple(turns)))
+        questions.append(
+            Question(
+                _field(file, line, rec, "question_id", int), _field(file, line, rec, "category", str), tuple(turns)
+            )
+        )
     return _unique(file, questions, "id", "question_id")
 
 
 def humaneval_problems(path: str = HUMANEVAL) -> list[Problem]:
     """HumanEval's problems in file order."""
     file = resolve(path)
-    problems = [Problem(*(_field(file, line, rec, f.name, str) for f in fields(Problem)))
-                for line, rec in _records(file)]
+    problems = [
+        Problem(*(_field(file, line, rec, f.name, str) for f in fields(Problem))) for line, rec in _records(file)
+    ]
     return _unique(file, problems, "task_id", "task_id")
 
 
@@ -142,15 +148,25 @@ def heldout(path) -> list[Conversation]:
 
 def mtbench(path: str = MTBENCH) -> list[Conversation]:
     """MT-bench's questions as chats: the Llama-2 system prompt and turn 1, turn 2 a follow-up."""
-    return [Conversation("mtbench", str(q.id), q.category,
-                         [{"role": "system", "content": LLAMA2_SYSTEM}, {"role": "user", "content": q.turns[0]}],
-                         None, q.turns[1:]) for q in mtbench_questions(path)]
+    return [
+        Conversation(
+            "mtbench",
+            str(q.id),
+            q.category,
+            [{"role": "system", "content": LLAMA2_SYSTEM}, {"role": "user", "content": q.turns[0]}],
+            None,
+            q.turns[1:],
+        )
+        for q in mtbench_questions(path)
+    ]
 
 
 def humaneval(path: str = HUMANEVAL) -> list[Conversation]:
     """HumanEval's problems as chats: the problem's prompt as the one user turn."""
-    return [Conversation("humaneval", p.task_id, "code", [{"role": "user", "content": p.prompt}])
-            for p in humaneval_problems(path)]
+    return [
+        Conversation("humaneval", p.task_id, "code", [{"role": "user", "content": p.prompt}])
+        for p in humaneval_problems(path)
+    ]
 
 
 def subset(items: list[Conversation], n: int | None, seed: int) -> list[Conversation]:

@@ -22,6 +22,7 @@ may rename) to its converter. Field layouts, named after the public datasets:
 
 Imports the standard library only: ``config`` imports this module.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,10 +49,19 @@ class LeftOut(BadRecord):
 
 ROLE_NAMES = {
     "system": "system",
-    "user": "user", "human": "user",
-    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
     "model": "assistant",
-    "tool": "tool", "observation": "tool", "function": "tool", "function_response": "tool", "ipython": "tool",
+    "tool": "tool",
+    "observation": "tool",
+    "function": "tool",
+    "function_response": "tool",
+    "ipython": "tool",
 }
 OTHER_ASSISTANTS = ("chatgpt", "bing", "bard", "model")
 """Assistant role names that name another chatbot (ShareGPT keeps the one that answered)."""
@@ -70,11 +80,18 @@ def _text(rec: dict, name: str, required: bool = True, where: str = "") -> str:
             raise BadRecord("missing_field", field, "is missing")
         return ""
     value = rec[name]
-    media = [part.get("type") for part in value if isinstance(part, dict) and part.get("type") in MEDIA] \
-        if isinstance(value, list) else []
+    media = (
+        [part.get("type") for part in value if isinstance(part, dict) and part.get("type") in MEDIA]
+        if isinstance(value, list)
+        else []
+    )
     if media:
-        raise BadRecord("media", field, f"carries {', '.join(sorted(set(media)))} parts: prompts are text only "
-                        "(a multimodal target is served through its language model)")
+        raise BadRecord(
+            "media",
+            field,
+            f"carries {', '.join(sorted(set(media)))} parts: prompts are text only "
+            "(a multimodal target is served through its language model)",
+        )
     if not isinstance(value, str):
         raise BadRecord("wrong_type", field, f"should be a string, got {type(value).__name__}")
     if required and not value.strip():
@@ -125,8 +142,12 @@ def _as_call(obj) -> dict | None:
 
 def _tool_call(text: str) -> dict | None:
     """The call written as JSON in ``text``, or None; glaive's single-quoted JSON arguments parse too."""
-    fixed = re.sub(r"""("arguments"\s*:\s*)'(.*)'(\s*}\s*)$""", lambda m: m[1] + json.dumps(m[2]) + m[3], text.strip(),
-                   flags=re.DOTALL)
+    fixed = re.sub(
+        r"""("arguments"\s*:\s*)'(.*)'(\s*}\s*)$""",
+        lambda m: m[1] + json.dumps(m[2]) + m[3],
+        text.strip(),
+        flags=re.DOTALL,
+    )
     try:
         return _as_call(json.loads(fixed))
     except json.JSONDecodeError:
@@ -178,6 +199,7 @@ def _turns(turns: list, field: str, role_key: str, content_key: str, rules: set)
 
 # ------------------------------------------------------------------------------------------- conversation rules
 
+
 def _mergeable(m: dict) -> bool:
     """A turn that is text alone: no tool result, no tool calls, no speaker's name."""
     return m["role"] != "tool" and not m.get("tool_calls") and "name" not in m
@@ -212,15 +234,16 @@ def _prompt_turns(messages: list, field: str, rules: set) -> list:
     if last == len(merged) - 1:
         rules.add("ends_without_answer")
     called = None
-    for m in merged[:last + 1]:
+    for m in merged[: last + 1]:
         if m.get("tool_calls"):
             called = m["tool_calls"][0]["function"]["name"]
         elif m["role"] == "tool" and called and "name" not in m:
             m["name"] = called
-    return merged[:last + 1]
+    return merged[: last + 1]
 
 
 # ----------------------------------------------------------------------------------------------------- converters
+
 
 def sharegpt(rec: dict) -> tuple[list, list | None, set]:
     turns, rules = _list(rec, "conversations"), set()
@@ -305,5 +328,12 @@ def mtbench(rec: dict) -> tuple[list, list | None, set]:
     return [{"role": "user", "content": first}], None, {"later_turns_dropped"} if len(turns) > 1 else set()
 
 
-CONVERTERS = {"sharegpt": sharegpt, "openai": openai, "glaive": glaive, "opencodeinstruct": opencodeinstruct,
-              "magicoder": magicoder, "alpaca": alpaca, "mtbench": mtbench}
+CONVERTERS = {
+    "sharegpt": sharegpt,
+    "openai": openai,
+    "glaive": glaive,
+    "opencodeinstruct": opencodeinstruct,
+    "magicoder": magicoder,
+    "alpaca": alpaca,
+    "mtbench": mtbench,
+}

@@ -10,16 +10,17 @@ With ``prepare.exclude_benchmarks`` a record is kept out (counted as ``benchmark
 blank-line-separated part of one, normalised, is a prompt evaluate decodes (``benchmarks.excluded_texts``).
 A ``pkg:`` source's report entry names its package and version (``sources.package_file``).
 """
+
 from __future__ import annotations
 
 import logging
 import random
 from collections import Counter
 
-from eaglepipe.dataset.benchmarks import normalise, user_texts
 from eaglepipe.core.config import PACKAGE_PATH
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.records import Prompt, RecordError, content_id
+from eaglepipe.dataset.benchmarks import normalise, user_texts
 from eaglepipe.dataset.sources import package_file, read_source, resolve
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,16 @@ def read_candidates(src, on_error: str, seen: set, excluded: set = frozenset()) 
     records), left_out and left_out_by_rule (no prompt in them), rules (the valid records each conversation rule
     concerns), benchmark (kept out), duplicates, and ``damage`` (``{offset, bytes, records_before}``) for an
     unreadable tail (one record skipped as ``damaged``). Records are streamed; only the candidates are kept."""
-    candidates, skipped, left_out, rules, damage, read, duplicates, benchmark = [], Counter(), Counter(), Counter(), \
-        None, 0, 0, 0
+    candidates, skipped, left_out, rules, damage, read, duplicates, benchmark = (
+        [],
+        Counter(),
+        Counter(),
+        Counter(),
+        None,
+        0,
+        0,
+        0,
+    )
     for item in read_source(src.path, src.format, src.name, src.columns, rules):
         read += 1
         if src.max_turns and not isinstance(item, RecordError):
@@ -49,18 +58,26 @@ def read_candidates(src, on_error: str, seen: set, excluded: set = frozenset()) 
             log.warning("skipped (%s): %s", item.reason, item)
             skipped[item.reason] += 1
             damage = item.damage or damage
-        elif excluded and any(normalise(part) in excluded for t in user_texts(item.messages)
-                              for part in (t, *t.split("\n\n"))):
+        elif excluded and any(
+            normalise(part) in excluded for t in user_texts(item.messages) for part in (t, *t.split("\n\n"))
+        ):
             benchmark += 1
         elif item.id in seen:
             duplicates += 1
         else:
             seen.add(item.id)
             candidates.append(item)
-    counts = {"read": read, "valid": read - sum(skipped.values()) - sum(left_out.values()),
-              "skipped": sum(skipped.values()), "skipped_by_reason": dict(sorted(skipped.items())),
-              "left_out": sum(left_out.values()), "left_out_by_rule": dict(sorted(left_out.items())),
-              "rules": dict(sorted(rules.items())), "benchmark": benchmark, "duplicates": duplicates}
+    counts = {
+        "read": read,
+        "valid": read - sum(skipped.values()) - sum(left_out.values()),
+        "skipped": sum(skipped.values()),
+        "skipped_by_reason": dict(sorted(skipped.items())),
+        "left_out": sum(left_out.values()),
+        "left_out_by_rule": dict(sorted(left_out.items())),
+        "rules": dict(sorted(rules.items())),
+        "benchmark": benchmark,
+        "duplicates": duplicates,
+    }
     return candidates, counts | ({"damage": damage} if damage else {})
 
 
@@ -70,7 +87,7 @@ def first_turns(prompt: Prompt, k: int, rules: Counter) -> Prompt:
     if len(users) <= k:
         return prompt
     rules["cut_to_max_turns"] += 1
-    messages = prompt.messages[:users[k - 1] + 1]
+    messages = prompt.messages[: users[k - 1] + 1]
     return Prompt(content_id(messages, prompt.tools), prompt.source, messages, prompt.tools)
 
 
@@ -102,9 +119,11 @@ def prepare(cfg, excluded: set = frozenset()) -> tuple[list[Prompt], dict]:
             report["sources"][src.name]["package_file"] = package_file(src.path)
     report["totals"] = totals(list(report["sources"].values()))
     if not selected:  # fail here, not in a later stage
-        raise UserError(f"prepare: no prompt selected from {len(cfg.sources)} source(s) "
-                        f"({report['totals']['read']} records read, {report['totals']['skipped']} skipped, "
-                        f"{report['totals']['left_out']} left out)")
+        raise UserError(
+            f"prepare: no prompt selected from {len(cfg.sources)} source(s) "
+            f"({report['totals']['read']} records read, {report['totals']['skipped']} skipped, "
+            f"{report['totals']['left_out']} left out)"
+        )
     return selected, report
 
 
@@ -117,11 +136,15 @@ def totals(per_source: list[dict]) -> dict:
 
 def summary(report: dict) -> str:
     """A few human lines: one per source, the totals, the reasons and rules if any, and the damaged files."""
-    lines = [f"{'source':<12} {'read':>6} {'valid':>6} {'skipped':>8} {'left out':>9} {'bench':>6} {'dups':>5} "
-             f"{'selected':>9} {'short':>6}"]
+    lines = [
+        f"{'source':<12} {'read':>6} {'valid':>6} {'skipped':>8} {'left out':>9} {'bench':>6} {'dups':>5} "
+        f"{'selected':>9} {'short':>6}"
+    ]
     for name, s in [*report["sources"].items(), ("TOTAL", report["totals"])]:
-        lines.append(f"{name:<12} {s['read']:>6} {s['valid']:>6} {s['skipped']:>8} {s['left_out']:>9} "
-                     f"{s['benchmark']:>6} {s['duplicates']:>5} {s['selected']:>9} {s['shortfall']:>6}")
+        lines.append(
+            f"{name:<12} {s['read']:>6} {s['valid']:>6} {s['skipped']:>8} {s['left_out']:>9} "
+            f"{s['benchmark']:>6} {s['duplicates']:>5} {s['selected']:>9} {s['shortfall']:>6}"
+        )
     for key, title in zip(BY_KEY, ("skipped", "left out", "rules")):
         if report["totals"][key]:
             lines.append(f"{title}: " + ", ".join(f"{k} {count}" for k, count in report["totals"][key].items()))
@@ -129,6 +152,8 @@ def summary(report: dict) -> str:
         if "damage" in s:
             d = s["damage"]
             data = " of its decompressed data" if d.get("decompressed") else ""
-            lines.append(f"damaged: {name} from byte {d['offset']}{data} to its end ({d['bytes']} bytes), "
-                         f"after {d['records_before']} records")
+            lines.append(
+                f"damaged: {name} from byte {d['offset']}{data} to its end ({d['bytes']} bytes), "
+                f"after {d['records_before']} records"
+            )
     return "\n".join(lines)

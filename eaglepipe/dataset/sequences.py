@@ -17,6 +17,7 @@ Turns (``infer.turns: all``, records ``<id>@1``, ``<id>@2``, ...): a turn whose 
 prompt and output ids token for token joins its sequence as another masked segment (``join_turns``); otherwise it is
 its own sequence. Either way every trained id sits in the context the target generated it in.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,13 +27,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eaglepipe.dataset import shards
 from eaglepipe.core.records import Response, prompt_of, write_json
+from eaglepipe.dataset import shards
 
 
 def _unit(seed: int, salt: str, rid: str) -> float:
     """A number in [0, 1) fixed by (seed, salt, id)."""
-    return int(hashlib.sha256(f"{seed}:{salt}:{rid}".encode()).hexdigest()[:12], 16) / 16 ** 12
+    return int(hashlib.sha256(f"{seed}:{salt}:{rid}".encode()).hexdigest()[:12], 16) / 16**12
 
 
 WINDOW = 64  # samples sorted by length together (plan_batches)
@@ -72,10 +73,10 @@ def join_turns(turns: list, counts: Counter) -> list:
     for rid, source, ids, mask in turns:
         if out:
             prev = out[-1][2]
-            joins = len(ids) > len(prev) and ids[:len(prev)] == prev
+            joins = len(ids) > len(prev) and ids[: len(prev)] == prev
             counts["turns_joined" if joins else "turns_apart"] += 1
             if joins:
-                out[-1] = (rid, source, ids, out[-1][3] + mask[len(prev):])
+                out[-1] = (rid, source, ids, out[-1][3] + mask[len(prev) :])
                 continue
         out.append((rid, source, ids, mask))
     return out
@@ -94,9 +95,11 @@ def split_and_shuffle(records: list, seed: int, valid_fraction: float) -> dict:
 def pack(seqs) -> dict[str, torch.Tensor]:
     """The tensors of one shard of [(input_ids, loss_mask)]: ``input_ids`` int32 [T], ``loss_mask`` uint8 [T] and
     ``offsets`` int64 [n + 1] (hidden's shards start with these)."""
-    return {"input_ids": shards.concat([ids for ids, _ in seqs], torch.int32),
-            "loss_mask": shards.concat([mask for _, mask in seqs], torch.uint8),
-            "offsets": shards.offsets([len(ids) for ids, _ in seqs])}
+    return {
+        "input_ids": shards.concat([ids for ids, _ in seqs], torch.int32),
+        "loss_mask": shards.concat([mask for _, mask in seqs], torch.uint8),
+        "offsets": shards.offsets([len(ids) for ids, _ in seqs]),
+    }
 
 
 def write(folder: Path, splits: dict, shard_tokens: int, policy: dict) -> dict:
@@ -110,8 +113,15 @@ def write(folder: Path, splits: dict, shard_tokens: int, policy: dict) -> dict:
         for k, (a, b) in enumerate(shards.plan([len(c[2]) for c in items], shard_tokens) or [(0, 0)]):
             chunk, file = items[a:b], f"{name}-{k:05d}.safetensors"
             shards.write(folder / file, pack([(c[2], c[3]) for c in chunk]))
-            entries.append({"file": file, "samples": len(chunk), "tokens": sum(len(c[2]) for c in chunk),
-                            "ids": [c[0] for c in chunk], "sources": [c[1] for c in chunk]})
+            entries.append(
+                {
+                    "file": file,
+                    "samples": len(chunk),
+                    "tokens": sum(len(c[2]) for c in chunk),
+                    "ids": [c[0] for c in chunk],
+                    "sources": [c[1] for c in chunk],
+                }
+            )
         index[name] = {"shards": entries, "samples": len(items), "tokens": sum(s["tokens"] for s in entries)}
     write_json(folder / "index.json", index)
     return index
@@ -125,8 +135,11 @@ def read(folder: Path, split: str):
 
 
 def stats(splits: dict, counts: Counter) -> dict:
-    out = {"left_out": {k: v for k, v in counts.items() if k.startswith("left_out")},
-           "truncated": counts["truncated"], "end_of_turn_appended": counts["end_of_turn_appended"]}
+    out = {
+        "left_out": {k: v for k, v in counts.items() if k.startswith("left_out")},
+        "truncated": counts["truncated"],
+        "end_of_turn_appended": counts["end_of_turn_appended"],
+    }
     if counts["turns_joined"] or counts["turns_apart"]:
         out["turns"] = {"joined": counts["turns_joined"], "apart": counts["turns_apart"]}
     for name, items in splits.items():
@@ -136,9 +149,12 @@ def stats(splits: dict, counts: Counter) -> dict:
             s["samples"] += 1
             s["tokens"] += len(ids)
             s["trained_tokens"] += sum(mask)
-        out[name] = {"samples": len(items), "tokens": sum(s["tokens"] for s in per_source.values()),
-                     "trained_tokens": sum(s["trained_tokens"] for s in per_source.values()),
-                     "per_source": dict(sorted(per_source.items()))}
+        out[name] = {
+            "samples": len(items),
+            "tokens": sum(s["tokens"] for s in per_source.values()),
+            "trained_tokens": sum(s["trained_tokens"] for s in per_source.values()),
+            "per_source": dict(sorted(per_source.items())),
+        }
     return out
 
 
@@ -151,7 +167,7 @@ def plan_batches(lengths: list[int], batch_tokens: int, seed: int | None = None,
     batches = []
     for w in range(0, len(order), window):
         batch = []
-        for i in sorted(order[w:w + window], key=lambda i: -lengths[i]):
+        for i in sorted(order[w : w + window], key=lambda i: -lengths[i]):
             if batch and (len(batch) + 1) * lengths[batch[0]] > batch_tokens:
                 batches.append(batch)
                 batch = []

@@ -10,14 +10,15 @@ and in part (data/hidden's content-addressed shards, hidden.py). A shard is writ
 renamed into place, so a shard that exists is complete), with mode 0644; its bytes depend on its tensors and on the
 string metadata its writer gives (data/hidden's: the content keys of its samples), nothing else.
 """
+
 from __future__ import annotations
 
 import hashlib
 import itertools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open

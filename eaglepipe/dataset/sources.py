@@ -5,6 +5,7 @@ A source is a JSON Lines or JSON array file (gzipped when named ``.gz``), a ``da
 ``.parquet`` or ``.arrow`` file or a folder of them (read offline), or ``pkg:<package>/<path>`` (``resolve``). A
 record that cannot be read or converted becomes a ``records.RecordError`` naming file, position, field and reason.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -15,20 +16,21 @@ import json
 import os
 import re
 import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import ijson
 
 from eaglepipe.core.config import CACHE, PACKAGE_PATH
 from eaglepipe.core.errors import UserError
-from eaglepipe.dataset.formats import CONVERTERS, BadRecord, LeftOut
 from eaglepipe.core.hashing import file_hash
 from eaglepipe.core.records import LineError, Prompt, RecordError, content_id, scan_jsonl
-
+from eaglepipe.dataset.formats import CONVERTERS, BadRecord, LeftOut
 
 # ---------------------------------------------------------------------------------------------------------- paths
+
 
 def resolve(path: str) -> Path:
     """The file or folder a source's ``path`` names. ``pkg:<package>/<file>`` is ``<file>`` inside the installed
@@ -39,13 +41,17 @@ def resolve(path: str) -> Path:
         return Path(path)
     spec = importlib.util.find_spec(match["package"])
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"{path}: no installed package {match['package']} (requirements.txt and the "
-                                "Makefile's venv recipe install the data packages: make venv)")
+        raise FileNotFoundError(
+            f"{path}: no installed package {match['package']} (requirements.txt and the "
+            "Makefile's venv recipe install the data packages: make venv)"
+        )
     for folder in spec.submodule_search_locations:
         if (Path(folder) / match["file"]).exists():
             return Path(folder) / match["file"]
-    raise FileNotFoundError(f"{path}: the package {match['package']} (in {', '.join(spec.submodule_search_locations)})"
-                            f" has no {match['file']}")
+    raise FileNotFoundError(
+        f"{path}: the package {match['package']} (in {', '.join(spec.submodule_search_locations)})"
+        f" has no {match['file']}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- files
@@ -63,8 +69,11 @@ def package_file(path: str) -> dict:
     """The file a ``pkg:`` path names, for a report: its package's distribution, version and the file's sha256."""
     package = PACKAGE_PATH.fullmatch(path)["package"]
     dists = importlib.metadata.packages_distributions().get(package, [])
-    return {"distribution": ", ".join(dists), "version": ", ".join(importlib.metadata.version(d) for d in dists),
-            "sha256": file_hash(resolve(path))}
+    return {
+        "distribution": ", ".join(dists),
+        "version": ", ".join(importlib.metadata.version(d) for d in dists),
+        "sha256": file_hash(resolve(path)),
+    }
 
 
 class Damage(BadRecord):
@@ -103,7 +112,7 @@ class _Gunzip(io.RawIOBase):
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:
             self.error = e
             return 0
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         return len(data)
 
     def seek(self, offset, whence=io.SEEK_SET):
@@ -133,8 +142,12 @@ def _jsonl(f: BinaryIO) -> Iterator[tuple[int, dict | BadRecord]]:
     its newline that does not parse was cut short: the file's Damage."""
     for index, (n, raw, item) in enumerate(scan_jsonl(f)):
         if isinstance(item, LineError) and not raw.endswith(b"\n"):  # the last line: f is at the end of the file
-            item = Damage(f.tell() - len(raw), len(raw), index,
-                          f"its last line is cut short and {item.problem} (record index {index}, counted from 0)")
+            item = Damage(
+                f.tell() - len(raw),
+                len(raw),
+                index,
+                f"its last line is cut short and {item.problem} (record index {index}, counted from 0)",
+            )
         elif isinstance(item, LineError):
             item = BadRecord(item.reason, None, item.problem)
         yield n, item
@@ -239,8 +252,17 @@ def _json_records(path: Path) -> Iterator[tuple[int, str | None, dict | BadRecor
             count += 1
         if gunzip and gunzip.error:  # the records decompressed so far end whole, and nothing after them is readable
             end = f.seek(0, io.SEEK_END)
-            yield (count if unit else pos + 1), unit, Damage(end, 0, count, f"the gzip stream breaks off after the "
-                                                             f"last whole record: {gunzip.error}", gzipped=True)
+            yield (
+                (count if unit else pos + 1),
+                unit,
+                Damage(
+                    end,
+                    0,
+                    count,
+                    f"the gzip stream breaks off after the last whole record: {gunzip.error}",
+                    gzipped=True,
+                ),
+            )
 
 
 DATASET_FILES = (".parquet", ".arrow")
@@ -260,12 +282,15 @@ def _open_dataset(path: Path):
     files = sorted(p for p in path.iterdir() if p.suffix in DATASET_FILES) if path.is_dir() else [path]
     kinds = {p.suffix for p in files}
     if len(kinds) != 1:
-        raise UserError(f"{path}: should be a datasets save_to_disk folder, or .parquet or .arrow files "
-                        f"(found {'both kinds' if kinds else 'neither'})")
+        raise UserError(
+            f"{path}: should be a datasets save_to_disk folder, or .parquet or .arrow files "
+            f"(found {'both kinds' if kinds else 'neither'})"
+        )
     if kinds == {".arrow"}:
         return datasets.concatenate_datasets([datasets.Dataset.from_file(str(p)) for p in files])
-    return datasets.load_dataset("parquet", data_files=[str(p) for p in files], split="train", streaming=True,
-                                 cache_dir=str(CACHE / "datasets"))  # where it keeps a lock file, no data
+    return datasets.load_dataset(
+        "parquet", data_files=[str(p) for p in files], split="train", streaming=True, cache_dir=str(CACHE / "datasets")
+    )  # where it keeps a lock file, no data
 
 
 def _no_nulls(value):
@@ -305,6 +330,7 @@ def raw_records(path, columns: tuple = ()) -> Iterator[tuple[int, str | None, di
 
 # -------------------------------------------------------------------------------------------------------- prompts
 
+
 def to_prompt(rec, fmt: str, source: str) -> tuple[Prompt, set]:
     """A raw record of format ``fmt`` as a Prompt, and the keys of the conversation rules that concern it (raises
     BadRecord)."""
@@ -317,11 +343,10 @@ def to_prompt(rec, fmt: str, source: str) -> tuple[Prompt, set]:
 def _as_named(field: str | None, columns: dict) -> str | None:
     """A format field named as the data names it (``messages[2].role`` read from column ``chat``: ``chat[2].role``)."""
     head = re.match(r"[^.\[]+", field or "")
-    return columns[head[0]] + field[head.end():] if head and head[0] in columns else field
+    return columns[head[0]] + field[head.end() :] if head and head[0] in columns else field
 
 
-def read_source(path, fmt: str, source: str, columns: dict | None = None,
-                rules=None) -> Iterator[Prompt | RecordError]:
+def read_source(path, fmt: str, source: str, columns: dict | None = None, rules=None) -> Iterator[Prompt | RecordError]:
     """Each record of a source as a Prompt, or a RecordError when broken or left out, with ``.reason``,
     ``.left_out`` (True for a record with no prompt in it: no error) and ``.damage`` (None, or for a damaged file's
     tail ``{offset, bytes, records_before}``). ``columns`` maps format fields onto the record's names for them;
@@ -332,8 +357,10 @@ def read_source(path, fmt: str, source: str, columns: dict | None = None,
             if isinstance(rec, BadRecord):
                 raise rec
             if isinstance(rec, dict) and columns:  # a mapped field is read from its column only
-                rec = {**{k: v for k, v in rec.items() if k not in columns},
-                       **{field: rec[column] for field, column in columns.items() if column in rec}}
+                rec = {
+                    **{k: v for k, v in rec.items() if k not in columns},
+                    **{field: rec[column] for field, column in columns.items() if column in rec},
+                }
             prompt, applied = to_prompt(rec, fmt, source)
             if rules is not None:
                 rules.update(applied)

@@ -20,6 +20,7 @@ optimizer, schedule, RNG, position (epoch, batch), history and the running sums 
 on the world size, so a run resumes at another (bit for bit at the same one). Tensors and plain data only, loaded with
 ``weights_only=True``. Batches are a pure function of (seed, epoch): a resumed run ends where an uninterrupted one does.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,30 +35,36 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eaglepipe.target import compat
-from eaglepipe.drafter.eagle3 import model as draft
-from eaglepipe.drafter.eagle3 import init as draft_init
-from eaglepipe.target import families
-from eaglepipe.hidden import layout as features
-from eaglepipe.hidden import extract as hidden
-from eaglepipe.target import quant
-from eaglepipe.core import records
-from eaglepipe.core import runtime
-from eaglepipe.dataset import sequences
-from eaglepipe.dataset import shards
-from eaglepipe.drafter.eagle3 import ttt
-from eaglepipe.core import uncertainty
+from eaglepipe.core import records, runtime, uncertainty
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.fingerprint import code_key
+from eaglepipe.dataset import sequences, shards
+from eaglepipe.drafter.eagle3 import init as draft_init
+from eaglepipe.drafter.eagle3 import model as draft
+from eaglepipe.drafter.eagle3 import ttt
 from eaglepipe.drafter.eagle3.ttt import TTT, chain_masks, collate, ttt_forward
+from eaglepipe.hidden import extract as hidden
+from eaglepipe.hidden import layout as features
+from eaglepipe.target import compat, families, quant
 
 log = logging.getLogger(__name__)
 # The code that decides the trained drafter (core/fingerprint.py): the model, its start, the objective, the training
 # run and its batches, the states' reading, and the target's weights as the start reads them. The states' own code is
 # in the features' identity.
-RESULT_CODE = ("drafter.train", "drafter.eagle3.model", "drafter.eagle3.init", "drafter.eagle3.ttt", "hidden.layout",
-               "dataset.shards", "dataset.sequences", "target.compat", "target.families", "target.quant",
-               "target.model", "core.runtime")
+RESULT_CODE = (
+    "drafter.train",
+    "drafter.eagle3.model",
+    "drafter.eagle3.init",
+    "drafter.eagle3.ttt",
+    "hidden.layout",
+    "dataset.shards",
+    "dataset.sequences",
+    "target.compat",
+    "target.families",
+    "target.quant",
+    "target.model",
+    "core.runtime",
+)
 
 
 class Online:
@@ -72,19 +79,32 @@ class Online:
         self.splits = [s for s in shards.SPLITS if s in index]
 
     def identity(self) -> dict:
-        return {"data": shards.dataset_hash(self.folder), "hidden": self.params.tracked(), "layers": self.layers,
-                "model_dtype": str(self.model.dtype), "code": code_key(hidden.RESULT_CODE)}
+        return {
+            "data": shards.dataset_hash(self.folder),
+            "hidden": self.params.tracked(),
+            "layers": self.layers,
+            "model_dtype": str(self.model.dtype),
+            "code": code_key(hidden.RESULT_CODE),
+        }
 
     def states(self, samples: list[features.Sample]) -> list[dict]:
-        tensors, failed = hidden.extract_shard(self.model, [(s.id, s.ids, s.mask) for s in samples], self.layers,
-                                               self.params.batch_tokens, self.params.dtype)
+        tensors, failed = hidden.extract_shard(
+            self.model,
+            [(s.id, s.ids, s.mask) for s in samples],
+            self.layers,
+            self.params.batch_tokens,
+            self.params.dtype,
+        )
         if failed:
-            raise UserError(f"{self.folder}: the target cannot run {failed[0]['id']} ({failed[0]['reason']}); online "
-                            "training has no way to leave a sequence out (hidden leaves it out: train offline)")
+            raise UserError(
+                f"{self.folder}: the target cannot run {failed[0]['id']} ({failed[0]['reason']}); online "
+                "training has no way to leave a sequence out (hidden leaves it out: train offline)"
+            )
         off = tensors["offsets"].tolist()
         names = features.columns(self.params.dtype)
-        return [features.decode({name: tensors[name][off[i]:off[i + 1]] for name in names})
-                for i in range(len(samples))]
+        return [
+            features.decode({name: tensors[name][off[i] : off[i + 1]] for name in names}) for i in range(len(samples))
+        ]
 
 
 def target_tensors(folder, layer: int) -> dict:
@@ -98,17 +118,27 @@ def target_tensors(folder, layer: int) -> dict:
     stored = compat.weights(folder)
     names = compat.names(stored)
     prefix = f"{names.layers}{layer}."
-    layer_names = sorted(n[len(prefix):] for n in stored if n.startswith(prefix)
-                         and not (n.endswith(quant.SCALE) and n[:-len(quant.SCALE)] in stored))
+    layer_names = sorted(
+        n[len(prefix) :]
+        for n in stored
+        if n.startswith(prefix) and not (n.endswith(quant.SCALE) and n[: -len(quant.SCALE)] in stored)
+    )
     missing = [name for name in (names.embed, names.norm) if name not in stored]
     if missing or not layer_names:
-        raise KeyError(f"{folder}: no {missing or prefix + '*'} in the safetensors files (compat.check names what a "
-                       "target needs)")
+        raise KeyError(
+            f"{folder}: no {missing or prefix + '*'} in the safetensors files (compat.check names what a target needs)"
+        )
     found = compat.read(folder, {"embed": names.embed, **{w: prefix + w for w in draft_init.LAYER_WEIGHTS}}, stored)
     head, norm = compat.head_and_norm(folder, stored)
-    return {"embed": found["embed"].float(), "head": head, "norm": norm,
-            "layer": {w: found[w] for w in draft_init.LAYER_WEIGHTS if w in found}, "layer_names": layer_names,
-            "layer_index": layer, "model_type": families.text_config(families.load_config(folder)).model_type}
+    return {
+        "embed": found["embed"].float(),
+        "head": head,
+        "norm": norm,
+        "layer": {w: found[w] for w in draft_init.LAYER_WEIGHTS if w in found},
+        "layer_names": layer_names,
+        "layer_index": layer,
+        "model_type": families.text_config(families.load_config(folder)).model_type,
+    }
 
 
 def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[features.Sample]:
@@ -128,8 +158,7 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
             if not chain_masks(chain, 1)[0].any():
                 untrained += 1
                 continue
-            samples.append(features.Sample(sid, t["input_ids"][start:end], mask, chain, folder / entry["file"],
-                                           start))
+            samples.append(features.Sample(sid, t["input_ids"][start:end], mask, chain, folder / entry["file"], start))
     if untrained:
         log.info("%s: %d samples left out, no position to train (an answer of one token)", split, untrained)
     return samples
@@ -144,26 +173,33 @@ def token_counts(samples: list[features.Sample]) -> Counter:
 
 def summarize(stats: torch.Tensor) -> list[dict]:
     """[{step, loss, acc}], one per TTT step, from summed stats [steps, 4] (None where the step had no positions)."""
-    return [{"step": k, "loss": round(loss / n_loss, 5) if n_loss else None,
-             "acc": round(correct / n, 5) if n else None}
-            for k, (loss, n_loss, correct, n) in enumerate(stats.tolist())]
+    return [
+        {"step": k, "loss": round(loss / n_loss, 5) if n_loss else None, "acc": round(correct / n, 5) if n else None}
+        for k, (loss, n_loss, correct, n) in enumerate(stats.tolist())
+    ]
 
 
 def last_epoch(history: list[dict], split: str) -> dict:
     """{loss_k, acc_k, and acc_se_k where measured} of ``split``'s rows in ``history``'s last epoch ({} for none)."""
     last = history[-1]["epoch"]
-    return {f"{m}_{r['step']}": r[m] for r in history if r["epoch"] == last and r["split"] == split
-            for m in ("loss", "acc", "acc_se") if m in r}
+    return {
+        f"{m}_{r['step']}": r[m]
+        for r in history
+        if r["epoch"] == last and r["split"] == split
+        for m in ("loss", "acc", "acc_se")
+        if m in r
+    }
 
 
 @torch.no_grad()
-def evaluate(model, feats, samples, steps, head_draft, batch_tokens, bf16: bool = False,
-             rt: runtime.Runtime = runtime.Runtime()) -> list[dict]:
+def evaluate(
+    model, feats, samples, steps, head_draft, batch_tokens, bf16: bool = False, rt: runtime.Runtime = runtime.Runtime()
+) -> list[dict]:
     """Per-step loss and accuracy over ``samples`` (states from ``feats``; batches dealt round-robin to the ranks),
     each accuracy with its standard error over the samples (``acc_se``, uncertainty.py)."""
     model.eval()
     stats, per_sample = torch.zeros(steps, 4), {}
-    for idx in sequences.plan_batches([s.ids.shape[0] for s in samples], batch_tokens)[rt.rank::rt.world]:
+    for idx in sequences.plan_batches([s.ids.shape[0] for s in samples], batch_tokens)[rt.rank :: rt.world]:
         rows = [samples[i] for i in idx]
         batch = collate(rows, feats.states(rows), steps, head_draft, model.t2d)
         with autocast(bf16, head_draft.device):
@@ -172,8 +208,15 @@ def evaluate(model, feats, samples, steps, head_draft, batch_tokens, bf16: bool 
         per_sample.update(zip(idx, by_row.cpu().transpose(0, 1).tolist()))  # sample -> [steps][correct, positions]
     model.train()
     counts = [c for part in rt.gather(per_sample) for c in part.values()]
-    return [r | {"acc_se": None if (se := uncertainty.ratio_se([c[k][0] for c in counts], [c[k][1] for c in counts]))
-                 is None else round(se, 5)} for k, r in enumerate(summarize(rt.all_sum(stats)))]
+    return [
+        r
+        | {
+            "acc_se": None
+            if (se := uncertainty.ratio_se([c[k][0] for c in counts], [c[k][1] for c in counts])) is None
+            else round(se, 5)
+        }
+        for k, r in enumerate(summarize(rt.all_sum(stats)))
+    ]
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -185,15 +228,24 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 def optimizer(model, p) -> torch.optim.AdamW:
     """AdamW over the drafter's trained weights (a frozen head left out: ``train.freeze_head``), as ``p`` sets it."""
-    return torch.optim.AdamW([w for w in model.parameters() if w.requires_grad], lr=p.lr, betas=p.betas,
-                             weight_decay=p.weight_decay)
+    return torch.optim.AdamW(
+        [w for w in model.parameters() if w.requires_grad], lr=p.lr, betas=p.betas, weight_decay=p.weight_decay
+    )
 
 
 def fingerprint(feats, params, target_fp: str) -> str:
     """Hash of ``feats.identity()``, the train params, the code that decides the drafter (``RESULT_CODE``), torch's
     version and the target's fingerprint."""
-    blob = json.dumps({"features": feats.identity(), "code": code_key(RESULT_CODE), "params": params.tracked(),
-                       "target": target_fp, "torch": torch.__version__}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "features": feats.identity(),
+            "code": code_key(RESULT_CODE),
+            "params": params.tracked(),
+            "target": target_fp,
+            "torch": torch.__version__,
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -234,8 +286,9 @@ def setup(feats, target_folder, p, keep=None):
     runtime.seed(p.seed)
     counts = token_counts(train_set)
     config = families.load_config(target_folder)
-    cfg = draft.DraftConfig.from_target(config, p.draft_vocab_size, feats.layers,
-                                        families.of(config).drafter if p.drafter == "auto" else p.drafter)
+    cfg = draft.DraftConfig.from_target(
+        config, p.draft_vocab_size, feats.layers, families.of(config).drafter if p.drafter == "auto" else p.drafter
+    )
     model = draft.Eagle3Draft(cfg, tgt["embed"])
     model.set_vocab(*draft.build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
     if p.init == "target":
@@ -257,22 +310,23 @@ def setup(feats, target_folder, p, keep=None):
 @dataclass
 class Training:
     """One run: what it trains and on what (``build``), and how far it has got (what a checkpoint holds)."""
-    p: object                   # the train params (config.Train)
+
+    p: object  # the train params (config.Train)
     feats: features.Stored | Online
-    model: draft.Eagle3Draft    # on the run's device
-    net: nn.Module              # the TTT objective over ``model``, as the world trains it (Runtime.wrap)
+    model: draft.Eagle3Draft  # on the run's device
+    net: nn.Module  # the TTT objective over ``model``, as the world trains it (Runtime.wrap)
     train_set: list
     valid_set: list
-    head_draft: torch.Tensor    # the target head's rows of the draft vocabulary
-    counts: Counter             # loss-masked token counts of the train split
-    plans: list                 # per epoch, its batches (lists of train_set indices)
+    head_draft: torch.Tensor  # the target head's rows of the draft vocabulary
+    counts: Counter  # loss-masked token counts of the train split
+    plans: list  # per epoch, its batches (lists of train_set indices)
     opt: torch.optim.AdamW
     sched: torch.optim.lr_scheduler.LambdaLR
     epoch: int = 0
-    batch: int = 0              # batches of ``epoch`` done
+    batch: int = 0  # batches of ``epoch`` done
     history: list = field(default_factory=list)
     running: torch.Tensor | None = None  # this epoch's summed stats [steps, 4] (rank 0: every rank's up to a resume)
-    trained_tokens: int = 0     # by this process, since it started
+    trained_tokens: int = 0  # by this process, since it started
 
 
 def build(feats, target_folder, p, keep, rt: runtime.Runtime) -> Training:
@@ -286,8 +340,20 @@ def build(feats, target_folder, p, keep, rt: runtime.Runtime) -> Training:
     total_steps = sum(len(b) for b in plans)
     opt = optimizer(model, p)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup_steps, total_steps))
-    return Training(p, feats, model, net, train_set, valid_set, head_draft, counts, plans, opt, sched,
-                    running=torch.zeros(p.ttt_steps, 4))
+    return Training(
+        p,
+        feats,
+        model,
+        net,
+        train_set,
+        valid_set,
+        head_draft,
+        counts,
+        plans,
+        opt,
+        sched,
+        running=torch.zeros(p.ttt_steps, 4),
+    )
 
 
 def resume(t: Training, path: Path, rt: runtime.Runtime) -> None:
@@ -307,20 +373,31 @@ def resume(t: Training, path: Path, rt: runtime.Runtime) -> None:
 
 def checkpoint(t: Training, path: Path, rt: runtime.Runtime) -> None:
     """Save the run's state (every rank's sums added up) for ``resume``."""
-    rt.save(path, {"model": t.model.state_dict(), "optimizer": t.opt.state_dict(), "schedule": t.sched.state_dict(),
-                   "rng": runtime.rng_state(), "epoch": t.epoch, "batch": t.batch, "history": t.history,
-                   "running": rt.all_sum(t.running)})
+    rt.save(
+        path,
+        {
+            "model": t.model.state_dict(),
+            "optimizer": t.opt.state_dict(),
+            "schedule": t.sched.state_dict(),
+            "rng": runtime.rng_state(),
+            "epoch": t.epoch,
+            "batch": t.batch,
+            "history": t.history,
+            "running": rt.all_sum(t.running),
+        },
+    )
 
 
 def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
     """One optimizer step on the global batch ``idx``, this rank computing its rows (module docstring)."""
-    rows = idx[rt.rank::rt.world]
+    rows = idx[rt.rank :: rt.world]
     rows, weight = (rows, float(rt.world)) if rows else (idx[:1], 0.0)  # no row: the first, at weight 0
     mine = [t.train_set[i] for i in rows]
     batch = collate(mine, t.feats.states(mine), t.p.ttt_steps, t.head_draft, t.model.t2d)
     if t.p.feature_noise:
-        batch["aux"] = ttt.noisy(batch["aux"], t.p.feature_noise, [(t.p.seed, t.epoch, i) for i in rows],
-                                 [s.ids.shape[0] for s in mine])
+        batch["aux"] = ttt.noisy(
+            batch["aux"], t.p.feature_noise, [(t.p.seed, t.epoch, i) for i in rows], [s.ids.shape[0] for s in mine]
+        )
     norm = batch["kept"] if weight else torch.zeros_like(batch["kept"])
     batch["norm"], batch["weight"] = rt.all_sum(norm).tolist(), weight
     with autocast(uses_bf16(t.p), rt.device):
@@ -338,15 +415,19 @@ def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
 def epoch(t: Training, path: Path, rt: runtime.Runtime) -> None:
     """The rest of the current epoch, checkpointed every ``checkpoint_every`` steps, then its history rows (train
     running means, validation) and a checkpoint at the next epoch's start."""
-    for idx in t.plans[t.epoch][t.batch:]:
+    for idx in t.plans[t.epoch][t.batch :]:
         step(t, idx, rt)
         t.batch += 1
         if t.batch % t.p.checkpoint_every == 0:
             checkpoint(t, path, rt)
     rows = [{"epoch": t.epoch + 1, "split": "train", **r} for r in summarize(rt.all_sum(t.running))]
     if t.valid_set:
-        rows += [{"epoch": t.epoch + 1, "split": "valid", **r} for r in evaluate(
-            t.model, t.feats, t.valid_set, t.p.ttt_steps, t.head_draft, t.p.batch_tokens, uses_bf16(t.p), rt)]
+        rows += [
+            {"epoch": t.epoch + 1, "split": "valid", **r}
+            for r in evaluate(
+                t.model, t.feats, t.valid_set, t.p.ttt_steps, t.head_draft, t.p.batch_tokens, uses_bf16(t.p), rt
+            )
+        ]
     t.history += rows
     log.info("epoch %d: %s", t.epoch + 1, {r["split"]: r for r in rows if r["step"] == 0})
     t.epoch, t.batch, t.running = t.epoch + 1, 0, torch.zeros(t.p.ttt_steps, 4)
@@ -356,15 +437,25 @@ def epoch(t: Training, path: Path, rt: runtime.Runtime) -> None:
 def report(t: Training, seconds: float, rt: runtime.Runtime) -> dict:
     """The run's figures: data, vocabulary coverage, the last epoch's train and valid rows, and its speed."""
     in_vocab = sum(c for tok, c in t.counts.items() if t.model.t2d[tok])
-    return {"features": "online" if isinstance(t.feats, Online) else "offline",
-            "epochs": len(t.plans), "steps": sum(len(b) for b in t.plans), "train_samples": len(t.train_set),
-            "train_tokens": sum(s.ids.shape[0] for s in t.train_set),
-            "valid_samples": len(t.valid_set), "draft_vocab_size": t.model.cfg.draft_vocab_size,
-            "draft_vocab_coverage": round(in_vocab / max(1, sum(t.counts.values())), 5),
-            "run": {"seconds": round(seconds, 1), "processes": rt.world, "device": str(rt.device),
-                    "autocast": t.p.autocast,
-                    "tokens_per_s": round(t.trained_tokens / seconds, 1) if t.trained_tokens else None},
-            "train": last_epoch(t.history, "train"), "valid": last_epoch(t.history, "valid")}
+    return {
+        "features": "online" if isinstance(t.feats, Online) else "offline",
+        "epochs": len(t.plans),
+        "steps": sum(len(b) for b in t.plans),
+        "train_samples": len(t.train_set),
+        "train_tokens": sum(s.ids.shape[0] for s in t.train_set),
+        "valid_samples": len(t.valid_set),
+        "draft_vocab_size": t.model.cfg.draft_vocab_size,
+        "draft_vocab_coverage": round(in_vocab / max(1, sum(t.counts.values())), 5),
+        "run": {
+            "seconds": round(seconds, 1),
+            "processes": rt.world,
+            "device": str(rt.device),
+            "autocast": t.p.autocast,
+            "tokens_per_s": round(t.trained_tokens / seconds, 1) if t.trained_tokens else None,
+        },
+        "train": last_epoch(t.history, "train"),
+        "valid": last_epoch(t.history, "valid"),
+    }
 
 
 def run(feats, target_folder, params, checkpoints, keep=None, rt: runtime.Runtime = runtime.Runtime()):

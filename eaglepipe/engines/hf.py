@@ -7,6 +7,7 @@ it would alone. Sampling runs on the CPU, each row with its own seeded generator
 temperature, top-k, top-p, min-p keep (``pick`` applies min-p first: it cuts only the tail, below a share of the top
 probability, so no order changes the kept set).
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,9 @@ class HFEngine:
         batch = []
         for i in order:
             rows = len(batch) + 1
-            if batch and (rows > self.batch_size or
-                          rows * (len(prompts[batch[0]]) + sampling.max_new_tokens) > self.batch_tokens):
+            if batch and (
+                rows > self.batch_size or rows * (len(prompts[batch[0]]) + sampling.max_new_tokens) > self.batch_tokens
+            ):
                 yield from self.isolated(batch, prompts, sampling, rids)
                 batch = []
             batch.append(i)
@@ -65,10 +67,14 @@ class HFEngine:
             if len(left) == 1:
                 yield left[0], Failure(f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
                 return
-            log.warning("a batch of %d failed (%s): retrying its %d unfinished rows in halves", len(batch),
-                        type(e).__name__, len(left))
-            yield from self.isolated(left[:len(left) // 2], prompts, sampling, rids)
-            yield from self.isolated(left[len(left) // 2:], prompts, sampling, rids)
+            log.warning(
+                "a batch of %d failed (%s): retrying its %d unfinished rows in halves",
+                len(batch),
+                type(e).__name__,
+                len(left),
+            )
+            yield from self.isolated(left[: len(left) // 2], prompts, sampling, rids)
+            yield from self.isolated(left[len(left) // 2 :], prompts, sampling, rids)
 
     @torch.inference_mode()
     def _decode(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
@@ -87,19 +93,25 @@ class HFEngine:
         input_ids = torch.full((len(unique), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(unique), width), dtype=torch.long)
         for row, ids in enumerate(unique):
-            input_ids[row, width - len(ids):] = torch.tensor(ids)
-            attention[row, width - len(ids):] = 1
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention[row, width - len(ids) :] = 1
         input_ids, attention = input_ids.to(dev), attention.to(dev)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
         index = torch.tensor(source, device=dev)
         if len(unique) < len(prompts):
             cache.batch_select_indices(index)
         logits, attention, position = logits[index], attention[index], positions[index, -1]
 
-        rows = list(range(len(prompts)))       # batch row -> prompt row, None once finished
+        rows = list(range(len(prompts)))  # batch row -> prompt row, None once finished
         outputs = [[] for _ in prompts]
         while True:
             tokens = pick(logits.float().cpu(), sampling, rngs).tolist()  # each row's generator is on the CPU
@@ -120,8 +132,13 @@ class HFEngine:
                 rows, tokens, rngs = [rows[j] for j in live], [tokens[j] for j in live], [rngs[j] for j in live]
             attention = torch.cat((attention, torch.ones_like(attention[:, :1])), 1)
             position = position + 1
-            logits = self.model(input_ids=torch.tensor(tokens, device=dev)[:, None], attention_mask=attention,
-                                position_ids=position[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = self.model(
+                input_ids=torch.tensor(tokens, device=dev)[:, None],
+                attention_mask=attention,
+                position_ids=position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
 
 
 def pick(logits: torch.Tensor, sampling: Sampling, rngs: list) -> torch.Tensor:
@@ -136,7 +153,7 @@ def pick(logits: torch.Tensor, sampling: Sampling, rngs: list) -> torch.Tensor:
         return draw(probs, rngs)
     probs, order = probs.sort(-1, descending=True)
     if sampling.top_k > 0:
-        probs[:, sampling.top_k:] = 0.0
+        probs[:, sampling.top_k :] = 0.0
     if sampling.top_p < 1.0:
         probs = probs.masked_fill(probs.cumsum(-1) - probs > sampling.top_p, 0.0)
     return order.gather(-1, draw(probs, rngs)[:, None])[:, 0]

@@ -15,6 +15,7 @@ by ``servers``. The ``launch`` params (config.Launch):
 The server runs in its own process group and is stopped as a group; on Linux it also gets SIGTERM when the stage
 dies (kill -9). Not fingerprinted: the engines read what the server reports instead.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,8 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from eaglepipe.target import remote
 from eaglepipe.core.config import CACHE
+from eaglepipe.target import remote
 
 
 def _die_with_parent():  # pragma: no cover - runs in the child between fork and exec
@@ -61,21 +62,29 @@ class LaunchedServer:
         return [*self.command, *self.model_args, "--host", self.host, "--port", str(self.port), *self.extra_args]
 
     def describe(self) -> dict:
-        return {"argv": self.argv()[len(self.command):], "env": self.env, "log": str(self.log_path)}
+        return {"argv": self.argv()[len(self.command) :], "env": self.env, "log": str(self.log_path)}
 
     def start(self) -> None:
         with socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET) as s:
             s.settimeout(1)
             if s.connect_ex((self.host, self.port)) == 0:
-                raise RuntimeError(f"{self.engine} launch: something already listens on {self.host}:{self.port}; "
-                                   "stop it, pick another port, or give its url to talk to it")
+                raise RuntimeError(
+                    f"{self.engine} launch: something already listens on {self.host}:{self.port}; "
+                    "stop it, pick another port, or give its url to talk to it"
+                )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             logf.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(self.argv())}\n".encode())
             logf.flush()
-            self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **self.env}, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                self.argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def returncode(self):
         return None if self.proc is None else self.proc.poll()
@@ -110,8 +119,11 @@ def servers(section, folder, dtype: str = "auto"):
     if launch is None:
         return section
     given = shlex.split(launch.extra_args) if isinstance(launch.extra_args, str) else list(launch.extra_args)
-    extra = [*given, *(["--dtype", dtype] if dtype != "auto" else []),
-             *(["--trust-remote-code"] if remote.trusted(folder) else [])]
+    extra = [
+        *given,
+        *(["--dtype", dtype] if dtype != "auto" else []),
+        *(["--trust-remote-code"] if remote.trusted(folder) else []),
+    ]
     model = launch.model_path or str(folder)
     if extra == given and model == launch.model_path:
         return section

@@ -13,6 +13,7 @@ connections or answers 503 leaves the rotation (``_mark_down``); back within ``h
 it rejoins; back serving something else, or with no server left, the run stops. A launched server is stopped on
 ``_release``, also on SIGTERM. Everything async runs on the engine's event loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,21 +50,37 @@ def tokenizer_probes(tokenizer) -> list[str]:
     from eaglepipe.target import chat
 
     probes = []
-    for turns in ([{"role": "user", "content": "Hi! What is 2+2?"}],
-                  [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Q1"},
-                   {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2 ünï 中文 🤖"}]):
+    for turns in (
+        [{"role": "user", "content": "Hi! What is 2+2?"}],
+        [
+            {"role": "system", "content": "You are helpful."},
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": "Q2 ünï 中文 🤖"},
+        ],
+    ):
         try:
             probes.append(chat.render(tokenizer, turns))
         except Exception as e:  # a template that refuses a system turn, say
             log.debug("chat template probe skipped: %s", e)
-    special = list(dict.fromkeys([*tokenizer.all_special_tokens,
-                                  *(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values())]))
+    special = list(
+        dict.fromkeys(
+            [
+                *tokenizer.all_special_tokens,
+                *(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()),
+            ]
+        )
+    )
     probes += special[:2048]
     if special:
         probes.append("x" + " y".join(special[:64]) + " z")
-    probes += ["<think>\nreasoning\n</think>\n\nanswer", "Hello, world! The year 2024; 3.14159 ≈ π.",
-               "def f(x):\n\treturn x ** 2  # tabs, spaces  \n\n", "  leading and trailing spaces  ",
-               "Ünïcödé 中文 🤖✓"]
+    probes += [
+        "<think>\nreasoning\n</think>\n\nanswer",
+        "Hello, world! The year 2024; 3.14159 ≈ π.",
+        "def f(x):\n\treturn x ** 2  # tabs, spaces  \n\n",
+        "  leading and trailing spaces  ",
+        "Ünïcödé 中文 🤖✓",
+    ]
     return list(dict.fromkeys(p for p in probes if p))
 
 
@@ -90,6 +107,7 @@ class ServerPool:
                                         cannot serve this run
         ``async _server_tokens(server)``  its ids for each of ``self._probes`` (no special tokens added)
     """
+
     name = title = "server"
 
     def __init__(self, params, tokenizer):
@@ -114,8 +132,10 @@ class ServerPool:
         """Launch the server if asked (``urls`` becomes its url; in the main thread a default SIGTERM becomes a
         SystemExit); tokenize the probes; list the servers."""
         if self.launch:
-            if threading.current_thread() is threading.main_thread() and \
-                    signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # SystemExit: the engine's close stops it
+            if (
+                threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+            ):  # SystemExit: the engine's close stops it
                 self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
             self._launched = self._launcher()
             self._launched.start()
@@ -147,16 +167,18 @@ class ServerPool:
         self._changed = asyncio.Event()
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_S))
         deadline = time.monotonic() + self.health_timeout_s
-        results = await asyncio.gather(*(self._check_server(s, deadline) for s in self._servers),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._check_server(s, deadline) for s in self._servers), return_exceptions=True
+        )
         errors = [f"{s.url}: {r}" for s, r in zip(self._servers, results) if isinstance(r, BaseException)]
         if errors:
             raise ServerError(f"{self.title} server check failed:\n  " + "\n  ".join(errors))
         first = self._servers[0].identity
         differ = [f"{s.url}: {s.identity}" for s in self._servers if s.identity != first]
         if differ:
-            raise ServerError(f"the servers serve different models: {self._servers[0].url}: {first}; "
-                              + "; ".join(differ))
+            raise ServerError(
+                f"the servers serve different models: {self._servers[0].url}: {first}; " + "; ".join(differ)
+            )
         self._identity = first
         for s in self._servers:
             s.up = True
@@ -172,17 +194,19 @@ class ServerPool:
         wait, last = 0.25, "no answer yet"
         while True:
             if self._launched is not None and self._launched.returncode() is not None:
-                raise ServerError(f"the launched server exited with code {self._launched.returncode()}; "
-                                  f"the end of {self._launched.log_path}:\n{self._launched.tail()}")
+                raise ServerError(
+                    f"the launched server exited with code {self._launched.returncode()}; "
+                    f"the end of {self._launched.log_path}:\n{self._launched.tail()}"
+                )
             try:
-                async with self._session.get(server.url + "/health",
-                                             timeout=aiohttp.ClientTimeout(total=max(5.0, min(30.0, self.timeout_s)))
-                                             ) as r:
+                async with self._session.get(
+                    server.url + "/health", timeout=aiohttp.ClientTimeout(total=max(5.0, min(30.0, self.timeout_s)))
+                ) as r:
                     await r.read()
                     if r.status == 200:
                         return
                     last = f"/health answered {r.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 last = f"{type(e).__name__}: {e}"
             if time.monotonic() + wait > deadline:
                 raise _Unhealthy(f"not healthy within health_timeout_s={self.health_timeout_s:g}s ({last})")
@@ -209,8 +233,9 @@ class ServerPool:
 
     async def _post_json(self, server: _Server, path: str, body, timeout: float = 120):
         """POST ``body`` to a server; its JSON answer, or a ServerError naming the path."""
-        async with self._session.post(server.url + path, data=orjson.dumps(body), headers=JSON,
-                                      timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+        async with self._session.post(
+            server.url + path, data=orjson.dumps(body), headers=JSON, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as r:
             raw = await r.read()
             if r.status != 200:
                 raise ServerError(f"POST {path} answered {r.status}: {raw[:200]!r}")
@@ -222,18 +247,23 @@ class ServerPool:
     async def _compare_tokenizer(self, server: _Server) -> None:
         tokens = await self._server_tokens(server)
         if not isinstance(tokens, list) or len(tokens) != len(self._probes):
-            raise ServerError(f"the server tokenized {len(tokens) if isinstance(tokens, list) else tokens!r} "
-                              f"of {len(self._probes)} probes")
-        differ = [(p, theirs, ours) for p, theirs, ours in zip(self._probes, tokens, self._probe_ids)
-                  if theirs != ours]
+            raise ServerError(
+                f"the server tokenized {len(tokens) if isinstance(tokens, list) else tokens!r} "
+                f"of {len(self._probes)} probes"
+            )
+        differ = [(p, theirs, ours) for p, theirs, ours in zip(self._probes, tokens, self._probe_ids) if theirs != ours]
         if differ:
             lines = []
             for p, theirs, ours in differ[:8]:
                 at = next((i for i, (x, y) in enumerate(zip(theirs, ours)) if x != y), min(len(theirs), len(ours)))
-                lines.append(f"{p[:60]!r}: from position {at}: server {theirs[at:at + 8]} vs local {ours[at:at + 8]} "
-                             f"({len(theirs)} vs {len(ours)} ids)")
-            raise ServerError(f"the server's tokenizer disagrees with the local one ({self.tokenizer.name_or_path}) "
-                              f"on {len(differ)} of {len(self._probes)} probes:\n    " + "\n    ".join(lines))
+                lines.append(
+                    f"{p[:60]!r}: from position {at}: server {theirs[at : at + 8]} vs local {ours[at : at + 8]} "
+                    f"({len(theirs)} vs {len(ours)} ids)"
+                )
+            raise ServerError(
+                f"the server's tokenizer disagrees with the local one ({self.tokenizer.name_or_path}) "
+                f"on {len(differ)} of {len(self._probes)} probes:\n    " + "\n    ".join(lines)
+            )
 
     # ---- servers leaving and coming back ---------------------------------------------------------------------
     def _notify(self):
@@ -246,8 +276,13 @@ class ServerPool:
             return
         server.up = False
         self.stats["server_down"] += 1
-        log.warning("%s: %s out of rotation (%s); waiting up to %gs for it to come back", self.name, server.url, why,
-                    self.health_timeout_s)
+        log.warning(
+            "%s: %s out of rotation (%s); waiting up to %gs for it to come back",
+            self.name,
+            server.url,
+            why,
+            self.health_timeout_s,
+        )
         server.recovery = asyncio.get_running_loop().create_task(self._recover(server))
         self._notify()
 
@@ -264,8 +299,10 @@ class ServerPool:
             server.dead = f"{type(e).__name__}: {e}"
         else:
             if server.identity != before:
-                self._fatal = ServerError(f"{server.url} came back serving {server.identity}, not {before}: "
-                                          "records would mix; stopping (the cache keeps what was generated)")
+                self._fatal = ServerError(
+                    f"{server.url} came back serving {server.identity}, not {before}: "
+                    "records would mix; stopping (the cache keeps what was generated)"
+                )
             else:
                 server.up = True
                 self.stats["server_back"] += 1
@@ -284,6 +321,7 @@ class ServerPool:
             if best is not None:
                 return best
             if all(s.dead for s in self._servers):
-                raise ServerError(f"no {self.title} server left: "
-                                  + "; ".join(f"{s.url}: {s.dead}" for s in self._servers))
+                raise ServerError(
+                    f"no {self.title} server left: " + "; ".join(f"{s.url}: {s.dead}" for s in self._servers)
+                )
             await self._changed.wait()

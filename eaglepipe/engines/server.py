@@ -8,6 +8,7 @@ with exponential backoff and jitter, then the prompt is a ``Failure`` with every
 retried once (fresh request id). A request given up on (timeout) or left behind when the run stops early (a gate,
 Ctrl-C) is cancelled on the server. A refused connection or HTTP 503 takes the server out of rotation (pool.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -96,7 +97,7 @@ class ServerEngine(ServerPool):
         self.close()
         return False
 
-    def start(self) -> "ServerEngine":
+    def start(self) -> ServerEngine:
         if self._loop is not None:
             return self
         try:
@@ -136,10 +137,16 @@ class ServerEngine(ServerPool):
 
     def describe(self) -> dict:
         """What the stage keeps about the servers (engine.json)."""
-        return portable({"engine": self.name, "identity": self._identity,
-                         "launched": self._launched.describe() if self._launched else None,
-                         "servers": [{"url": s.url, "model_info": s.model_info, "server_info": s.server_info}
-                                     for s in self._servers]})
+        return portable(
+            {
+                "engine": self.name,
+                "identity": self._identity,
+                "launched": self._launched.describe() if self._launched else None,
+                "servers": [
+                    {"url": s.url, "model_info": s.model_info, "server_info": s.server_info} for s in self._servers
+                ],
+            }
+        )
 
     def stream(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
         """Yield (index into prompts, Output | Failure) as answers arrive, ``concurrency`` requests in flight."""
@@ -205,18 +212,19 @@ class ServerEngine(ServerPool):
             if self.retries == 0:
                 return self._failed(reasons)
         # Retry k waits backoff_s * 2**(k-1) plus up to backoff_s of jitter, at most backoff_max_s.
-        retrying = AsyncRetrying(stop=stop_after_attempt(self.retries), retry=retry_if_exception_type(_Retry),
-                                 wait=wait_exponential_jitter(multiplier=2 * self.backoff_s, max=self.backoff_max_s,
-                                                              jitter=self.backoff_s), reraise=True)
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.retries),
+            retry=retry_if_exception_type(_Retry),
+            wait=wait_exponential_jitter(multiplier=2 * self.backoff_s, max=self.backoff_max_s, jitter=self.backoff_s),
+            reraise=True,
+        )
         try:
             async for attempt in retrying:
                 with attempt:
                     k = attempt.retry_state.attempt_number
                     if k == 1:
-                        await asyncio.sleep(min(self.backoff_s + random.uniform(0, self.backoff_s),
-                                                self.backoff_max_s))
-                    return await self._attempt(prompt_ids, params, sampling, f"{record_id}#{k + 1}", k + 1,
-                                               reasons)
+                        await asyncio.sleep(min(self.backoff_s + random.uniform(0, self.backoff_s), self.backoff_max_s))
+                    return await self._attempt(prompt_ids, params, sampling, f"{record_id}#{k + 1}", k + 1, reasons)
         except (_Retry, _Permanent):
             return self._failed(reasons)
 
@@ -237,14 +245,17 @@ class ServerEngine(ServerPool):
         body = orjson.dumps(body)
         start = time.perf_counter()
         try:
-            async with self._session.post(server.url + path, data=body, headers=JSON,
-                                          timeout=aiohttp.ClientTimeout(total=self.timeout_s,
-                                                                        sock_connect=min(30.0, self.timeout_s))) as r:
+            async with self._session.post(
+                server.url + path,
+                data=body,
+                headers=JSON,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=min(30.0, self.timeout_s)),
+            ) as r:
                 status, raw = r.status, await r.read()
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             self._mark_down(server, f"cannot connect: {e}")
             raise retry("refused", f"cannot connect to {server.url}") from None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._abort(server, rid)
             raise retry("timeout", f"no answer within {self.timeout_s:g}s from {server.url}") from None
         except asyncio.CancelledError:  # the run stops (a gate, Ctrl-C): the server need not finish this one
@@ -272,8 +283,18 @@ class ServerEngine(ServerPool):
         except BadAnswer as e:
             raise retry("check", f"{e} ({server.url})") from None
         self.stats["ok"] += 1
-        return Output(ids, reason, {"engine": self.name, "server": server.url, "rid": rid, "attempts": n,
-                                    **self._meta(meta), "latency_s": round(latency, 4)})
+        return Output(
+            ids,
+            reason,
+            {
+                "engine": self.name,
+                "server": server.url,
+                "rid": rid,
+                "attempts": n,
+                **self._meta(meta),
+                "latency_s": round(latency, 4),
+            },
+        )
 
     def _abort(self, server: _Server, rid: str) -> None:
         """Best effort: ask the server to cancel request ``rid``, which this client gave up on."""
@@ -281,8 +302,9 @@ class ServerEngine(ServerPool):
 
         async def abort():
             try:
-                async with self._session.post(server.url + path, data=orjson.dumps(body),
-                                              headers=JSON, timeout=aiohttp.ClientTimeout(total=5)) as r:
+                async with self._session.post(
+                    server.url + path, data=orjson.dumps(body), headers=JSON, timeout=aiohttp.ClientTimeout(total=5)
+                ) as r:
                     await r.read()
             except Exception:  # noqa: BLE001
                 pass

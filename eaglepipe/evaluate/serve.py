@@ -12,6 +12,7 @@ The check fails when an output differs from evaluate's, when vLLM feeds the draf
 (``engine_layers``), when the acceptance length differs from evaluate's by more than ``serve.tolerance`` (relative),
 or when the server's counters (``/metrics``) do not add up to the per-request counts.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,16 +24,15 @@ from collections import defaultdict
 from itertools import zip_longest
 
 from eaglepipe.core import config
-from eaglepipe.target import families
-from eaglepipe.target import quant
 from eaglepipe.core.config import CACHE
+from eaglepipe.core.errors import UserError
+from eaglepipe.core.records import read_jsonl
 from eaglepipe.drafter.eagle3.model import read_config
 from eaglepipe.engines import Failure, Sampling
 from eaglepipe.engines.launch import servers
 from eaglepipe.engines.vllm import VLLMEngine, amx, cpu_build
-from eaglepipe.core.errors import UserError
-from eaglepipe.core.records import read_jsonl
 from eaglepipe.evaluate.decode import first_difference
+from eaglepipe.target import families, quant
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +50,10 @@ def load_decoded(path) -> list[dict]:
 def counters(url: str) -> dict:
     """The server's speculative-decoding counters from its Prometheus /metrics (summed over engines)."""
     text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
-    out = {name: 0.0 for name in COUNTERS}
+    out = dict.fromkeys(COUNTERS, 0.0)
     per_pos = defaultdict(float)
     for line in text.splitlines():
-        m = re.match(r'vllm:spec_decode_(\w+)_total\{([^}]*)\} ([0-9.e+-]+)$', line)
+        m = re.match(r"vllm:spec_decode_(\w+)_total\{([^}]*)\} ([0-9.e+-]+)$", line)
         if not m:
             continue
         name, labels, value = m.group(1), m.group(2), float(m.group(3))
@@ -68,9 +68,10 @@ def counters(url: str) -> dict:
 def delta(after: dict, before: dict) -> dict:
     """``counters`` after less before."""
     d = {k: int(after[k] - before[k]) for k in COUNTERS}
-    d["num_accepted_tokens_per_pos"] = [int(a - (before["num_accepted_tokens_per_pos"][i]
-                                                 if i < len(before["num_accepted_tokens_per_pos"]) else 0))
-                                        for i, a in enumerate(after["num_accepted_tokens_per_pos"])]
+    d["num_accepted_tokens_per_pos"] = [
+        int(a - (before["num_accepted_tokens_per_pos"][i] if i < len(before["num_accepted_tokens_per_pos"]) else 0))
+        for i, a in enumerate(after["num_accepted_tokens_per_pos"])
+    ]
     return d
 
 
@@ -93,26 +94,37 @@ class Served:
     on leaving; ``decode`` runs prompts with ``concurrency`` requests in flight. ``run`` names the run in messages and
     the log file (``.cache/vllm/serve-<run>.log``); after the block, ``log`` holds what the server wrote in this run."""
 
-    def __init__(self, folder, tokenizer, p: config.Serve, speculative: dict | None = None, run: str = "plain",
-                 concurrency: int = 1):
+    def __init__(
+        self,
+        folder,
+        tokenizer,
+        p: config.Serve,
+        speculative: dict | None = None,
+        run: str = "plain",
+        concurrency: int = 1,
+    ):
         flags = list(p.extra_args)
         if speculative is not None:
             flags += ["--speculative-config", json.dumps(speculative), "--per-request-spec-decode-metrics", "summary"]
-        launch = config.Launch(host=p.host, port=p.port, extra_args=flags,
-                               log=str(CACHE / "vllm" / f"serve-{run}.log"))
-        section = servers(config.Servers(launch=launch, concurrency=concurrency, retries=2, timeout_s=600.0,
-                                         health_timeout_s=p.health_timeout_s), folder, p.dtype)
+        launch = config.Launch(host=p.host, port=p.port, extra_args=flags, log=str(CACHE / "vllm" / f"serve-{run}.log"))
+        section = servers(
+            config.Servers(
+                launch=launch, concurrency=concurrency, retries=2, timeout_s=600.0, health_timeout_s=p.health_timeout_s
+            ),
+            folder,
+            p.dtype,
+        )
         self.engine, self.run, self.speculative = VLLMEngine(section, tokenizer, p.python), run, speculative
         self.warm, self.log = False, ""
         log.info("starting vLLM (%s), log %s", run, launch.log)
 
-    def __enter__(self) -> "Served":
+    def __enter__(self) -> Served:
         self.engine.__enter__()
         return self
 
     def __exit__(self, *exc):
         text = self.engine._launched.log_path.read_text(errors="replace") if self.engine._launched else ""
-        self.log = text[text.rfind("\n==== "):]  # the log file gathers runs; each starts with a header line
+        self.log = text[text.rfind("\n==== ") :]  # the log file gathers runs; each starts with a header line
         return self.engine.__exit__(*exc)
 
     @property
@@ -131,20 +143,31 @@ class Served:
         per-request counts, or None), ``seconds``, ``tokens``. UserError if a request fails."""
         self.warm_up(rows[0]["prompt_ids"], sampling)
         start = time.perf_counter()
-        answers = dict(self.engine.stream([r["prompt_ids"] for r in rows], sampling,
-                                          [f"p{r['index']}" for r in rows]))
+        answers = dict(self.engine.stream([r["prompt_ids"] for r in rows], sampling, [f"p{r['index']}" for r in rows]))
         seconds = time.perf_counter() - start
         failed = {i: a.reason for i, a in answers.items() if isinstance(a, Failure)}
         if failed:
             raise UserError(f"vLLM ({self.run}) failed {len(failed)} prompt(s): {list(failed.items())[:3]}")
         outputs = [answers[i].output_ids for i in range(len(rows))]
-        return {"outputs": outputs, "seconds": seconds, "tokens": sum(len(o) for o in outputs),
-                "spec": [answers[i].meta.get("speculative_decoding") for i in range(len(rows))]
-                if self.speculative else None}
+        return {
+            "outputs": outputs,
+            "seconds": seconds,
+            "tokens": sum(len(o) for o in outputs),
+            "spec": [answers[i].meta.get("speculative_decoding") for i in range(len(rows))]
+            if self.speculative
+            else None,
+        }
 
 
-def decode(folder, tokenizer, p: config.Serve, rows: list[dict], sampling: Sampling, speculative: dict | None = None,
-           run: str = "plain") -> dict:
+def decode(
+    folder,
+    tokenizer,
+    p: config.Serve,
+    rows: list[dict],
+    sampling: Sampling,
+    speculative: dict | None = None,
+    run: str = "plain",
+) -> dict:
     """``Served.decode`` over ``rows`` on a server of its own, one request at a time, with ``counters`` (the
     server's, for these requests only) and ``log``."""
     with Served(folder, tokenizer, p, speculative, run) as server:
@@ -162,9 +185,14 @@ def per_step(rows: list[dict], outputs: list, spec: list) -> dict:
     emitted = sum(len(o) - 1 for o in outputs)
     accepted = sum(s["num_accepted_draft_tokens"] for s in spec)
     hist = [sum(c) for c in zip_longest(*(s["acceptance_histogram"] for s in spec), fillvalue=0)]
-    return {"acceptance_length": emitted / steps if steps else 0.0, "steps": steps, "emitted": emitted,
-            "accepted": accepted, "reported_acceptance_length": 1 + accepted / steps if steps else 0.0,
-            "rate_per_position": [sum(hist[k + 1:]) / steps if steps else 0.0 for k in range(len(hist) - 1)]}
+    return {
+        "acceptance_length": emitted / steps if steps else 0.0,
+        "steps": steps,
+        "emitted": emitted,
+        "accepted": accepted,
+        "reported_acceptance_length": 1 + accepted / steps if steps else 0.0,
+        "rate_per_position": [sum(hist[k + 1 :]) / steps if steps else 0.0 for k in range(len(hist) - 1)],
+    }
 
 
 def evaluate_figures(rows: list[dict]) -> dict:
@@ -173,21 +201,28 @@ def evaluate_figures(rows: list[dict]) -> dict:
     emitted = sum(r["eagle"]["emitted"] for r in rows)
     proposed = [sum(c) for c in zip_longest(*(r["eagle"]["proposed"] for r in rows), fillvalue=0)]
     accepted = [sum(c) for c in zip_longest(*(r["eagle"]["accepted"] for r in rows), fillvalue=0)]
-    return {"acceptance_length": emitted / steps if steps else 0.0, "steps": steps,
-            "rate_per_position": [a / n if n else 0.0 for a, n in zip(accepted, proposed)]}
+    return {
+        "acceptance_length": emitted / steps if steps else 0.0,
+        "steps": steps,
+        "rate_per_position": [a / n if n else 0.0 for a, n in zip(accepted, proposed)],
+    }
 
 
 def differences(rows: list[dict], outputs: list, run: str) -> list[dict]:
     """Where a run's ``outputs`` differ from evaluate's plain greedy ``output_ids`` of ``rows``."""
-    return [{"prompt": r["index"], "run": run, "first_difference": first_difference(out, r["output_ids"])}
-            for r, out in zip(rows, outputs) if out != r["output_ids"]]
+    return [
+        {"prompt": r["index"], "run": run, "first_difference": first_difference(out, r["output_ids"])}
+        for r, out in zip(rows, outputs)
+        if out != r["output_ids"]
+    ]
 
 
 def compare(rows: list[dict], eagle: dict, tolerance: float, num_layers: int, plain: dict | None = None) -> dict:
     """The serve check's metrics from the run with the drafter (and the plain run, if any); ``passed``: it holds."""
     layers, served = rows[0]["eagle"]["layers"], engine_layers(eagle["log"], num_layers)
-    mismatches = (differences(rows, plain["outputs"], "plain") if plain is not None else []) + \
-        differences(rows, eagle["outputs"], "eagle")
+    mismatches = (differences(rows, plain["outputs"], "plain") if plain is not None else []) + differences(
+        rows, eagle["outputs"], "eagle"
+    )
     engine, ours = per_step(rows, eagle["outputs"], eagle["spec"]), evaluate_figures(rows)
     difference = abs(engine["acceptance_length"] - ours["acceptance_length"]) / ours["acceptance_length"]
     per_category = {}
@@ -196,28 +231,40 @@ def compare(rows: list[dict], eagle: dict, tolerance: float, num_layers: int, pl
         sub = [rows[i] for i in idx]
         per_category[cat] = {
             "prompts": len(idx),
-            "acceptance_length": round(per_step(sub, [eagle["outputs"][i] for i in idx],
-                                                [eagle["spec"][i] for i in idx])["acceptance_length"], 4),
-            "evaluate_acceptance_length": round(evaluate_figures(sub)["acceptance_length"], 4)}
+            "acceptance_length": round(
+                per_step(sub, [eagle["outputs"][i] for i in idx], [eagle["spec"][i] for i in idx])["acceptance_length"],
+                4,
+            ),
+            "evaluate_acceptance_length": round(evaluate_figures(sub)["acceptance_length"], 4),
+        }
     c = eagle["counters"]
     counters_agree = c["num_drafts"] == engine["steps"] and c["num_accepted_tokens"] == engine["accepted"]
-    run = {"speculative_tokens_per_s": round(eagle["tokens"] / eagle["seconds"], 2),
-           "seconds": {"eagle": round(eagle["seconds"], 2)}}
+    run = {
+        "speculative_tokens_per_s": round(eagle["tokens"] / eagle["seconds"], 2),
+        "seconds": {"eagle": round(eagle["seconds"], 2)},
+    }
     if plain is not None:
         run["plain_tokens_per_s"] = round(plain["tokens"] / plain["seconds"], 2)
         run["seconds"]["plain"] = round(plain["seconds"], 2)
     return {
         "prompts": len(rows),
         "passed": not mismatches and layers == served and difference <= tolerance and counters_agree,
-        "outputs_equal": not mismatches, "mismatches": mismatches, "layers": layers, "engine_layers": served,
+        "outputs_equal": not mismatches,
+        "mismatches": mismatches,
+        "layers": layers,
+        "engine_layers": served,
         "acceptance_length": round(engine["acceptance_length"], 4),
         "evaluate_acceptance_length": round(ours["acceptance_length"], 4),
-        "relative_difference": round(difference, 6), "tolerance": tolerance,
-        "verification_steps": engine["steps"], "evaluate_verification_steps": ours["steps"],
+        "relative_difference": round(difference, 6),
+        "tolerance": tolerance,
+        "verification_steps": engine["steps"],
+        "evaluate_verification_steps": ours["steps"],
         "engine_reported_acceptance_length": round(engine["reported_acceptance_length"], 4),
         "acceptance_rate_per_position": [round(x, 4) for x in engine["rate_per_position"]],
         "evaluate_acceptance_rate_per_position": [round(x, 4) for x in ours["rate_per_position"]],
-        "per_category": per_category, "counters": c, "counters_agree": counters_agree,
+        "per_category": per_category,
+        "counters": c,
+        "counters_agree": counters_agree,
         "run": run,
     }
 
@@ -227,28 +274,35 @@ def refusal(folder, target_config: dict, drafter, p: config.Serve) -> str | None
     instead, or None: the known limits, checked before any server starts (the composite targets' torchvision:
     engines/vllm.py, at launch)."""
     rows = (
-        (families.of(target_config).mla and not drafter.mla and cpu_build(p.python),
-         f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter beside {folder}: the "
-         "target's MLA attention (CPU_MLA) pages its KV cache in blocks of 16 tokens, the drafter's attention "
-         "(CPU_ATTN) in multiples of 32, and vLLM needs one block size for both. Train the MLA drafter (train.drafter: "
-         "deepseek_mla, auto's choice), or run the serve check with a GPU build of vLLM (serve.python)"),
-        (drafter.mla and p.dtype == "float32" and cpu_build(p.python) and amx(),
-         f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter in float32 on this CPU: on a "
-         "CPU with AMX it loads an MLA drafter with its AMX MLA kernels whatever --attention-backend says (vLLM "
-         "0.32), and those take bf16, fp16 or quantized weights only. Set serve.dtype: bfloat16 (where bfloat16 "
-         "rounds a greedy choice otherwise, its outputs will differ from evaluate's float32), or run the serve "
-         "check with a GPU build of vLLM (serve.python)"),
-        ((quant.method(folder) or {}).get("quant_method") == "fp8" and p.dtype == "float32",
-         f"vLLM serves the FP8 target {folder} in bfloat16 or float16 only (vLLM 0.32: \"torch.float32 is not "
-         "supported for quantization method fp8\"; its CPU build's FP8 block kernels also need AMX), and the check "
-         "compares with evaluate's float32 decoding token for token. Set serve.dtype: bfloat16 to run it anyway: "
-         "where bfloat16 rounds a greedy choice otherwise, its outputs will differ"),
+        (
+            families.of(target_config).mla and not drafter.mla and cpu_build(p.python),
+            f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter beside {folder}: the "
+            "target's MLA attention (CPU_MLA) pages its KV cache in blocks of 16 tokens, the drafter's attention "
+            "(CPU_ATTN) in multiples of 32, and vLLM needs one block size for both. Train the MLA drafter (train.drafter: "
+            "deepseek_mla, auto's choice), or run the serve check with a GPU build of vLLM (serve.python)",
+        ),
+        (
+            drafter.mla and p.dtype == "float32" and cpu_build(p.python) and amx(),
+            f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter in float32 on this CPU: on a "
+            "CPU with AMX it loads an MLA drafter with its AMX MLA kernels whatever --attention-backend says (vLLM "
+            "0.32), and those take bf16, fp16 or quantized weights only. Set serve.dtype: bfloat16 (where bfloat16 "
+            "rounds a greedy choice otherwise, its outputs will differ from evaluate's float32), or run the serve "
+            "check with a GPU build of vLLM (serve.python)",
+        ),
+        (
+            (quant.method(folder) or {}).get("quant_method") == "fp8" and p.dtype == "float32",
+            f'vLLM serves the FP8 target {folder} in bfloat16 or float16 only (vLLM 0.32: "torch.float32 is not '
+            "supported for quantization method fp8\"; its CPU build's FP8 block kernels also need AMX), and the check "
+            "compares with evaluate's float32 decoding token for token. Set serve.dtype: bfloat16 to run it anyway: "
+            "where bfloat16 rounds a greedy choice otherwise, its outputs will differ",
+        ),
     )
     return next((why for refused, why in rows if refused), None)
 
 
-def check(folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve, num_steps: int,
-          max_new_tokens: int) -> dict:
+def check(
+    folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve, num_steps: int, max_new_tokens: int
+) -> dict:
     """``compare`` of the run with the drafter (as evaluate decoded ``rows``: ``evaluate.num_steps`` draft tokens per
     step, ``evaluate.max_new_tokens``) and, where an output differs, the plain run; UserError with ``refusal``'s
     reason first where vLLM cannot run the check."""

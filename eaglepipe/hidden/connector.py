@@ -17,6 +17,7 @@ loopback), else ``<kv_connector_extra_config.folder>/<request id>.safetensors``;
 ``kv_transfer_params.states_path`` names it. The vLLM classes are built on first use (``__getattr__``), so this
 module imports without vLLM.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,8 +44,11 @@ def rows(cache: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
 
 def write(path: str, states: torch.Tensor, ids: list[int], layers: list[int]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    save_file({"states": states.cpu().contiguous(), "ids": torch.tensor(ids, dtype=torch.long)}, path + ".tmp",
-              metadata={"layers": json.dumps(layers)})
+    save_file(
+        {"states": states.cpu().contiguous(), "ids": torch.tensor(ids, dtype=torch.long)},
+        path + ".tmp",
+        metadata={"layers": json.dumps(layers)},
+    )
     os.replace(path + ".tmp", path)
 
 
@@ -63,6 +67,7 @@ def read(path: str, timeout_s: float) -> tuple[torch.Tensor, torch.Tensor, list[
 class Saves:
     """The scheduler's word to the worker for one step (pickled: module level): the requests finished since the last
     step, each (request id, path, prompt ids, block ids)."""
+
     todo: list = field(default_factory=list)
 
 
@@ -117,8 +122,7 @@ def _build():
             self.layers = list(getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", []))
             self.folder = self._kv_transfer_config.get_from_extra_config("folder", "/tmp/eaglepipe-states")
             groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-            self.group = next((i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)),
-                              0)
+            self.group = next((i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)), 0)
             self.todo, self.cache, self.writer = [], None, True
 
         def get_num_new_matched_tokens(self, request, num_computed_tokens):
@@ -134,8 +138,9 @@ def _build():
         def request_finished_all_groups(self, request, block_ids):
             if not 0 <= self.group < len(block_ids) or request.prompt_token_ids is None:
                 return False, None  # never scheduled: nothing cached
-            path = (request.kv_transfer_params or {}).get(PATH_KEY) or \
-                os.path.join(self.folder, f"{request.request_id}.safetensors")
+            path = (request.kv_transfer_params or {}).get(PATH_KEY) or os.path.join(
+                self.folder, f"{request.request_id}.safetensors"
+            )
             self.todo.append((request.request_id, path, list(request.prompt_token_ids), list(block_ids[self.group])))
             return True, {PATH_KEY: path}
 

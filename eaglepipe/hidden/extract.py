@@ -18,6 +18,7 @@ reused sequence keeps the states of the batch it was computed in (another batch 
 differently), so a fresh or resumed run at any number of processes publishes the same bytes. A sequence that fails
 alone is left out, its key and reason kept in its shard's metadata and ``failures.jsonl``; the next run retries it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,20 +32,26 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eaglepipe.target import families
-from eaglepipe.hidden import layout as features
 from eaglepipe.core import runtime
-from eaglepipe.dataset import sequences
-from eaglepipe.dataset import shards
-from eaglepipe.core.fingerprint import code_key
 from eaglepipe.core.errors import UserError
+from eaglepipe.core.fingerprint import code_key
 from eaglepipe.core.records import write_json, write_jsonl
+from eaglepipe.dataset import sequences, shards
+from eaglepipe.hidden import layout as features
+from eaglepipe.target import families
 
 log = logging.getLogger(__name__)
 # The code that decides the states of a sequence (core/fingerprint.py): their computation, layout and storage, and
 # how the target is loaded. A source's own code (the vLLM source) is added by the source.
-RESULT_CODE = ("hidden.extract", "hidden.layout", "dataset.shards", "target.model", "target.quant", "target.families",
-               "core.runtime")
+RESULT_CODE = (
+    "hidden.extract",
+    "hidden.layout",
+    "dataset.shards",
+    "target.model",
+    "target.quant",
+    "target.families",
+    "core.runtime",
+)
 
 
 def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str = "", code: tuple = ()) -> str:
@@ -54,9 +61,19 @@ def fingerprint(params: dict, layers: list[int], model_fp: str, model_dtype: str
     import transformers
 
     code = code_key([*RESULT_CODE, *code])
-    blob = json.dumps({"params": {k: v for k, v in params.items() if k != "shard_tokens"}, "layers": layers,
-                       "code": code, "model": model_fp, "model_dtype": model_dtype, "torch": torch.__version__,
-                       "transformers": transformers.__version__}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {
+            "params": {k: v for k, v in params.items() if k != "shard_tokens"},
+            "layers": layers,
+            "code": code,
+            "model": model_fp,
+            "model_dtype": model_dtype,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -112,7 +129,7 @@ def greedy(model, states: torch.Tensor, rows: int = 512) -> torch.Tensor:
     """int64 [n]: the output head's argmax over final states [n, H], ``rows`` at a time (a big batch's logits would
     not fit)."""
     head = model.get_output_embeddings()
-    return torch.cat([head(states[r:r + rows]).argmax(-1) for r in range(0, states.shape[0], rows)])
+    return torch.cat([head(states[r : r + rows]).argmax(-1) for r in range(0, states.shape[0], rows)])
 
 
 class Forward:
@@ -131,20 +148,25 @@ class Forward:
         model, lengths = self.model, [len(s[1]) for s in samples]
 
         def run_batch(batch):
-            ids = torch.full((len(batch), max(lengths[i] for i in batch)), pad_id, dtype=torch.long,
-                             device=model.device)
+            ids = torch.full(
+                (len(batch), max(lengths[i] for i in batch)), pad_id, dtype=torch.long, device=model.device
+            )
             for row, i in enumerate(batch):
-                ids[row, :lengths[i]] = torch.as_tensor(samples[i][1])
+                ids[row, : lengths[i]] = torch.as_tensor(samples[i][1])
             try:
                 a, f = forward_states(model, ids, layers)
             except (RuntimeError, ValueError, IndexError, MemoryError) as e:  # torch's OutOfMemoryError included
                 if len(batch) == 1:  # the reason is stored: no device name or free memory in it (a shard's bytes)
-                    yield batch[0], type(e).__name__ if isinstance(e, (torch.OutOfMemoryError, MemoryError)) else \
-                        f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                    yield (
+                        batch[0],
+                        type(e).__name__
+                        if isinstance(e, (torch.OutOfMemoryError, MemoryError))
+                        else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                    )
                     return
                 log.warning("a batch of %d sequences failed (%s): retrying it in halves", len(batch), type(e).__name__)
-                yield from run_batch(batch[:len(batch) // 2])
-                yield from run_batch(batch[len(batch) // 2:])
+                yield from run_batch(batch[: len(batch) // 2])
+                yield from run_batch(batch[len(batch) // 2 :])
                 return
             for row, i in enumerate(batch):
                 n = lengths[i]
@@ -175,10 +197,15 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
     kept = [i for i in range(len(samples)) if i in rows]
     packed = sequences.pack([(samples[i][1], samples[i][2]) for i in kept])
     H, kind = families.text_config(source.config).hidden_size, features.DTYPES[dtype]
-    stack = lambda part, width, kind: torch.cat([rows[i][part] for i in kept]) if kept \
-        else torch.empty((0, width) if width else 0, dtype=kind)  # noqa: E731
-    tensors = {**packed, "aux": stack(0, 3 * H, kind), "final": stack(2, H, kind),
-               "top": stack(4, 0, torch.int32).to(torch.int32)}
+    stack = lambda part, width, kind: (
+        torch.cat([rows[i][part] for i in kept]) if kept else torch.empty((0, width) if width else 0, dtype=kind)
+    )  # noqa: E731
+    tensors = {
+        **packed,
+        "aux": stack(0, 3 * H, kind),
+        "final": stack(2, H, kind),
+        "top": stack(4, 0, torch.int32).to(torch.int32),
+    }
     if dtype in features.SCALED:
         tensors |= {"aux_scale": stack(1, 3, torch.float32), "final_scale": stack(3, 1, torch.float32)}
     return tensors, failed
@@ -232,8 +259,13 @@ def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.R
     """Publish the states of every split of ``seq_folder`` into ``out``, computing those the store lacks; return the
     run report (the same on every rank). ``model``: see ``source_of``; ``params``: config.Hidden."""
     model = source_of(model)
-    store = Path(cache_root) / fingerprint(params.tracked(), features.layer_ids(
-        params.layers, families.text_config(model.config).num_hidden_layers), model_fp, model.dtype, model.code)
+    store = Path(cache_root) / fingerprint(
+        params.tracked(),
+        features.layer_ids(params.layers, families.text_config(model.config).num_hidden_layers),
+        model_fp,
+        model.dtype,
+        model.code,
+    )
     with rt.locked(store):  # another run waits instead of deleting this one's files in flight
         return _run(seq_folder, out, model, params, store, rt)
 
@@ -244,19 +276,30 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
     cfg = families.text_config(model.config)
     layers = features.layer_ids(params.layers, cfg.num_hidden_layers)
     seq_index = shards.load_index(seq_folder)
-    seqs = {split: [(rid, ids, mask, sequence_key(ids, mask)) for rid, _source, ids, mask in
-                    sequences.read(seq_folder, split)] for split in shards.SPLITS if split in seq_index}
+    seqs = {
+        split: [
+            (rid, ids, mask, sequence_key(ids, mask)) for rid, _source, ids, mask in sequences.read(seq_folder, split)
+        ]
+        for split in shards.SPLITS
+        if split in seq_index
+    }
     plan, before = _plan(store, seq_folder, seqs, params.shard_tokens, rt)
     missing = [keys for keys in plan if shard_name(keys) not in before]
     ranks = _compute(store, missing, seqs, model, layers, params, rt)
-    index = {"layers": layers, "layer_convention": features.LAYER_CONVENTION, "hidden_size": cfg.hidden_size,
-             "dtype": params.dtype}
+    index = {
+        "layers": layers,
+        "layer_convention": features.LAYER_CONVENTION,
+        "hidden_size": cfg.hidden_size,
+        "dtype": params.dtype,
+    }
     failures, used, reused_sequences = _index(store, seqs, before, index)
     total = sum(len(items) for items in seqs.values())
     if len(failures) > params.max_failure_rate * total:
-        raise UserError(f"hidden: {len(failures)} of {total} sequences fail alone, more than hidden.max_failure_rate "
-                        f"{params.max_failure_rate} (reasons in the metadata of the shards in {store}; finished shards "
-                        "are kept, and a rerun tries the failed sequences again)")
+        raise UserError(
+            f"hidden: {len(failures)} of {total} sequences fail alone, more than hidden.max_failure_rate "
+            f"{params.max_failure_rate} (reasons in the metadata of the shards in {store}; finished shards "
+            "are kept, and a rerun tries the failed sequences again)"
+        )
     if rt.is_main:
         _publish(store, out, used, index, failures)
     rt.barrier()  # no rank ends before the output is in place
@@ -265,18 +308,31 @@ def _run(seq_folder, out, model, params, store: Path, rt: runtime.Runtime) -> di
     tokens = sum(index[split]["tokens"] for split in seqs)
     stored = sum(shards.tokens_held(store / f) for f in used)  # with the rows a reused shard holds for other data
     H = cfg.hidden_size
-    return {"layers": layers, "hidden_size": H, "samples": sum(index[s]["samples"] for s in seqs),
-            "tokens": tokens, "train_tokens": index.get("train", {}).get("tokens", 0),
-            "valid_tokens": index.get("valid", {}).get("tokens", 0),
-            "hidden_bytes_per_token": features.bytes_per_token(H, params.dtype),
-            "stored_tokens": stored, "bytes_per_token": round(total_bytes / max(stored, 1), 2),
-            "bytes": total_bytes, "left_out": len(failures),
-            "run": {"fingerprint": store.name, "world": rt.world, "computed_tokens": computed_tokens,
-                    "computed_shards": len(missing), "reused_shards": len([f for f in used if f in before]),
-                    "reused_sequences": reused_sequences,
-                    "computed_sequences": total - len(failures) - reused_sequences,
-                    "seconds": round(seconds, 2),
-                    "tokens_per_s": round(computed_tokens / seconds, 1) if seconds else None, **model.report}}
+    return {
+        "layers": layers,
+        "hidden_size": H,
+        "samples": sum(index[s]["samples"] for s in seqs),
+        "tokens": tokens,
+        "train_tokens": index.get("train", {}).get("tokens", 0),
+        "valid_tokens": index.get("valid", {}).get("tokens", 0),
+        "hidden_bytes_per_token": features.bytes_per_token(H, params.dtype),
+        "stored_tokens": stored,
+        "bytes_per_token": round(total_bytes / max(stored, 1), 2),
+        "bytes": total_bytes,
+        "left_out": len(failures),
+        "run": {
+            "fingerprint": store.name,
+            "world": rt.world,
+            "computed_tokens": computed_tokens,
+            "computed_shards": len(missing),
+            "reused_shards": len([f for f in used if f in before]),
+            "reused_sequences": reused_sequences,
+            "computed_sequences": total - len(failures) - reused_sequences,
+            "seconds": round(seconds, 2),
+            "tokens_per_s": round(computed_tokens / seconds, 1) if seconds else None,
+            **model.report,
+        },
+    }
 
 
 def _plan(store: Path, seq_folder: Path, seqs: dict, shard_tokens: int, rt: runtime.Runtime) -> tuple[list, set]:
@@ -305,20 +361,31 @@ def _compute(store: Path, missing: list, seqs: dict, model, layers: list, params
     """Write this rank's share of the ``missing`` shards; return every rank's (tokens, seconds)."""
     by_key = {key: (ids, mask) for split in seqs.values() for _rid, ids, mask, key in split}
     computed_tokens, elapsed = 0, 0.0
-    for keys in missing[rt.rank::rt.world]:
+    for keys in missing[rt.rank :: rt.world]:
         start = time.perf_counter()
-        tensors, left_out = extract_shard(model, [(k, *by_key[k]) for k in keys], layers, params.batch_tokens,
-                                          params.dtype)
+        tensors, left_out = extract_shard(
+            model, [(k, *by_key[k]) for k in keys], layers, params.batch_tokens, params.dtype
+        )
         gone = {f["id"] for f in left_out}
-        meta = {"content": json.dumps({  # one key: safetensors writes several in no fixed order
-            "keys": [k for k in keys if k not in gone],
-            "failed": [{"key": f["id"], "tokens": f["tokens"], "reason": f["reason"]} for f in left_out]})}
+        meta = {
+            "content": json.dumps(
+                {  # one key: safetensors writes several in no fixed order
+                    "keys": [k for k in keys if k not in gone],
+                    "failed": [{"key": f["id"], "tokens": f["tokens"], "reason": f["reason"]} for f in left_out],
+                }
+            )
+        }
         shards.write(store / shard_name(keys), tensors, meta)
         elapsed += time.perf_counter() - start
         computed_tokens += int(tensors["offsets"][-1])
-        log.info("hidden %s: %d samples, %d tokens (%.0f tokens/s so far%s)", shard_name(keys), len(keys),
-                 int(tensors["offsets"][-1]), computed_tokens / max(elapsed, 1e-9),
-                 f", rank {rt.rank} of {rt.world}" if rt.world > 1 else "")
+        log.info(
+            "hidden %s: %d samples, %d tokens (%.0f tokens/s so far%s)",
+            shard_name(keys),
+            len(keys),
+            int(tensors["offsets"][-1]),
+            computed_tokens / max(elapsed, 1e-9),
+            f", rank {rt.rank} of {rt.world}" if rt.world > 1 else "",
+        )
     return rt.gather((computed_tokens, elapsed))
 
 
@@ -331,8 +398,9 @@ def _index(store: Path, seqs: dict, before: set, index: dict) -> tuple[list, lis
         entries = []
         for rid, ids, _mask, key in items:
             if key in failed:
-                failures.append({"id": rid, "shard": failed[key]["shard"], "tokens": len(ids),
-                                 "reason": failed[key]["reason"]})
+                failures.append(
+                    {"id": rid, "shard": failed[key]["shard"], "tokens": len(ids), "reason": failed[key]["reason"]}
+                )
                 continue
             file, row = held[key]
             reused_sequences += file in before
@@ -343,8 +411,11 @@ def _index(store: Path, seqs: dict, before: set, index: dict) -> tuple[list, lis
             e["samples"], e["tokens"] = e["samples"] + 1, e["tokens"] + len(ids)
             e["ids"].append(rid)
             e["rows"].append(row)
-        index[split] = {"shards": entries, "samples": sum(e["samples"] for e in entries),
-                        "tokens": sum(e["tokens"] for e in entries)}
+        index[split] = {
+            "shards": entries,
+            "samples": sum(e["samples"] for e in entries),
+            "tokens": sum(e["tokens"] for e in entries),
+        }
     return failures, list(dict.fromkeys(used)), reused_sequences
 
 

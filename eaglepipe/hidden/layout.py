@@ -30,20 +30,25 @@ output. ``auto`` (``layer_ids``: ``[2, L // 2, L - 3]`` for L >= 7) is EAGLE-3's
 vLLM capture when a drafter names no layers. vLLM's ``eagle_aux_hidden_state_layer_ids`` are these ids; SGLang's
 and SpecForge's count layer *outputs*: these ids minus one (``[1, L // 2 - 1, L - 4]``). draft.py writes both.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
-from eaglepipe.dataset import shards
 from eaglepipe.core.errors import UserError
+from eaglepipe.dataset import shards
 
 LAYER_CONVENTION = "hf_hidden_states"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-          "float8_e4m3fn": torch.float8_e4m3fn}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 """``hidden.dtype``: how ``aux`` and ``final`` are stored."""
 SCALED = ("float8_e4m3fn",)
 """The dtypes stored with a scale per token and layer (``encode``)."""
@@ -67,16 +72,20 @@ def layer_ids(value, num_layers: int) -> list[int]:
     L = int(num_layers)
     if value is None or value == "auto":
         if L < 4:
-            raise ValueError(f"the target has {L} decoder layers: EAGLE-3 reads the inputs of three distinct layers "
-                             "other than the embedding output, so it needs at least 4")
+            raise ValueError(
+                f"the target has {L} decoder layers: EAGLE-3 reads the inputs of three distinct layers "
+                "other than the embedding output, so it needs at least 4"
+            )
         ids = [2, L // 2, L - 3] if L >= 7 else [L // 2 - 1, L // 2, L // 2 + 1]
     elif isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         ids = [int(i) for i in value]
     else:
         raise ValueError(f"hidden.layers should be 'auto' or a list of three layer ids, got {value!r}")
     if len(ids) != 3 or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0 or ids[-1] > L - 1:
-        raise ValueError(f"hidden.layers {ids} should be three strictly increasing ids in [0, {L - 1}] (a target "
-                         f"with {L} layers): Hugging Face hidden_states indices, see eaglepipe/hidden/layout.py")
+        raise ValueError(
+            f"hidden.layers {ids} should be three strictly increasing ids in [0, {L - 1}] (a target "
+            f"with {L} layers): Hugging Face hidden_states indices, see eaglepipe/hidden/layout.py"
+        )
     return ids
 
 
@@ -121,9 +130,10 @@ def read(folder, split: str) -> Iterator[dict]:
 class Sample:
     """A sample's ids and masks (train.load_samples); its ``STATES`` stay in the shard ``file``, rows
     ``start:start + n``."""
+
     id: str
-    ids: torch.Tensor    # int32 [n], as stored
-    mask: torch.Tensor   # bool [n], the loss mask (tokens the target generated)
+    ids: torch.Tensor  # int32 [n], as stored
+    mask: torch.Tensor  # bool [n], the loss mask (tokens the target generated)
     chain: torch.Tensor  # bool [n], the tokens chains may run over: the loss mask, or every token (train.load_samples)
     file: Path
     start: int
@@ -136,8 +146,10 @@ class Stored:
         self.folder = Path(folder)
         index = shards.load_index(self.folder)
         if "skipped" in index:
-            raise UserError(f"{self.folder} holds no hidden states ({index['skipped']}): rerun hidden with "
-                            "train.features: offline, or train online")
+            raise UserError(
+                f"{self.folder} holds no hidden states ({index['skipped']}): rerun hidden with "
+                "train.features: offline, or train online"
+            )
         self.layers, self.splits = index["layers"], [s for s in shards.SPLITS if s in index]
         self.names = columns(index.get("dtype"))
 
@@ -157,8 +169,9 @@ def read_states(samples: list[Sample], names=STATES) -> list[dict]:
         by_file.setdefault(s.file, []).append(i)
     out = [None] * len(samples)
     for file, which in by_file.items():
-        rows = shards.read_rows(file, names, [(samples[i].start, samples[i].start + len(samples[i].ids))
-                                              for i in which])
+        rows = shards.read_rows(
+            file, names, [(samples[i].start, samples[i].start + len(samples[i].ids)) for i in which]
+        )
         for i, r in zip(which, rows):
             out[i] = decode(r)
     return out

@@ -9,6 +9,7 @@ than those sent fail the sequence. The server's greedy last token is compared wi
 (``last_token_disagreements``) and, above ``MOST_DISAGREEMENTS`` of 8 or more sequences, stop the stage. A server
 given by url must share this machine's filesystem and run with ``server_args``.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,15 +21,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eaglepipe.target import compat
-from eaglepipe.target import families
 from eaglepipe.core.errors import UserError
 from eaglepipe.engines import Failure, Sampling
 from eaglepipe.engines.launch import servers
 from eaglepipe.engines.server import BadAnswer, ServerError
-from eaglepipe.hidden import connector as states_connector
-from eaglepipe.hidden.connector import NAME, PATH_KEY, read
 from eaglepipe.engines.vllm import VLLMEngine, check_answer, launched
+from eaglepipe.hidden.connector import NAME, PATH_KEY, read
+from eaglepipe.target import compat, families
 
 log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -38,16 +37,19 @@ MOST_DISAGREEMENTS = 0.5  # the share of sequences whose last token may differ f
 def server_args(layers: list[int]) -> list[str]:
     """The vLLM arguments that capture the states of ``layers`` (Hugging Face ``hidden_states`` ids; the layer count
     is the last layer's output) and write them through the connector."""
-    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}}}
-    kv = {"kv_connector": NAME, "kv_connector_module_path": "eaglepipe.hidden.connector",
-          "kv_role": "kv_producer"}
+    spec = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}},
+    }
+    kv = {"kv_connector": NAME, "kv_connector_module_path": "eaglepipe.hidden.connector", "kv_role": "kv_producer"}
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
 
 
 class StatesEngine(VLLMEngine):
     """vLLM's client whose requests name their states file (``folder/<record id>.safetensors``) and whose answers must
     say where it was written; a launched server gets ``server_args`` and this repository on its PYTHONPATH."""
+
     name, title = "vllm", "vLLM (hidden states)"
 
     def __init__(self, params, tokenizer, layers: list[int], folder: Path, interpreter: str | None = None):
@@ -70,15 +72,19 @@ class StatesEngine(VLLMEngine):
         answer = await self._post_json(server, path, body)
         where = _states_path(answer)
         if not where:
-            raise ServerError(f"{server.url} captures no hidden states (its answer names no states file): start it "
-                              "with eaglepipe.hidden.vllm_source.server_args, as hidden.vllm.launch does")
+            raise ServerError(
+                f"{server.url} captures no hidden states (its answer names no states file): start it "
+                "with eaglepipe.hidden.vllm_source.server_args, as hidden.vllm.launch does"
+            )
         try:
             layers = (await asyncio.to_thread(read, where, self.timeout_s))[2]
         finally:
             Path(where).unlink(missing_ok=True)
         if layers != self.layers:
-            raise ServerError(f"{server.url} captures layers {layers}, not {self.layers} (hidden.layers and the "
-                              "layer count): restart it with eaglepipe.hidden.vllm_source.server_args")
+            raise ServerError(
+                f"{server.url} captures layers {layers}, not {self.layers} (hidden.layers and the "
+                "layer count): restart it with eaglepipe.hidden.vllm_source.server_args"
+            )
 
     def _request(self, prompt_ids, params, rid):
         path, body = super()._request(prompt_ids, params, rid)
@@ -88,8 +94,10 @@ class StatesEngine(VLLMEngine):
         ids, reason, meta = check_answer(answer, prompt_ids, sampling, rid)
         where = _states_path(answer)
         if not where:
-            raise BadAnswer("the answer names no states file (kv_transfer_params.states_path): start the server "
-                            "with eaglepipe.hidden.vllm_source.server_args")
+            raise BadAnswer(
+                "the answer names no states file (kv_transfer_params.states_path): start the server "
+                "with eaglepipe.hidden.vllm_source.server_args"
+            )
         return ids, reason, {**meta, PATH_KEY: where}
 
 
@@ -143,8 +151,9 @@ class VLLMStates:
 
             self.layers = features.layer_ids(self._params.layers, self.num_layers)
             section = servers(self._params.vllm, self._folder, self._dtype)
-            self.engine = StatesEngine(section, self._tokenizer, [*self.layers, self.num_layers], self.files,
-                                       self._interpreter).start()
+            self.engine = StatesEngine(
+                section, self._tokenizer, [*self.layers, self.num_layers], self.files, self._interpreter
+            ).start()
         return self.engine
 
     def states(self, samples: list, layers: list[int], batch_tokens: int):
@@ -166,18 +175,25 @@ class VLLMStates:
                 Path(path).unlink(missing_ok=True)
             sent = torch.as_tensor(samples[i][1]).long()
             if captured != [*layers, self.num_layers] or not torch.equal(ids, sent):
-                yield i, (f"the server captured layers {captured} of {ids.numel()} ids, not "
-                          f"{[*layers, self.num_layers]} of the {sent.numel()} sent")
+                yield (
+                    i,
+                    (
+                        f"the server captured layers {captured} of {ids.numel()} ids, not "
+                        f"{[*layers, self.num_layers]} of the {sent.numel()} sent"
+                    ),
+                )
                 continue
             final = F.rms_norm(got[:, 3].float(), self.norm.shape, self.norm, self.eps)  # every served family's
-            top = torch.cat([(final[r:r + 512] @ self.head.T).argmax(-1) for r in range(0, len(final), 512)])
+            top = torch.cat([(final[r : r + 512] @ self.head.T).argmax(-1) for r in range(0, len(final), 512)])
             self.report["last_token_disagreements"] += int(top[-1]) != out.output_ids[0]
             done += 1
             yield i, (got[:, :3].flatten(1), final, top)
         if self.report["last_token_disagreements"] > MOST_DISAGREEMENTS * max(done, 1) and done >= 8:
-            raise UserError(f"hidden (vllm): the head over the normed last state picks the server's own next token on "
-                            f"only {done - self.report['last_token_disagreements']} of {done} sequences: the target's "
-                            "final norm or head is not the RMS norm and head read from its checkpoint")
+            raise UserError(
+                f"hidden (vllm): the head over the normed last state picks the server's own next token on "
+                f"only {done - self.report['last_token_disagreements']} of {done} sequences: the target's "
+                "final norm or head is not the RMS norm and head read from its checkpoint"
+            )
 
 
 def _alive(pid: str) -> bool:

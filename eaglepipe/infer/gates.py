@@ -5,6 +5,7 @@ never closes although the model stopped is what a prefilled ``<think>`` leaves w
 empty with neither reasoning nor answer text (special tokens do not count). A breach raises GateBreach naming the
 gate, the observed rate, the limit and a few record ids; infer then keeps its cache and publishes nothing.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,8 @@ from eaglepipe.core.errors import UserError
 
 HINTS = {
     "min_reasoning": "these records carry no reasoning (or a block that never closes although the model stopped): "
-                     "does target.reasoning match the model's markers and chat template (docs/reasoning-and-tools.md)"
-                     ", and do the served output ids still hold the thinking?",
+    "does target.reasoning match the model's markers and chat template (docs/reasoning-and-tools.md)"
+    ", and do the served output ids still hold the thinking?",
     "max_truncated": "too many outputs hit infer.max_new_tokens: raise it, or check for degenerate repetition",
     "max_empty": "too many outputs are empty: check the chat template, the stop tokens and the engine",
 }
@@ -24,15 +25,19 @@ class GateBreach(UserError, RuntimeError):
     def __init__(self, gate: str, rate: float, limit: float, seen: int, offenders: list, hint: str = ""):
         self.gate, self.rate, self.limit, self.seen, self.offenders = gate, rate, limit, seen, offenders
         low = gate.startswith("min_")
-        super().__init__(f"gate {gate} breached: observed {rate:.3f} {'<' if low else '>'} {limit} after {seen} "
-                         f"records (e.g. {', '.join(offenders) or '-'}); {hint or HINTS[gate]}")
+        super().__init__(
+            f"gate {gate} breached: observed {rate:.3f} {'<' if low else '>'} {limit} after {seen} "
+            f"records (e.g. {', '.join(offenders) or '-'}); {hint or HINTS[gate]}"
+        )
 
 
 def cut_in_reasoning_hint(n: int) -> str:
     """max_truncated's hint when ``n`` truncated records end inside a reasoning block that never closed."""
-    return (f"{HINTS['max_truncated']}. {n} of them end inside a reasoning block that never closed: either the model "
-            "thinks past infer.max_new_tokens, or (when the chat template prefills the opening tag) it does not think "
-            "at all and its whole answer reads as reasoning; `make inspect` shows which")
+    return (
+        f"{HINTS['max_truncated']}. {n} of them end inside a reasoning block that never closed: either the model "
+        "thinks past infer.max_new_tokens, or (when the chat template prefills the opening tag) it does not think "
+        "at all and its whole answer reads as reasoning; `make inspect` shows which"
+    )
 
 
 class Gates:
@@ -84,8 +89,11 @@ class Gates:
             rate = len(self.hits[gate]) / self.seen
             low = gate.startswith("min_")
             if (rate < limit) if low else (rate > limit):
-                hint = cut_in_reasoning_hint(self.cut_in_reasoning) \
-                    if gate == "max_truncated" and self.cut_in_reasoning else ""
+                hint = (
+                    cut_in_reasoning_hint(self.cut_in_reasoning)
+                    if gate == "max_truncated" and self.cut_in_reasoning
+                    else ""
+                )
                 raise GateBreach(gate, rate, limit, self.seen, (self.misses if low else self.hits)[gate][:5], hint)
 
     def summary(self) -> dict:

@@ -8,6 +8,7 @@ Each finished generation is appended and fsync'd to a cache keyed by ``fingerpri
 template arguments, the code that renders and generates); a rerun with the same key reuses it. Readable fields are
 derived from the ids when published (derive.py).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,16 +23,26 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eaglepipe.target import chat
-from eaglepipe.dataset import sequences
-from eaglepipe.text import toolcalls
-from eaglepipe.text import turns
-from eaglepipe.text.derive import Spec, answer_message, to_response
-from eaglepipe.engines import Failure, Sampling
 from eaglepipe.core.errors import UserError
-from eaglepipe.infer.gates import Gates
 from eaglepipe.core.fingerprint import code_key
-from eaglepipe.core.records import Generation, Prompt, RecordError, Response, generation_from_json, json_object, prompt_of, record_id, scan_jsonl, writer
+from eaglepipe.core.records import (
+    Generation,
+    Prompt,
+    RecordError,
+    Response,
+    generation_from_json,
+    json_object,
+    prompt_of,
+    record_id,
+    scan_jsonl,
+    writer,
+)
+from eaglepipe.dataset import sequences
+from eaglepipe.engines import Failure, Sampling
+from eaglepipe.infer.gates import Gates
+from eaglepipe.target import chat
+from eaglepipe.text import toolcalls, turns
+from eaglepipe.text.derive import Spec, answer_message, to_response
 
 log = logging.getLogger(__name__)
 # The code that decides which ids a prompt gets (core/fingerprint.py), with the engine's own module; under
@@ -40,14 +51,25 @@ GENERATION_CODE = ("target.chat", "target.model", "target.quant", "engines")
 HISTORY_CODE = ("text.turns", "text.derive", "text.reasoning", "text.harmony", "text.toolcalls")
 
 
-def fingerprint(model_fp: str, engine_name: str, engine_identity: dict, sampling: Sampling, template_kwargs: dict,
-                history: Spec | None = None) -> str:
+def fingerprint(
+    model_fp: str,
+    engine_name: str,
+    engine_identity: dict,
+    sampling: Sampling,
+    template_kwargs: dict,
+    history: Spec | None = None,
+) -> str:
     """The cache's key. ``history``: the spec that splits an answer into the next turn's history (None under
     ``infer.turns: last``)."""
     h = hashlib.sha256()
     h.update(code_key([*GENERATION_CODE, f"engines.{engine_name}", *(HISTORY_CODE if history else ())]).encode())
-    blob = {"model": model_fp, "engine": engine_name, "identity": engine_identity, "sampling": sampling.to_json(),
-            "template": template_kwargs} | ({"turns": "all", "history": repr(history)} if history else {})
+    blob = {
+        "model": model_fp,
+        "engine": engine_name,
+        "identity": engine_identity,
+        "sampling": sampling.to_json(),
+        "template": template_kwargs,
+    } | ({"turns": "all", "history": repr(history)} if history else {})
     h.update(json.dumps(blob, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
@@ -112,16 +134,18 @@ class Cache:
 @dataclass(frozen=True)
 class Limits:
     """The limits a prompt must be within to be generated for (``admit``)."""
-    context_length: int | None = None   # the target's (max_position_embeddings): prompt + max_new_tokens must fit
-    max_length: int | None = None       # merge.max_length: the prompt must leave room for an answer (has_room)
-    on_error: str = "fail"              # infer.on_error: a prompt that breaks a limit stops the run, or is left out
-    where: str = "prompts"              # the prompts file, for messages
+
+    context_length: int | None = None  # the target's (max_position_embeddings): prompt + max_new_tokens must fit
+    max_length: int | None = None  # merge.max_length: the prompt must leave room for an answer (has_room)
+    on_error: str = "fail"  # infer.on_error: a prompt that breaks a limit stops the run, or is left out
+    where: str = "prompts"  # the prompts file, for messages
 
 
 @dataclass(frozen=True)
 class Ask:
     """One prompt to answer: its line and record, the turn (0 under ``infer.turns: last``), the samples that share
     these ids (all up to turn 1, one after) and the ids."""
+
     line: int
     prompt: Prompt
     turn: int
@@ -141,30 +165,51 @@ def admit(asks: list[Ask], sampling: Sampling, limits: Limits) -> tuple[list[Ask
     for a in asks:
         n, reason = len(a.ids), None
         if limits.context_length and n + sampling.max_new_tokens > limits.context_length:
-            reason, why = "exceeds_context", (f"{n} prompt tokens + infer.max_new_tokens {sampling.max_new_tokens} "
-                                              f"exceed the target's context of {limits.context_length}")
+            reason, why = (
+                "exceeds_context",
+                (
+                    f"{n} prompt tokens + infer.max_new_tokens {sampling.max_new_tokens} "
+                    f"exceed the target's context of {limits.context_length}"
+                ),
+            )
         elif limits.max_length and not sequences.has_room(n, limits.max_length):
-            reason, why = "no_room_in_max_length", (f"{n} prompt tokens leave no room for an answer within "
-                                                    f"merge.max_length {limits.max_length}")
+            reason, why = (
+                "no_room_in_max_length",
+                (f"{n} prompt tokens leave no room for an answer within merge.max_length {limits.max_length}"),
+            )
         if reason is None:
             kept.append(a)
             continue
         if limits.on_error == "fail":
             turn = f" at turn {a.turn} ({a.name})" if a.turn > 1 else ""
-            raise UserError(f"{limits.where}:{a.line}: prompt {a.prompt.id} of source {a.prompt.source}{turn}: {why} "
-                            "(set infer.on_error: skip to leave such prompts out, counted)")
+            raise UserError(
+                f"{limits.where}:{a.line}: prompt {a.prompt.id} of source {a.prompt.source}{turn}: {why} "
+                "(set infer.on_error: skip to leave such prompts out, counted)"
+            )
         left_out.setdefault(reason, []).append(a.name)
     if left_out:
         log.warning("left out before generating: %s", {k: len(v) for k, v in left_out.items()})
     return kept, left_out
 
 
-def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates, cache: Cache,
-        template_kwargs: dict, max_failure_rate: float = 0.0, samples: int = 1,
-        limits: Limits = Limits(), turns_: str = "last") -> tuple[list[Response], dict]:
+def run(
+    prompts,
+    engine,
+    tokenizer,
+    sampling: Sampling,
+    spec: Spec,
+    gates: Gates,
+    cache: Cache,
+    template_kwargs: dict,
+    max_failure_rate: float = 0.0,
+    samples: int = 1,
+    limits: Limits = Limits(),
+    turns_: str = "last",
+) -> tuple[list[Response], dict]:
     """Generate the ``samples`` answers per prompt (per turn under ``turns_: all``) the cache lacks, checking the
     gates as records arrive; return (responses, report). Prompts outside ``limits`` are left out (``admit``). Raises
     GateBreach, or UserError for too many failures, with everything generated kept in the cache."""
+
     def ids_of(messages, p):
         return chat.prompt_ids(tokenizer, messages, p.tools, template_kwargs)
 
@@ -179,42 +224,74 @@ def run(prompts, engine, tokenizer, sampling: Sampling, spec: Spec, gates: Gates
     generated, progress, tool_ended = 0, [0, 0.0], 0  # progress: new tokens, seconds generating
     for turn in range(1, max(map(len, asks_of.values())) + 1) if asks_of else [0]:
         if turn <= 1:
-            asks = [Ask(lines[p.id], p, turn, tuple(range(samples)),
-                        ids_of(turns.interleave(asks_of[p.id], []) if turn else p.messages, p)) for p in prompts]
+            asks = [
+                Ask(
+                    lines[p.id],
+                    p,
+                    turn,
+                    tuple(range(samples)),
+                    ids_of(turns.interleave(asks_of[p.id], []) if turn else p.messages, p),
+                )
+                for p in prompts
+            ]
         else:
-            asks = [Ask(lines[pid], p, turn, (k,), ids_of(turns.interleave(asks_of[pid], answers), p))
-                    for (pid, k), answers in history.items() if len(answers) == turn - 1 < len(asks_of[pid])
-                    for p in [prompts[lines[pid] - 1]]]
+            asks = [
+                Ask(lines[pid], p, turn, (k,), ids_of(turns.interleave(asks_of[pid], answers), p))
+                for (pid, k), answers in history.items()
+                if len(answers) == turn - 1 < len(asks_of[pid])
+                for p in [prompts[lines[pid] - 1]]
+            ]
         asks, out = admit(asks, sampling, limits)
         for reason, names in out.items():
             left_out.setdefault(reason, []).extend(names)
         if turn <= 1 and not asks:
-            raise UserError(f"{limits.where}: no prompt is left to generate for ({len(prompts)} read, left out: "
-                            f"{ {k: len(v) for k, v in left_out.items()} })")
+            raise UserError(
+                f"{limits.where}: no prompt is left to generate for ({len(prompts)} read, left out: "
+                f"{ {k: len(v) for k, v in left_out.items()} })"
+            )
         wanted = [(a, k, record_id(a.prompt.id, k, a.turn)) for a in asks for k in a.samples]
         wanted_all += [rid for _, _, rid in wanted]
         todo = reuse(wanted, done, cache, respond, gates, responses)
-        log.info("%s%d prompts x %d samples: %d already generated (cache %s), %d to generate",
-                 f"turn {turn}: " if turn else "", len(asks), samples, len(wanted) - len(todo), cache.folder, len(todo))
+        log.info(
+            "%s%d prompts x %d samples: %d already generated (cache %s), %d to generate",
+            f"turn {turn}: " if turn else "",
+            len(asks),
+            samples,
+            len(wanted) - len(todo),
+            cache.folder,
+            len(todo),
+        )
         generate(todo, turn, engine, sampling, cache, respond, gates, responses, failures, progress)
         generated += len(todo)
         if asks_of:
-            tool_ended += extend_history(history, wanted, turn, asks_of, responses,
-                                         lambda r: answer_message(tokenizer, r.prompt_ids, r.output_ids, spec,
-                                                                  sampling.stop_token_ids))
+            tool_ended += extend_history(
+                history,
+                wanted,
+                turn,
+                asks_of,
+                responses,
+                lambda r: answer_message(tokenizer, r.prompt_ids, r.output_ids, spec, sampling.stop_token_ids),
+            )
     gates.check()
     if len(failures) > max_failure_rate * len(wanted_all):
-        raise UserError(f"{len(failures)} of {len(wanted_all)} answers failed (more than infer.max_failure_rate="
-                        f"{max_failure_rate}); see {cache.failures_path}")
-    ordered = sorted((responses[rid] for rid in wanted_all if rid in responses),
-                     key=lambda r: (lines[prompt_of(r.id)], r.sample, r.turn))
+        raise UserError(
+            f"{len(failures)} of {len(wanted_all)} answers failed (more than infer.max_failure_rate="
+            f"{max_failure_rate}); see {cache.failures_path}"
+        )
+    ordered = sorted(
+        (responses[rid] for rid in wanted_all if rid in responses),
+        key=lambda r: (lines[prompt_of(r.id)], r.sample, r.turn),
+    )
     admitted = len({prompt_of(rid) for rid in wanted_all})
     rep = report(ordered, failures, cache_counts, generated, *progress, gates, admitted)
     if asks_of:
         per_turn = Counter(r.turn for r in ordered)
-        rep["turns"] = {"mode": "all", "answered": dict(sorted(per_turn.items())),
-                        "unanswered": sum(map(len, asks_of.values())) * samples - len(ordered),
-                        "ended_at_tool_call": tool_ended}
+        rep["turns"] = {
+            "mode": "all",
+            "answered": dict(sorted(per_turn.items())),
+            "unanswered": sum(map(len, asks_of.values())) * samples - len(ordered),
+            "ended_at_tool_call": tool_ended,
+        }
     return ordered, {**rep, "left_out": {k: len(v) for k, v in left_out.items()}, "left_out_ids": left_out}
 
 
@@ -223,15 +300,26 @@ def reuse(wanted: list, done: dict, cache: Cache, respond, gates: Gates, respons
     for a, _, rid in wanted:
         if rid in done:
             if done[rid].prompt_ids != a.ids:
-                raise UserError(f"{cache.path}: record {rid} was generated from other prompt ids; delete the cache "
-                                "folder")
+                raise UserError(
+                    f"{cache.path}: record {rid} was generated from other prompt ids; delete the cache folder"
+                )
             responses[rid] = respond(done[rid])
             gates.add(responses[rid])
     return [w for w in wanted if w[2] not in done]
 
 
-def generate(todo: list, turn: int, engine, sampling: Sampling, cache: Cache, respond, gates: Gates, responses: dict,
-             failures: list, progress: list) -> None:
+def generate(
+    todo: list,
+    turn: int,
+    engine,
+    sampling: Sampling,
+    cache: Cache,
+    respond,
+    gates: Gates,
+    responses: dict,
+    failures: list,
+    progress: list,
+) -> None:
     """Generate ``todo`` ((ask, sample, record id) each): each answer into the cache, its response into
     ``responses`` and the gates; each failure into the failures file and ``failures``. ``progress`` = [new tokens,
     seconds] of the whole run, added to."""
@@ -272,8 +360,16 @@ def extend_history(history: dict, wanted: list, turn: int, asks_of: dict, respon
     return tool_ended
 
 
-def report(responses: list[Response], failures: list, cache_counts: Counter, generated: int, new_tokens: int,
-           elapsed: float, gates: Gates, prompts: int) -> dict:
+def report(
+    responses: list[Response],
+    failures: list,
+    cache_counts: Counter,
+    generated: int,
+    new_tokens: int,
+    elapsed: float,
+    gates: Gates,
+    prompts: int,
+) -> dict:
     return {
         "prompts": prompts,
         "answers": len(responses) + len(failures),
@@ -282,17 +378,22 @@ def report(responses: list[Response], failures: list, cache_counts: Counter, gen
         "empty_outputs": sum(1 for r in responses if not r.output_ids),
         "with_reasoning": sum(1 for r in responses if Gates.reasoned(r)),
         "unclosed_reasoning": sum(1 for r in responses if not r.reasoning_closed),
-        "unclosed_reasoning_at_stop": sum(1 for r in responses
-                                          if not r.reasoning_closed and r.finish_reason == "stop"),
-        "tool_calls": {"records": sum(1 for r in responses if r.tool_calls),
-                       "calls": sum(len(r.tool_calls) - toolcalls.count_errors(r.tool_calls) for r in responses),
-                       "parse_failures": sum(toolcalls.count_errors(r.tool_calls) for r in responses)},
+        "unclosed_reasoning_at_stop": sum(1 for r in responses if not r.reasoning_closed and r.finish_reason == "stop"),
+        "tool_calls": {
+            "records": sum(1 for r in responses if r.tool_calls),
+            "calls": sum(len(r.tool_calls) - toolcalls.count_errors(r.tool_calls) for r in responses),
+            "parse_failures": sum(toolcalls.count_errors(r.tool_calls) for r in responses),
+        },
         "failures": len(failures),
         "tokens_in": sum(len(r.prompt_ids) for r in responses),
         "tokens_out": sum(len(r.output_ids) for r in responses),
         "per_source": dict(sorted(Counter(r.source for r in responses).items())),
-        "run": {"generated": generated, "tokens_out": new_tokens, "seconds": round(elapsed, 2),
-                     "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else 0.0,
-                     **{f"cache_{k}": v for k, v in cache_counts.items()}},
+        "run": {
+            "generated": generated,
+            "tokens_out": new_tokens,
+            "seconds": round(elapsed, 2),
+            "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else 0.0,
+            **{f"cache_{k}": v for k, v in cache_counts.items()},
+        },
         "gates": gates.summary(),
     }

@@ -6,28 +6,32 @@ A decoder-only causal LM that transformers loads (``AutoModelForCausalLM``), or 
 safetensors weights holding the embedding, the final norm and the head (or tied embeddings) under the names ``names``
 finds, stored as floats (``FLOAT_DTYPES``; FP8 layers: quant.py). Anything else raises ``UnsupportedTarget``.
 """
+
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglepipe.target import families
 from eaglepipe.core.errors import UserError
+from eaglepipe.target import families
 
 
 @dataclass(frozen=True)
 class Names:
     """The names of the weights train reads: the embedding, the final norm, the head, and the decoder layers' prefix."""
+
     embed: str
     norm: str
     head: str
     layers: str
 
 
-PREFIXES = (("model.", "lm_head.weight"),  # a text-only checkpoint
-            ("model.language_model.", "lm_head.weight"),  # transformers' composites (Qwen3-VL, Kimi-K2.5 as saved)
-            ("language_model.model.", "language_model.lm_head.weight"))  # Kimi-K2.5 as published
+PREFIXES = (
+    ("model.", "lm_head.weight"),  # a text-only checkpoint
+    ("model.language_model.", "lm_head.weight"),  # transformers' composites (Qwen3-VL, Kimi-K2.5 as saved)
+    ("language_model.model.", "language_model.lm_head.weight"),
+)  # Kimi-K2.5 as published
 """Where a checkpoint keeps its language model (its ``embed_tokens``, ``norm``, ``layers``) and its head."""
 
 
@@ -36,8 +40,12 @@ def names(stored) -> Names:
     text-only names), decoder layers under ``layers.``, or ``blocks.`` where only that is stored (Kimi-K2.5 as
     transformers saves it)."""
     prefix, head = next(((p, h) for p, h in PREFIXES if p + "embed_tokens.weight" in stored), PREFIXES[0])
-    layers = "blocks." if not any(n.startswith(prefix + "layers.") for n in stored) and \
-        any(n.startswith(prefix + "blocks.") for n in stored) else "layers."
+    layers = (
+        "blocks."
+        if not any(n.startswith(prefix + "layers.") for n in stored)
+        and any(n.startswith(prefix + "blocks.") for n in stored)
+        else "layers."
+    )
     return Names(prefix + "embed_tokens.weight", prefix + "norm.weight", head, prefix + layers)
 
 
@@ -55,11 +63,14 @@ def weights(folder: Path) -> dict[str, tuple[str, str, tuple]]:
 
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     if not (folder / files[0]).exists():
-        raise UnsupportedTarget(f"target {folder}: no safetensors weights (model.safetensors or its index): train "
-                                "reads the target's embedding, head and one layer from them")
+        raise UnsupportedTarget(
+            f"target {folder}: no safetensors weights (model.safetensors or its index): train "
+            "reads the target's embedding, head and one layer from them"
+        )
     found = {}
     for file in files:
         with safe_open(str(folder / file), framework="pt") as f:
@@ -105,8 +116,7 @@ def check(folder: Path):
     """The target's (text) transformers config, once every requirement above holds; else ``UnsupportedTarget``
     naming the first that does not. Reads config.json and the safetensors headers only."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
-                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     folder = Path(folder)
 
@@ -122,36 +132,59 @@ def check(folder: Path):
         refuse(f"{kind} is an encoder-decoder model; EAGLE-3 drafts for decoder-only targets")
     composite = families.composite(config)
     if composite and kind not in families.COMPOSITES:
-        refuse(f"{kind} nests its language model in a composite (multimodal) config; of those, only "
-               f"{', '.join(families.COMPOSITES)} are served (text-only)")
+        refuse(
+            f"{kind} nests its language model in a composite (multimodal) config; of those, only "
+            f"{', '.join(families.COMPOSITES)} are served (text-only)"
+        )
     if type(config) not in (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if composite else MODEL_FOR_CAUSAL_LM_MAPPING):
-        refuse(f"transformers has no image-text-to-text model for model_type {kind} (AutoModelForImageTextToText), "
-               "which serves a composite's language model" if composite else
-               f"transformers has no causal LM for model_type {kind} (AutoModelForCausalLM): not a decoder-only LM")
+        refuse(
+            f"transformers has no image-text-to-text model for model_type {kind} (AutoModelForImageTextToText), "
+            "which serves a composite's language model"
+            if composite
+            else f"transformers has no causal LM for model_type {kind} (AutoModelForCausalLM): not a decoder-only LM"
+        )
     text = families.text_config(config)
-    for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "rms_norm_eps",
-                  "hidden_act", "max_position_embeddings", "vocab_size", "rope_parameters"):
+    for field in (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_hidden_layers",
+        "rms_norm_eps",
+        "hidden_act",
+        "max_position_embeddings",
+        "vocab_size",
+        "rope_parameters",
+    ):
         if getattr(text, field, None) is None:
-            refuse(f"its {text.model_type} config has no {field}, which the drafter's Llama config takes from the "
-                   "target")
+            refuse(
+                f"its {text.model_type} config has no {field}, which the drafter's Llama config takes from the target"
+            )
     L = text.num_hidden_layers
     if L < MIN_LAYERS:
-        refuse(f"it has {L} decoder layers, fewer than {MIN_LAYERS}: EAGLE-3 reads the inputs of three distinct "
-               "layers, and layer 0's (the embeddings) is one several SGLang and vLLM models cannot capture")
+        refuse(
+            f"it has {L} decoder layers, fewer than {MIN_LAYERS}: EAGLE-3 reads the inputs of three distinct "
+            "layers, and layer 0's (the embeddings) is one several SGLang and vLLM models cannot capture"
+        )
     if text.hidden_act != "silu":
         refuse(f"its MLP activation is {text.hidden_act}; the drafter's Llama layer in SGLang and vLLM has silu only")
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if heads % kv_heads or head_dim % 2:
-        refuse(f"{heads} attention heads over {kv_heads} KV heads of size {head_dim}: the drafter's grouped-query "
-               "attention needs a whole number of query heads per KV head and an even head size (RoPE)")
+        refuse(
+            f"{heads} attention heads over {kv_heads} KV heads of size {head_dim}: the drafter's grouped-query "
+            "attention needs a whole number of query heads per KV head and an even head size (RoPE)"
+        )
     rope = dict(text.rope_parameters)
     partial = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None))
     if partial not in (None, 1, 1.0):
         refuse(f"its RoPE rotates {partial} of each head; the drafter's Llama attention rotates the whole head")
-    if "mrope_section" in rope and not composite or \
-            rope.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS) or "rope_theta" not in rope:
+    if (
+        "mrope_section" in rope
+        and not composite
+        or rope.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS)
+        or "rope_theta" not in rope
+    ):
         refuse(f"its RoPE {rope} is not one the drafter's Llama attention computes")
     _check_weights(weights(folder), getattr(config, "tie_word_embeddings", False), text, refuse)
     return text
@@ -168,5 +201,7 @@ def _check_weights(stored: dict, tied: bool, text, refuse) -> None:
     if not any(name.startswith(n.layers) for name in stored):
         refuse(f"its weights have no {n.layers}* (the decoder layers, one of which the drafter starts from)")
     if stored[n.embed][2] != (text.vocab_size, text.hidden_size):
-        refuse(f"its {n.embed} is {list(stored[n.embed][2])}, not [vocab_size, hidden_size] "
-               f"[{text.vocab_size}, {text.hidden_size}]")
+        refuse(
+            f"its {n.embed} is {list(stored[n.embed][2])}, not [vocab_size, hidden_size] "
+            f"[{text.vocab_size}, {text.hidden_size}]"
+        )

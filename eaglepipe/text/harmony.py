@@ -5,6 +5,7 @@ A message is ``<|start|>HEADER<|message|>BODY`` ended by one of ``TERMINATORS``;
 channel (``<|channel|>analysis``, ``commentary``, ``final``), maybe a recipient (``to=functions.NAME``) and a
 content type (``<|constrain|>json``).
 """
+
 from __future__ import annotations
 
 import re

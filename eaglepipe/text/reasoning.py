@@ -16,13 +16,14 @@ or ``marker``), in order: ``"".join(segments) == text``. Cases (``think`` and cu
 - no markers at all: everything is content;
 - several blocks: every block's body is reasoning (joined by a newline); the text between blocks is content.
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 
-from eaglepipe.text import harmony
 from eaglepipe.core.config import Markers
+from eaglepipe.text import harmony
 
 THINK = ("<think>", "</think>")
 # Tool-call openers that end an unclosed think block (Qwen/Hermes/GLM, Kimi K2 (both spellings), DeepSeek).
@@ -32,11 +33,11 @@ PRESETS = ("none", "think", "harmony")
 
 @dataclass(frozen=True)
 class Spec:
-    kind: str                        # none | tags | harmony
-    start: str | None = None         # tags: the opening marker; harmony: the analysis header (informational)
+    kind: str  # none | tags | harmony
+    start: str | None = None  # tags: the opening marker; harmony: the analysis header (informational)
     end: str | None = None
-    interrupts: tuple = ()           # tags: markers that end an unclosed block (kept in content)
-    tools: str | None = None         # tool-call family parsed out of content; None = not parsed, not checked
+    interrupts: tuple = ()  # tags: markers that end an unclosed block (kept in content)
+    tools: str | None = None  # tool-call family parsed out of content; None = not parsed, not checked
 
     @property
     def expects_reasoning(self) -> bool:
@@ -47,7 +48,7 @@ class Spec:
 class Split:
     reasoning: str
     content: str
-    closed: bool                     # False when the output ends inside a reasoning block (truncated)
+    closed: bool  # False when the output ends inside a reasoning block (truncated)
     segments: list = field(default_factory=list)  # [(kind, text)], kind in reasoning | content | marker
 
 
@@ -66,6 +67,7 @@ def spec_of(value, tool_calls: str | None = None) -> Spec:
 
 
 # --- think-style tags -------------------------------------------------------------------------------------------
+
 
 def _prefilled(tail: str, start: str) -> bool:
     """The template ended the prompt with the opening marker (whitespace after it allowed)."""
@@ -95,7 +97,7 @@ def _split_tags(text: str, spec: Spec, tail: str) -> Split:
             continue
         m = repeat.match(text, pos) if fresh else None
         if m:
-            segs += [("reasoning", m.group(0)[:-len(start)], block), ("marker", start, None)]
+            segs += [("reasoning", m.group(0)[: -len(start)], block), ("marker", start, None)]
             pos = m.end()
             continue
         fresh = False
@@ -118,6 +120,7 @@ def _split_tags(text: str, spec: Spec, tail: str) -> Split:
 
 # --- gpt-oss harmony --------------------------------------------------------------------------------------------
 
+
 def _split_harmony(text: str, tail: str) -> Split:
     # The prompt ends with an open header (``<|start|>assistant``): parse it with the output, then drop its part.
     i = tail.rfind(harmony.START)
@@ -135,8 +138,7 @@ def _split_harmony(text: str, tail: str) -> Split:
         elif recipient is not None:  # a tool call: kept whole, so its header reaches the tool-call parser
             segs.append(("content", full[start:end], None))
         else:  # final answer, commentary preamble: the body is content, the framing is markup
-            segs += [("marker", full[start:body], None), ("content", full[body:body_end], None),
-                     ("marker", term, None)]
+            segs += [("marker", full[start:body], None), ("content", full[body:body_end], None), ("marker", term, None)]
         pos = end
     if pos < len(full):
         segs.append(("content", full[pos:], None))
@@ -161,6 +163,7 @@ def _assemble(segs: list, closed: bool) -> Split:
 
 
 # --- entry points -----------------------------------------------------------------------------------------------
+
 
 def split(text: str, spec: Spec, prompt_tail: str = "") -> Split:
     """Split decoded output ``text``; ``prompt_tail`` is the end of the decoded prompt."""

@@ -18,6 +18,7 @@ Each call is ``{"type": "function", "function": {"name": ..., "arguments": {...}
 too when the model writes one). A call that does not parse (bad JSON, no name, unterminated) becomes
 ``{"error": <why>, "raw": <its text>}``, never fatal.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,9 +60,9 @@ def _blocks(content: str, open_: str, close: str):
     while (s := content.find(open_, pos)) >= 0:
         e = content.find(close, s + len(open_))
         if e < 0:
-            yield content[s + len(open_):], content[s:], False
+            yield content[s + len(open_) :], content[s:], False
             return
-        yield content[s + len(open_):e], content[s:e + len(close)], True
+        yield content[s + len(open_) : e], content[s : e + len(close)], True
         pos = e + len(close)
 
 
@@ -117,7 +118,7 @@ def _glm45(content: str) -> list:
     calls = []
     for inner, raw, closed in _blocks(content, "<tool_call>", "</tool_call>"):
         name = re.split(r"<arg_key>|\n", inner, maxsplit=1)[0].strip()
-        rest = inner[inner.find("<arg_key>"):] if "<arg_key>" in inner else ""
+        rest = inner[inner.find("<arg_key>") :] if "<arg_key>" in inner else ""
         leftover = _GLM_ARG.sub("", rest).strip()
         if not closed or not name or leftover:
             why = "no </tool_call>" if not closed else "no function name" if not name else "malformed arguments"
@@ -149,8 +150,9 @@ def _named(name: str) -> str:
     return name
 
 
-_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*([^<]*?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
-                        re.DOTALL)
+_KIMI_CALL = re.compile(
+    r"<\|tool_call_begin\|>\s*([^<]*?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.DOTALL
+)
 
 
 def _kimi_call(m: re.Match) -> dict:
@@ -160,9 +162,14 @@ def _kimi_call(m: re.Match) -> dict:
 
 
 def _kimi_k2(content: str) -> list:
-    return [c for opener, closer in (("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
-                                     ("<|tool_call_section_begin|>", "<|tool_call_section_end|>"))
-            for c in _sections(content, opener, closer, _KIMI_CALL, _kimi_call, "no section end")]
+    return [
+        c
+        for opener, closer in (
+            ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+            ("<|tool_call_section_begin|>", "<|tool_call_section_end|>"),
+        )
+        for c in _sections(content, opener, closer, _KIMI_CALL, _kimi_call, "no section end")
+    ]
 
 
 _DS_CALLS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
@@ -194,7 +201,7 @@ def _harmony(content: str) -> list:
         if recipient is None or not recipient.startswith("functions."):
             continue  # an answer, a preamble, or a built-in tool (python, browser.*)
         raw = content[start:end]
-        name = recipient[len("functions."):]
+        name = recipient[len("functions.") :]
         kind = header.split(harmony.CONSTRAIN, 1)[1].strip() if harmony.CONSTRAIN in header else ""
         try:
             if term != "<|call|>":
@@ -210,10 +217,15 @@ def _harmony(content: str) -> list:
     return calls
 
 
-PARSERS = {"hermes": _hermes, "qwen3_coder": _qwen3_coder, "glm45": _glm45, "kimi_k2": _kimi_k2,
-           "deepseek_v3": lambda c: _deepseek(c, _deepseek_v3_call),
-           "deepseek_v31": lambda c: _deepseek(c, _deepseek_v31_call),
-           "harmony": _harmony}
+PARSERS = {
+    "hermes": _hermes,
+    "qwen3_coder": _qwen3_coder,
+    "glm45": _glm45,
+    "kimi_k2": _kimi_k2,
+    "deepseek_v3": lambda c: _deepseek(c, _deepseek_v3_call),
+    "deepseek_v31": lambda c: _deepseek(c, _deepseek_v31_call),
+    "harmony": _harmony,
+}
 
 
 def parse(content: str, family: str | None) -> list:

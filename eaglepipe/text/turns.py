@@ -5,6 +5,7 @@ conversation up to the k-th such message, the answers to turns 1..k-1 replaced b
 returns them (``interleave``, ``derive.answer_message``). An assistant message that calls tools is no turn: it stays
 as context. This module decides the prompt ids of later turns: infer's fingerprint hashes it (``infer.turns: all``).
 """
+
 from __future__ import annotations
 
 

@@ -6,6 +6,7 @@ end (a prompt mostly its end), ``max_chars`` in all. A record that answers one t
 all``, ids ``<id>@<turn>``) is shown with every turn of its conversation, in order. Streams (never holds) published
 responses or an infer cache's generations (``.cache/infer/<fingerprint>/generations.jsonl``; fields derived from ids).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,8 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
-from eaglepipe.text import derive
-from eaglepipe.text import toolcalls
 from eaglepipe.core.records import generation_from_json, prompt_of, response_from_json, scan_jsonl
+from eaglepipe.text import derive, toolcalls
 
 RULE = 100
 PROMPT_TAIL_SHARE = 3 / 4  # a long prompt shows mostly its end: the last turns, the ones the answer follows
@@ -93,20 +93,27 @@ def clip(text: str, max_chars: int, tail_share: float = 1 / 3) -> str:
     if max_chars <= 0 or len(text) <= max_chars:
         return text
     n_tail = int(max_chars * tail_share)
-    head, tail = text[:max_chars - n_tail], text[len(text) - n_tail:]
+    head, tail = text[: max_chars - n_tail], text[len(text) - n_tail :]
     return f"{head}\n[... {len(text) - len(head) - len(tail)} more characters ...]\n{tail}"
 
 
 def section(title: str, body: str, max_chars: int, tail_share: float = 1 / 3) -> list:
     """A titled field, clipped; the blank lines around it are not shown."""
     shown = body.strip("\n")
-    return [f"-- {title} " + "-" * max(3, RULE - len(title) - 4),
-            clip(shown, max_chars, tail_share) if shown else "(empty)" if not body else "(blank lines only)"]
+    return [
+        f"-- {title} " + "-" * max(3, RULE - len(title) - 4),
+        clip(shown, max_chars, tail_share) if shown else "(empty)" if not body else "(blank lines only)",
+    ]
 
 
 def tokens(tokenizer, text: str) -> str:
-    return f"~{len(tokenizer(text, add_special_tokens=False)['input_ids'])}" if tokenizer is not None and text \
-        else "0" if not text else "?"
+    return (
+        f"~{len(tokenizer(text, add_special_tokens=False)['input_ids'])}"
+        if tokenizer is not None and text
+        else "0"
+        if not text
+        else "?"
+    )
 
 
 def closed_note(r) -> str:
@@ -134,13 +141,19 @@ def show(r, tokenizer=None, spec=None, max_chars: int = 1200, index: str = "") -
     turn = f" | turn {r.turn}" if r.turn else ""
     head = f"== {index}id {r.id}{turn} | source {r.source} | finish {r.finish_reason} "
     errors = toolcalls.count_errors(r.tool_calls)
-    lines = [head + "=" * max(3, RULE - len(head)),
-             f"tokens: prompt {len(r.prompt_ids)} | output {len(r.output_ids)} (reasoning "
-             f"{tokens(tokenizer, r.reasoning)}, content {tokens(tokenizer, r.content)}) | tool calls "
-             f"{len(r.tool_calls) - errors}" + (f" + {errors} unparsed" if errors else "") + check]
+    lines = [
+        head + "=" * max(3, RULE - len(head)),
+        f"tokens: prompt {len(r.prompt_ids)} | output {len(r.output_ids)} (reasoning "
+        f"{tokens(tokenizer, r.reasoning)}, content {tokens(tokenizer, r.content)}) | tool calls "
+        f"{len(r.tool_calls) - errors}" + (f" + {errors} unparsed" if errors else "") + check,
+    ]
     if tokenizer is not None:
-        lines += section("prompt (its prompt_ids decoded)", tokenizer.decode(r.prompt_ids, skip_special_tokens=False),
-                         max_chars, PROMPT_TAIL_SHARE)
+        lines += section(
+            "prompt (its prompt_ids decoded)",
+            tokenizer.decode(r.prompt_ids, skip_special_tokens=False),
+            max_chars,
+            PROMPT_TAIL_SHARE,
+        )
     else:
         lines += section("prompt", "(not decoded: that needs the tokenizer, from --params)", 0)
     lines += section(f"reasoning ({closed_note(r)})", r.reasoning, max_chars)
@@ -155,14 +168,24 @@ def report_line(report: dict) -> str:
     """One line of the run report (metrics/infer.json) for context."""
     n = report.get("completions", 0) or 1
     tc = report.get("tool_calls", {})
-    return (f"run report: {report.get('completions', 0)} records | with reasoning {report.get('with_reasoning', 0)} "
-            f"({100 * report.get('with_reasoning', 0) / n:.1f}%) | unclosed {report.get('unclosed_reasoning', 0)} | "
-            f"finish {report.get('finish_reason', {})} | tool calls {tc.get('calls', 0)} in {tc.get('records', 0)} "
-            f"records, {tc.get('parse_failures', 0)} unparsed | gates {report.get('gates', {})}")
+    return (
+        f"run report: {report.get('completions', 0)} records | with reasoning {report.get('with_reasoning', 0)} "
+        f"({100 * report.get('with_reasoning', 0) / n:.1f}%) | unclosed {report.get('unclosed_reasoning', 0)} | "
+        f"finish {report.get('finish_reason', {})} | tool calls {tc.get('calls', 0)} in {tc.get('records', 0)} "
+        f"records, {tc.get('parse_failures', 0)} unparsed | gates {report.get('gates', {})}"
+    )
 
 
-def render(path: Path, n: int = 3, seed: int = 0, tokenizer=None, spec=None, max_chars: int = 1200,
-           source: str | None = None, report: dict | None = None) -> str:
+def render(
+    path: Path,
+    n: int = 3,
+    seed: int = 0,
+    tokenizer=None,
+    spec=None,
+    max_chars: int = 1200,
+    source: str | None = None,
+    report: dict | None = None,
+) -> str:
     total, picked = sample(Path(path), n, seed, source, tokenizer, spec)
     where = f"{path}" + (f" (source {source})" if source else "")
     out = [report_line(report)] if report else []
@@ -170,8 +193,11 @@ def render(path: Path, n: int = 3, seed: int = 0, tokenizer=None, spec=None, max
     groups = conversations(Path(path), picked, tokenizer, spec)
     for i, group in enumerate(groups, start=1):
         if group[0].turn:
-            out += ["", f"#### {i}/{len(groups)} conversation {prompt_of(group[0].id)}, sample {group[0].sample}: "
-                        f"{len(group)} turn(s)"]
+            out += [
+                "",
+                f"#### {i}/{len(groups)} conversation {prompt_of(group[0].id)}, sample {group[0].sample}: "
+                f"{len(group)} turn(s)",
+            ]
             out += [part for r in group for part in ("", show(r, tokenizer, spec, max_chars))]
         else:
             out += ["", show(group[0], tokenizer, spec, max_chars, f"{i}/{len(groups)} ")]

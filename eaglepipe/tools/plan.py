@@ -19,6 +19,7 @@ shard headers and offsets (hidden's measured ``bytes_per_token`` counts them). O
 Time: tokens / (tokens/s) per stage, from the ``--*-tokens-per-s`` options, else this machine's last run of the
 params' own target (metrics/timings/*.json, same condition as the means); each figure says where it came from.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,9 +80,11 @@ def load_params(path, sets: tuple[str, ...]) -> config.Params:
 def measured(metrics: Path, hidden_size: int) -> dict:
     """The measured run's figures when it was of a target this wide, else {}: mean prompt and answer tokens,
     and tokens/s of infer (generated), hidden (computed) and train (trained, all epochs)."""
+
     def read(name):
         path = metrics / name
         return json.loads(path.read_text()) if path.exists() else {}
+
     if read("hidden.json").get("hidden_size") != hidden_size:
         return {}
     infer, found = read("infer.json"), {}
@@ -141,41 +144,86 @@ def report(cfg: dict, params, samples: int, p, a, seq, speeds: dict) -> list[str
         f"target   {cfg['path']}: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, vocab "
         f"{cfg['vocab_size']}{' (read from text_config)' if cfg['composite'] else ''}",
         f"per sample: prompt {count(p[0])} tokens ({p[1]}), answer {count(a[0])} ({a[1]}); sequence {count(seq)} "
-        f"(merge.max_length {params.merge.max_length})", "",
+        f"(merge.max_length {params.merge.max_length})",
+        "",
         row("prompts", prompts, f"each answered infer.samples = {params.infer.samples} times"),
-        row("samples (answers)", samples, "the sequences trained on"), row("tokens to generate", generate, "infer"),
+        row("samples (answers)", samples, "the sequences trained on"),
+        row("tokens to generate", generate, "infer"),
         row("tokens of the sequences", tokens, "what hidden runs the target on"),
         row("tokens to train, per epoch", per_epoch, "train split, 1 - merge.valid_fraction"),
-        row(f"tokens to train, {params.train.epochs} epochs", per_epoch * params.train.epochs, "train.epochs"), "",
+        row(f"tokens to train, {params.train.epochs} epochs", per_epoch * params.train.epochs, "train.epochs"),
+        "",
         f"{'offline states, ' + params.hidden.dtype:<34}{size(tokens * bf):>18}  {bf:,.0f} bytes/token",
         f"{'offline states, float8_e4m3fn':<34}{size(tokens * fp8):>18}  {fp8:,.0f} bytes/token, x{fp8 / bf:.2f} "
         "(hidden.dtype: float8_e4m3fn)",
-        f"{'online (train.features: online)':<34}{'0 B':>18}  the target runs inside the trainer instead", "",
+        f"{'online (train.features: online)':<34}{'0 B':>18}  the target runs inside the trainer instead",
+        "",
         f"{'time: infer':<34}{duration(generate, speeds['infer'])}",
         f"{'time: hidden (offline only)':<34}{duration(tokens, speeds['hidden'])}",
-        f"{'time: train':<34}{duration(per_epoch * params.train.epochs, speeds['train'])}"]
+        f"{'time: train':<34}{duration(per_epoch * params.train.epochs, speeds['train'])}",
+    ]
 
 
 @click.command(help=__doc__)
-@click.option("--target", "target_arg", default=None,
-              help="A config.json, a model folder, 'embedded' or a .gguf [default: the params' target.model].")
+@click.option(
+    "--target",
+    "target_arg",
+    default=None,
+    help="A config.json, a model folder, 'embedded' or a .gguf [default: the params' target.model].",
+)
 @click.option("--params", "params_path", default="params.yaml", show_default=True, help="The pipeline's params.")
-@click.option("--set", "-S", "sets", multiple=True,
-              help="KEY=VALUE over the params, e.g. -S infer.max_new_tokens=4096 (as dvc exp run -S).")
-@click.option("--samples", type=click.IntRange(min=1), default=None,
-              help="Sequences to train on [default: sum(prepare.sources n) x infer.samples].")
+@click.option(
+    "--set",
+    "-S",
+    "sets",
+    multiple=True,
+    help="KEY=VALUE over the params, e.g. -S infer.max_new_tokens=4096 (as dvc exp run -S).",
+)
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Sequences to train on [default: sum(prepare.sources n) x infer.samples].",
+)
 @click.option("--prompt-tokens", type=click.FloatRange(min=0), default=None, help="Mean prompt tokens per sample.")
 @click.option("--answer-tokens", type=click.FloatRange(min=0), default=None, help="Mean answer tokens per sample.")
-@click.option("--generate-tokens-per-s", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Infer speed: generated tokens/s over the whole run.")
-@click.option("--hidden-tokens-per-s", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Hidden speed: sequence tokens/s.")
-@click.option("--train-tokens-per-s", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Train speed: trained tokens/s, epochs included.")
-@click.option("--metrics", default="metrics", show_default=True, type=click.Path(path_type=Path),
-              help="The measured run's metrics folder (infer.json, hidden.json, timings/).")
-def main(target_arg, params_path, sets, samples, prompt_tokens, answer_tokens, generate_tokens_per_s,
-         hidden_tokens_per_s, train_tokens_per_s, metrics):
+@click.option(
+    "--generate-tokens-per-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Infer speed: generated tokens/s over the whole run.",
+)
+@click.option(
+    "--hidden-tokens-per-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Hidden speed: sequence tokens/s.",
+)
+@click.option(
+    "--train-tokens-per-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Train speed: trained tokens/s, epochs included.",
+)
+@click.option(
+    "--metrics",
+    default="metrics",
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help="The measured run's metrics folder (infer.json, hidden.json, timings/).",
+)
+def main(
+    target_arg,
+    params_path,
+    sets,
+    samples,
+    prompt_tokens,
+    answer_tokens,
+    generate_tokens_per_s,
+    hidden_tokens_per_s,
+    train_tokens_per_s,
+    metrics,
+):
     params = load_params(params_path, sets)
     if target_arg and target_arg.endswith(".json"):
         path = Path(target_arg)
@@ -189,10 +237,14 @@ def main(target_arg, params_path, sets, samples, prompt_tokens, answer_tokens, g
     known = measured(metrics, cfg["hidden_size"]) if own else {}
     samples = samples or sum(s.n for s in params.prepare.sources) * params.infer.samples
     p, a, seq = lengths(params, prompt_tokens, answer_tokens, known)
-    speeds = {stage: (value, "given") if value else known.get(stage) or (None, f"no figure: {option}")
-              for stage, value, option in (("infer", generate_tokens_per_s, "--generate-tokens-per-s"),
-                                           ("hidden", hidden_tokens_per_s, "--hidden-tokens-per-s"),
-                                           ("train", train_tokens_per_s, "--train-tokens-per-s"))}
+    speeds = {
+        stage: (value, "given") if value else known.get(stage) or (None, f"no figure: {option}")
+        for stage, value, option in (
+            ("infer", generate_tokens_per_s, "--generate-tokens-per-s"),
+            ("hidden", hidden_tokens_per_s, "--hidden-tokens-per-s"),
+            ("train", train_tokens_per_s, "--train-tokens-per-s"),
+        )
+    }
     click.echo("\n".join(report(cfg, params, samples, p, a, seq, speeds)))
 
 

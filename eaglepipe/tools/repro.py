@@ -8,6 +8,7 @@ During: DVC's output passes through, each stage's start stamped with the time sp
 After: per benchmark the drafter's acceptance length against the n-gram baseline (``metrics/eval.json``), the serve
 check's verdict (``metrics/serve.json``), where the drafter is, and the next commands.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import re
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
@@ -25,9 +26,12 @@ MEASURED = Path("metrics/timings/stages.json")
 REFERENCE = Path("metrics/reference_timings.json")
 EVAL, SERVE, DRAFTER = Path("metrics/eval.json"), Path("metrics/serve.json"), Path("models/draft")
 STAGE_LINE = re.compile(r"^(Running stage|Stage) '([^']+)'")  # DVC's lines as a stage starts or is skipped
-NEXT = ("make metrics   # every figure, one per line", "make plots     # training curves, acceptance per position",
-        "make diff      # what changed since the last commit",
-        "make bench     # the drafter, plain decoding and prompt lookup in vLLM on all held-out, MT-bench, HumanEval")
+NEXT = (
+    "make metrics   # every figure, one per line",
+    "make plots     # training curves, acceptance per position",
+    "make diff      # what changed since the last commit",
+    "make bench     # the drafter, plain decoding and prompt lookup in vLLM on all held-out, MT-bench, HumanEval",
+)
 
 
 def stage_order() -> list[str]:
@@ -38,8 +42,9 @@ def stage_order() -> list[str]:
 def stale(targets: tuple[str, ...]) -> dict[str, list]:
     """``dvc status --with-deps``: the stages of ``targets`` (all when empty) and above them whose deps, params or
     outputs differ from dvc.lock, with DVC's reasons."""
-    out = subprocess.run(["dvc", "status", "--json", "--with-deps", *targets], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        ["dvc", "status", "--json", "--with-deps", *targets], capture_output=True, text=True, check=True
+    ).stdout
     return json.loads(out or "{}")
 
 
@@ -52,8 +57,12 @@ def below(stages: list[str], order: list[str]) -> list[str]:
 
     reached, found = set(stages), []
     for s in order:
-        if s not in reached and any(dep == out or dep.startswith(out.rstrip("/") + "/")
-                                    for dep in paths(s, "deps") for r in reached for out in paths(r, "outs")):
+        if s not in reached and any(
+            dep == out or dep.startswith(out.rstrip("/") + "/")
+            for dep in paths(s, "deps")
+            for r in reached
+            for out in paths(r, "outs")
+        ):
             reached.add(s)
             found.append(s)
     return found
@@ -63,6 +72,7 @@ def probe(seconds: float = 1.0) -> float:
     """This machine's float32 matrix speed in GFLOP/s (a [256 x 576] by [576 x 1536] product, the embedded target's
     MLP shape, repeated for about ``seconds``), at torch's default thread count."""
     import torch
+
     a, b = torch.randn(256, 576), torch.randn(576, 1536)
     for _ in range(3):
         a @ b
@@ -137,12 +147,14 @@ def run(targets: tuple[str, ...]) -> int:
         timed[current] = time.monotonic() - last
     if timed:
         measured = json.loads(MEASURED.read_text()) if MEASURED.exists() else {}
-        at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        at = datetime.now(UTC).isoformat(timespec="seconds")
         measured.update({s: {"seconds": round(t, 1), "at": at} for s, t in timed.items()})
         MEASURED.parent.mkdir(parents=True, exist_ok=True)
         MEASURED.write_text(json.dumps(measured, indent=2) + "\n")
-    click.echo(f"\nmake repro: {'done' if code == 0 else f'failed (exit {code})'} in "
-               f"{minutes(time.monotonic() - start)}" + "".join(f"; {s} {minutes(t)}" for s, t in timed.items()))
+    click.echo(
+        f"\nmake repro: {'done' if code == 0 else f'failed (exit {code})'} in "
+        f"{minutes(time.monotonic() - start)}" + "".join(f"; {s} {minutes(t)}" for s, t in timed.items())
+    )
     if code:
         click.echo("make repro: the failing stage's message is above; a rerun resumes, keeping what finished.")
     return code
@@ -153,21 +165,29 @@ def summary() -> str:
     lines = []
     if EVAL.exists():
         ev = json.loads(EVAL.read_text())
-        lines.append("acceptance length (tokens per target forward, greedy; ± one standard error over conversations),"
-                     " the drafter against prompt lookup (n-gram):")
+        lines.append(
+            "acceptance length (tokens per target forward, greedy; ± one standard error over conversations),"
+            " the drafter against prompt lookup (n-gram):"
+        )
         for name, b in ev["benchmarks"].items():
             diff = b["acceptance_length"] - b["baseline_acceptance_length"]
             verdict = ("beats n-gram" if diff > 0 else "loses to n-gram") + (
-                " by more than twice the error" if abs(diff) > 2 * (b.get("difference_se") or float("inf")) else
-                ", within twice the error")
-            lines.append(f"  {name:<10} {b['acceptance_length']:.3f} ± {b.get('acceptance_length_se') or 0:.3f} vs "
-                         f"{b['baseline_acceptance_length']:.3f} ± {b.get('baseline_acceptance_length_se') or 0:.3f}: "
-                         f"{verdict} ({b['prompts']} conversations, {b['turns']} turns; lossless: {b['lossless']})")
+                " by more than twice the error"
+                if abs(diff) > 2 * (b.get("difference_se") or float("inf"))
+                else ", within twice the error"
+            )
+            lines.append(
+                f"  {name:<10} {b['acceptance_length']:.3f} ± {b.get('acceptance_length_se') or 0:.3f} vs "
+                f"{b['baseline_acceptance_length']:.3f} ± {b.get('baseline_acceptance_length_se') or 0:.3f}: "
+                f"{verdict} ({b['prompts']} conversations, {b['turns']} turns; lossless: {b['lossless']})"
+            )
     if SERVE.exists():
         sv = json.loads(SERVE.read_text())
-        lines.append(f"serve check (vLLM serving the drafter): {'passed' if sv['passed'] else 'FAILED'}, acceptance "
-                     f"length {sv['acceptance_length']:.3f} against evaluate's {sv['evaluate_acceptance_length']:.3f},"
-                     f" outputs equal to plain greedy: {sv['outputs_equal']}")
+        lines.append(
+            f"serve check (vLLM serving the drafter): {'passed' if sv['passed'] else 'FAILED'}, acceptance "
+            f"length {sv['acceptance_length']:.3f} against evaluate's {sv['evaluate_acceptance_length']:.3f},"
+            f" outputs equal to plain greedy: {sv['outputs_equal']}"
+        )
     if DRAFTER.exists():
         lines.append(f"the drafter: {DRAFTER}/ (an EAGLE-3 checkpoint vLLM and SGLang load as it is)")
     return "\n".join(lines + ["next:"] + [f"  {c}" for c in NEXT])

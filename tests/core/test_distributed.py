@@ -2,6 +2,7 @@
 launcher; on CPU with gloo, hidden at world 2 publishes the same bytes as at world 1 (left-out sequences of both
 ranks included), and a rank killed with SIGKILL loses only what it had not finished: a rerun reuses every finished
 shard and publishes the same bytes again; two torchrun agents ("nodes") meeting by rendezvous publish them too."""
+
 import fcntl
 import json
 import os
@@ -16,16 +17,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-
-from eaglepipe.target import model as target
-from eaglepipe.core import config
-from eaglepipe.hidden import extract as hidden
-from eaglepipe.core import runtime
-from eaglepipe.dataset import sequences
-from eaglepipe.dataset import shards
-from eaglepipe.drafter import train
 from e2e import ranks_of, untrained_drafter
+
+from eaglepipe.core import config, runtime
 from eaglepipe.core.errors import UserError
+from eaglepipe.dataset import sequences, shards
+from eaglepipe.drafter import train
+from eaglepipe.hidden import extract as hidden
+from eaglepipe.target import model as target
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,8 +59,12 @@ def test_device_is_a_speed_knob_and_compute_dtype_a_result_knob():
     assert "device" not in config.Runtime.tracked_keys() and "compute_dtype" in config.Hidden.tracked_keys()
     assert "dtype" in config.Infer.tracked_keys()  # the hf engine's: it decides the answers
     with pytest.raises(config.ConfigError, match=r"runtime.device: should be auto, cpu, cuda or cuda:N, got 'gpu'"):
-        config.parse({"prepare": {"sources": [{"name": "a", "path": "a.jsonl", "format": "openai", "n": 1}]},
-                      "runtime": {"device": "gpu"}})
+        config.parse(
+            {
+                "prepare": {"sources": [{"name": "a", "path": "a.jsonl", "format": "openai", "n": 1}]},
+                "runtime": {"device": "gpu"},
+            }
+        )
 
 
 def test_one_process_is_rank_0_of_1_without_a_process_group(monkeypatch):
@@ -121,8 +124,13 @@ def test_the_target_loads_onto_its_device_or_spread_by_a_device_map(target_folde
 
     ids, layers = torch.tensor([[1, 504, 3821, 30, 12, 7]]), [2, 15, 27]
     want = hidden.forward_states(model, ids, layers)
-    by_module = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
-                 "lm_head": "cpu"}
+    by_module = {
+        "model.embed_tokens": "cpu",
+        "model.layers": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
     for device_map in (None, "auto", by_module):
         loaded = target.load_target(target_folder, "float32", runtime.Runtime(), device_map)
         assert loaded.device == torch.device("cpu") and not any(p.requires_grad for p in loaded.parameters())
@@ -145,15 +153,21 @@ def make_project(folder: Path) -> Path:
     for i in range(40):
         length = int(rng.integers(40, 150))
         prompt = int(rng.integers(5, length - 5))
-        items.append((f"s{i}", "s", [1] + rng.integers(3, 40000, length - 1).tolist(),
-                      [0] * prompt + [1] * (length - prompt)))
+        items.append(
+            (f"s{i}", "s", [1] + rng.integers(3, 40000, length - 1).tolist(), [0] * prompt + [1] * (length - prompt))
+        )
     train = items[:-4]
     for at in (1, 5):
         train.insert(at, (f"poison{at}", "s", [1, 2, 10**6 + at, 4, 5], [0, 0, 1, 1, 1]))  # two contents
     sequences.write(folder / "seq", {"train": train, "valid": items[-4:]}, shard_tokens=10_000, policy={})
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["hidden"] = {"layers": "auto", "dtype": "bfloat16", "batch_tokens": 256, "shard_tokens": SHARD_TOKENS,
-                        "max_failure_rate": 0.1}
+    params["hidden"] = {
+        "layers": "auto",
+        "dtype": "bfloat16",
+        "batch_tokens": 256,
+        "shard_tokens": SHARD_TOKENS,
+        "max_failure_rate": 0.1,
+    }
     params["runtime"] = {"device": "cpu"}
     (folder / "params.yaml").write_text(yaml.safe_dump(params))
     return folder
@@ -162,9 +176,22 @@ def make_project(folder: Path) -> Path:
 def hidden_cmd(project: Path, name: str, world: int) -> list[str]:
     """The stage as dvc.yaml runs it: through eaglepipe.core.runtime (torchrun for a world above 1), or plain python."""
     launcher = [sys.executable, "-m", "eaglepipe.core.runtime"] if world > 1 else [sys.executable]
-    return [*launcher, "stages/hidden.py", "--params", str(project / "params.yaml"), "--sequences",
-            str(project / "seq"), "--out", str(project / name), "--report", str(project / f"{name}.json"),
-            "--timings", str(project / f"{name}-timings.json"), "--cache", str(project / f"{name}-cache")]
+    return [
+        *launcher,
+        "stages/hidden.py",
+        "--params",
+        str(project / "params.yaml"),
+        "--sequences",
+        str(project / "seq"),
+        "--out",
+        str(project / name),
+        "--report",
+        str(project / f"{name}.json"),
+        "--timings",
+        str(project / f"{name}-timings.json"),
+        "--cache",
+        str(project / f"{name}-cache"),
+    ]
 
 
 def env(world: int) -> dict:
@@ -172,8 +199,9 @@ def env(world: int) -> dict:
 
 
 def run_hidden(project: Path, name: str, world: int) -> subprocess.CompletedProcess:
-    out = subprocess.run(hidden_cmd(project, name, world), cwd=ROOT, env=env(world), capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        hidden_cmd(project, name, world), cwd=ROOT, env=env(world), capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
@@ -209,8 +237,9 @@ def test_e2e_hidden_at_world_2_equals_world_1_byte_for_byte(reference):
     (store,) = (project / "world2-cache").iterdir()
     with open(store / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        held = subprocess.run(hidden_cmd(project, "world2", 2), cwd=ROOT, env=env(2), capture_output=True, text=True,
-                              timeout=600)
+        held = subprocess.run(
+            hidden_cmd(project, "world2", 2), cwd=ROOT, env=env(2), capture_output=True, text=True, timeout=600
+        )
     assert held.returncode != 0 and "another run holds" in held.stderr, held.stderr[-3000:]
     assert published(project / "world2") == files
 
@@ -223,10 +252,20 @@ def test_e2e_two_nodes_by_rendezvous_equal_world_1(reference):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    node_env = dict(env(1), PET_NNODES="2", PET_RDZV_BACKEND="c10d", PET_RDZV_ENDPOINT=f"127.0.0.1:{port}",
-                    PET_RDZV_ID="test")
-    nodes = [subprocess.Popen(hidden_cmd(project, "nodes", 2), cwd=ROOT, env=node_env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    node_env = dict(
+        env(1), PET_NNODES="2", PET_RDZV_BACKEND="c10d", PET_RDZV_ENDPOINT=f"127.0.0.1:{port}", PET_RDZV_ID="test"
+    )
+    nodes = [
+        subprocess.Popen(
+            hidden_cmd(project, "nodes", 2),
+            cwd=ROOT,
+            env=node_env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     for node in nodes:
         _, stderr = node.communicate(timeout=600)
         assert node.returncode == 0, stderr[-3000:]
@@ -238,8 +277,14 @@ def test_e2e_two_nodes_by_rendezvous_equal_world_1(reference):
 def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
     project, files = reference
     cache = project / "killed-cache"
-    agent = subprocess.Popen(hidden_cmd(project, "killed", 2), cwd=ROOT, env=env(2), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+    agent = subprocess.Popen(
+        hidden_cmd(project, "killed", 2),
+        cwd=ROOT,
+        env=env(2),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     plan = json.loads(next((project / "world1-cache").glob("*/plans/*.json")).read_text())  # the same plan
     first_of_rank_1 = hidden.shard_name(plan[1])  # shards go round-robin
@@ -284,25 +329,48 @@ def test_e2e_evaluate_at_world_2_reports_what_world_1_does(tmp_path, target_fold
 
     draft.save(untrained_drafter(target_folder, [2, 15, 27]), tmp_path / "draft")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["evaluate"] = {"max_new_tokens": 12, "threads": 1, "benchmarks": {
-        "heldout": {"n": 3}, "mtbench": {"n": 2}, "humaneval": {"n": 1}}}
+    params["evaluate"] = {
+        "max_new_tokens": 12,
+        "threads": 1,
+        "benchmarks": {"heldout": {"n": 3}, "mtbench": {"n": 2}, "humaneval": {"n": 1}},
+    }
     params["runtime"] = {"device": "cpu"}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     outputs = {}
     for world in (1, 2):
         out = {name: tmp_path / f"{name}{world}" for name in ("report", "positions", "decoded", "timings")}
         launcher = [sys.executable, "-m", "eaglepipe.core.runtime"] if world > 1 else [sys.executable]
-        ran = subprocess.run([*launcher, "stages/evaluate.py", "--params", str(tmp_path / "params.yaml"), "--prompts",
-                              "data/eval/heldout.jsonl", "--draft", str(tmp_path / "draft"),
-                              *[a for name, path in out.items() for a in (f"--{name}", str(path))]],
-                             cwd=ROOT, env=env(world), capture_output=True, text=True, timeout=600)
+        ran = subprocess.run(
+            [
+                *launcher,
+                "stages/evaluate.py",
+                "--params",
+                str(tmp_path / "params.yaml"),
+                "--prompts",
+                "data/eval/heldout.jsonl",
+                "--draft",
+                str(tmp_path / "draft"),
+                *[a for name, path in out.items() for a in (f"--{name}", str(path))],
+            ],
+            cwd=ROOT,
+            env=env(world),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert ran.returncode == 0, ran.stderr[-3000:]
-        outputs[world] = {"report": out["report"].read_bytes(), "positions": out["positions"].read_bytes(),
-                          **{path.name: path.read_bytes() for path in out["decoded"].iterdir()}}
+        outputs[world] = {
+            "report": out["report"].read_bytes(),
+            "positions": out["positions"].read_bytes(),
+            **{path.name: path.read_bytes() for path in out["decoded"].iterdir()},
+        }
         assert json.loads(out["timings"].read_text())["processes"] == world
     assert outputs[2] == outputs[1]
     report = json.loads(outputs[1]["report"])
-    assert {name: (b["prompts"], b["turns"]) for name, b in report["benchmarks"].items()} == \
-           {"heldout": (3, 3), "mtbench": (2, 4), "humaneval": (1, 1)}
+    assert {name: (b["prompts"], b["turns"]) for name, b in report["benchmarks"].items()} == {
+        "heldout": (3, 3),
+        "mtbench": (2, 4),
+        "humaneval": (1, 1),
+    }
     assert report["lossless"] and report["benchmarks"]["heldout"]["acceptance_length"] > 1
     assert sorted(outputs[1]) == ["heldout.jsonl", "humaneval.jsonl", "mtbench.jsonl", "positions", "report"]

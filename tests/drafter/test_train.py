@@ -1,6 +1,7 @@
 """train: the loss mask and targets aligned with the shifted predictions (hand-built example), TTT step k equals a
 KV-cached inference chain, the loss decreases, and a stage run killed after a checkpoint (``kill -9``) resumes and
 ends bit-for-bit where an uninterrupted run ends."""
+
 import json
 import logging
 import os
@@ -14,45 +15,77 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from e2e import ranks_of
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from eaglepipe.core import config
-from eaglepipe.drafter.eagle3 import model as draft
-from eaglepipe.hidden import layout as features
-from eaglepipe.dataset import sequences
-from eaglepipe.dataset import shards
-from eaglepipe.drafter import train
-from eaglepipe.drafter.eagle3 import ttt
 from eaglepipe.core.errors import UserError
-from e2e import ranks_of
+from eaglepipe.dataset import sequences, shards
+from eaglepipe.drafter import train
+from eaglepipe.drafter.eagle3 import model as draft
+from eaglepipe.drafter.eagle3 import ttt
+from eaglepipe.hidden import layout as features
 
 ROOT = Path(__file__).resolve().parents[2]
 V, H, LAYERS = 512, 64, 8
-PARAMS = {"seed": 0, "draft_vocab_size": 128, "ttt_steps": 3, "epochs": 2, "batch_tokens": 96, "lr": 3e-3,
-          "warmup_steps": 2, "grad_clip": 0.5, "checkpoint_every": 2, "threads": 0, "positions": "generated",
-          "autocast": "none"}
+PARAMS = {
+    "seed": 0,
+    "draft_vocab_size": 128,
+    "ttt_steps": 3,
+    "epochs": 2,
+    "batch_tokens": 96,
+    "lr": 3e-3,
+    "warmup_steps": 2,
+    "grad_clip": 0.5,
+    "checkpoint_every": 2,
+    "threads": 0,
+    "positions": "generated",
+    "autocast": "none",
+}
 
 
 def tiny_target(folder):
     """A Llama-shaped target folder with just what train reads: config, tied embedding, final norm, layer L-3."""
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
-              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-              "num_hidden_layers": LAYERS, "rms_norm_eps": 1e-5, "max_position_embeddings": 256,
-              "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "hidden_act": "silu",
-              "vocab_size": V, "tie_word_embeddings": True}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": LAYERS,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 256,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "hidden_act": "silu",
+        "vocab_size": V,
+        "tie_word_embeddings": True,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(V, H, generator=g)
-    shapes = {"self_attn.q_proj.weight": (64, H), "self_attn.k_proj.weight": (32, H),
-              "self_attn.v_proj.weight": (32, H), "self_attn.o_proj.weight": (H, 64), "input_layernorm.weight": (H,),
-              "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (128, H),
-              "mlp.up_proj.weight": (128, H), "mlp.down_proj.weight": (H, 128)}
-    layer = {f"model.layers.{LAYERS - 3}.{k}": torch.randn(*s, generator=g) * 0.05 + (len(s) == 1)  # norms near 1
-             for k, s in shapes.items()}
-    save_file({"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(H), **layer},
-              str(folder / "model.safetensors"))
+    shapes = {
+        "self_attn.q_proj.weight": (64, H),
+        "self_attn.k_proj.weight": (32, H),
+        "self_attn.v_proj.weight": (32, H),
+        "self_attn.o_proj.weight": (H, 64),
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
+        "mlp.gate_proj.weight": (128, H),
+        "mlp.up_proj.weight": (128, H),
+        "mlp.down_proj.weight": (H, 128),
+    }
+    layer = {
+        f"model.layers.{LAYERS - 3}.{k}": torch.randn(*s, generator=g) * 0.05 + (len(s) == 1)  # norms near 1
+        for k, s in shapes.items()
+    }
+    save_file(
+        {"model.embed_tokens.weight": embed, "model.norm.weight": torch.ones(H), **layer},
+        str(folder / "model.safetensors"),
+    )
     return embed
 
 
@@ -62,10 +95,14 @@ def synthetic_hidden(folder, head, n_train=24, n_valid=4, seed=1, min_output=4):
     of the unrounded final state."""
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
-    succ = torch.randperm(V - 3, generator=g)[:200] + 3       # 200 tokens in a cycle
+    succ = torch.randperm(V - 3, generator=g)[:200] + 3  # 200 tokens in a cycle
     nxt = {int(a): int(b) for a, b in zip(succ, succ.roll(-1))}
-    index = {"layers": [2, LAYERS // 2, LAYERS - 3], "layer_convention": features.LAYER_CONVENTION, "hidden_size": H,
-             "dtype": "bfloat16"}
+    index = {
+        "layers": [2, LAYERS // 2, LAYERS - 3],
+        "layer_convention": features.LAYER_CONVENTION,
+        "hidden_size": H,
+        "dtype": "bfloat16",
+    }
     for split, n in (("train", n_train), ("valid", n_valid)):
         ids, masks, offsets = [], [], [0]
         for _ in range(n):
@@ -81,11 +118,22 @@ def synthetic_hidden(folder, head, n_train=24, n_valid=4, seed=1, min_output=4):
         final = torch.cat((head[x[1:]], torch.randn(1, H, generator=g))) * 0.5
         aux = torch.cat([head[x] + torch.randn(len(ids), H, generator=g) for _ in range(3)], -1)
         file = f"{split}-00000.safetensors"
-        shards.write(folder / file, {"input_ids": x.int(), "loss_mask": torch.tensor(masks, dtype=torch.uint8),
-                                     "offsets": torch.tensor(offsets), "aux": aux.bfloat16(),
-                                     "final": final.bfloat16(), "top": (final @ head.T).argmax(-1).int()})
-        index[split] = {"shards": [{"file": file, "samples": n, "tokens": len(ids),
-                                    "ids": [f"{split}{i}" for i in range(n)]}], "samples": n, "tokens": len(ids)}
+        shards.write(
+            folder / file,
+            {
+                "input_ids": x.int(),
+                "loss_mask": torch.tensor(masks, dtype=torch.uint8),
+                "offsets": torch.tensor(offsets),
+                "aux": aux.bfloat16(),
+                "final": final.bfloat16(),
+                "top": (final @ head.T).argmax(-1).int(),
+            },
+        )
+        index[split] = {
+            "shards": [{"file": file, "samples": n, "tokens": len(ids), "ids": [f"{split}{i}" for i in range(n)]}],
+            "samples": n,
+            "tokens": len(ids),
+        }
     (folder / "index.json").write_text(json.dumps(index))
 
 
@@ -111,8 +159,8 @@ def test_targets_aligned_with_shifted_predictions(tmp_path):
     distribution and argmax come from the target's logits at t+1+k -- the position that predicted x[t+2+k]."""
     ids = torch.tensor([10, 11, 12, 13, 14, 15, 16, 17])
     mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1]).bool()
-    head = torch.eye(32) * 10                                   # a target with vocab 32 = hidden size 32
-    final = head[ids.roll(-1)]                                  # argmax at t is x[t+1] (as when it generated them)
+    head = torch.eye(32) * 10  # a target with vocab 32 = hidden size 32
+    final = head[ids.roll(-1)]  # argmax at t is x[t+1] (as when it generated them)
     top = (final @ head.T).argmax(-1)
     shards.write(tmp_path / "s.safetensors", {"aux": torch.zeros(8, 96), "final": final, "top": top.int()})
     sample = features.Sample("s", ids.int(), mask, mask, tmp_path / "s.safetensors", 0)
@@ -121,12 +169,12 @@ def test_targets_aligned_with_shifted_predictions(tmp_path):
     seen = []
     for k in range(3):
         b, a = torch.nonzero(batch["masks"][k], as_tuple=True)
-        t = batch["act"][b, a] + 1 + k                           # as ttt_forward indexes the targets
+        t = batch["act"][b, a] + 1 + k  # as ttt_forward indexes the targets
         for pos, tt in zip(batch["act"][b, a].tolist(), t.tolist()):
             assert batch["top"][0, tt] == ids[pos + 2 + k] and batch["probs"][0, tt].argmax() == ids[pos + 2 + k]
-            assert mask[pos + 1:pos + 3 + k].all()
+            assert mask[pos + 1 : pos + 3 + k].all()
             seen.append((k, pos, int(ids[pos + 1 + k]), int(ids[pos + 2 + k])))
-    assert seen[0] == (0, 2, 13, 14)   # the chain starts at the last prompt position with the first generated token
+    assert seen[0] == (0, 2, 13, 14)  # the chain starts at the last prompt position with the first generated token
     assert [s for s in seen if s[0] == 2] == [(2, 2, 15, 16), (2, 3, 16, 17)]
 
 
@@ -153,8 +201,10 @@ def test_all_positions_train_over_the_prompt_with_the_same_vocabulary(data):
         assert torch.equal(e.ids, stored[e.id]["input_ids"]) and torch.equal(e.mask, stored[e.id]["loss_mask"].bool())
         assert all(torch.equal(st[name], stored[e.id][name]) for name in features.STATES)  # read lazily, as stored
     steps, t2d = 3, torch.ones(V, dtype=torch.bool)
-    assert ttt.collate(every, features.read_states(every), steps, embed, t2d)["masks"].sum() > \
-        ttt.collate(generated, features.read_states(generated), steps, embed, t2d)["masks"].sum()
+    assert (
+        ttt.collate(every, features.read_states(every), steps, embed, t2d)["masks"].sum()
+        > ttt.collate(generated, features.read_states(generated), steps, embed, t2d)["masks"].sum()
+    )
     assert train.token_counts(every) == train.token_counts(generated)  # the draft vocabulary: generated tokens only
 
 
@@ -186,9 +236,9 @@ def test_ttt_step_equals_cached_inference_chain(data):
         b, a = torch.nonzero(batch["masks"][k], as_tuple=True)
         for row, t in enumerate(batch["act"][b, a].tolist()):
             with torch.no_grad():
-                logits, h, cache = model(s.ids[None, 1:t + 2], model.project(aux[None, :t + 1]))
+                logits, h, cache = model(s.ids[None, 1 : t + 2], model.project(aux[None, : t + 1]))
                 for j in range(1, k + 1):
-                    logits, h, cache = model(s.ids[None, t + 1 + j:t + 2 + j], h[:, -1:], cache)
+                    logits, h, cache = model(s.ids[None, t + 1 + j : t + 2 + j], h[:, -1:], cache)
             assert len(cache) == t + 1 + k
             torch.testing.assert_close(original(captured[k][row]), logits[0, -1], rtol=1e-4, atol=1e-4)
 
@@ -200,13 +250,14 @@ def test_attention_in_blocks_gives_the_loss_and_gradients_of_one_block(data, mon
     cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(data / "target"), 64, [2, 4, 5])
     samples, steps = train.load_samples(data / "hidden", "train", "all")[:3], 3
     results = []
-    for chunk in (10 ** 6, 7):
+    for chunk in (10**6, 7):
         monkeypatch.setattr(ttt, "CHUNK", chunk)
         torch.manual_seed(0)
         model = draft.Eagle3Draft(cfg, embed)
         model.set_vocab(*draft.build_vocab(Counter(range(64)), 64, V))
-        batch = ttt.collate(samples, features.read_states(samples), steps, embed[model.to_target(torch.arange(64))],
-                            model.t2d)
+        batch = ttt.collate(
+            samples, features.read_states(samples), steps, embed[model.to_target(torch.arange(64))], model.t2d
+        )
         assert batch["act"].shape[1] > 2 * chunk or chunk > 1000  # several blocks, one of them partial
         loss, stats = ttt.ttt_forward(model, batch, steps)
         loss.backward()
@@ -222,15 +273,35 @@ def test_attention_in_blocks_gives_the_loss_and_gradients_of_one_block(data, mon
 def stage(data, params, folder, world: int = 1, name: str = "draft") -> subprocess.Popen:
     """Start the train stage as dvc.yaml runs it (``python -m eaglepipe.core.runtime stages/train.py``: torchrun for a
     world above 1, 1 thread per process) on ``data``'s hidden states, its checkpoints in ``folder/checkpoints``."""
-    raw = {"prepare": {"sources": [{"name": "unused", "path": "unused.jsonl", "format": "sharegpt", "n": 1}]},
-           "target": {"model": str(data / "target")}, "train": {**params.model_dump(), "betas": list(params.betas)},
-           "runtime": {"device": "cpu"}}
+    raw = {
+        "prepare": {"sources": [{"name": "unused", "path": "unused.jsonl", "format": "sharegpt", "n": 1}]},
+        "target": {"model": str(data / "target")},
+        "train": {**params.model_dump(), "betas": list(params.betas)},
+        "runtime": {"device": "cpu"},
+    }
     (folder / "params.yaml").write_text(yaml.safe_dump(raw))
-    args = [sys.executable, "-m", "eaglepipe.core.runtime", "stages/train.py", "--params", str(folder / "params.yaml"),
-            "--hidden", str(data / "hidden"), "--sequences", str(data / "unused"), "--out", str(folder / name),
-            "--metrics", str(folder / f"{name}.json"),
-            "--plots", str(folder / f"{name}-plots.json"), "--timings", str(folder / f"{name}-timings.json"),
-            "--checkpoints", str(folder / "checkpoints")]
+    args = [
+        sys.executable,
+        "-m",
+        "eaglepipe.core.runtime",
+        "stages/train.py",
+        "--params",
+        str(folder / "params.yaml"),
+        "--hidden",
+        str(data / "hidden"),
+        "--sequences",
+        str(data / "unused"),
+        "--out",
+        str(folder / name),
+        "--metrics",
+        str(folder / f"{name}.json"),
+        "--plots",
+        str(folder / f"{name}-plots.json"),
+        "--timings",
+        str(folder / f"{name}-timings.json"),
+        "--checkpoints",
+        str(folder / "checkpoints"),
+    ]
     env = dict(os.environ, EAGLEPIPE_NPROC=str(world))
     if world > 1:  # one thread per process; one process keeps this one's thread count (a resume must match it)
         env["OMP_NUM_THREADS"] = "1"
@@ -256,8 +327,9 @@ def killed_after_first_checkpoint(data, params, folder, world: int = 1) -> Path:
         time.sleep(0.002)
     os.kill(proc.pid if world == 1 else ranks_of(proc.pid)[1], signal.SIGKILL)
     code = proc.wait(timeout=120)
-    assert code == -signal.SIGKILL if world == 1 else code != 0, "the run ended before the kill:\n" + \
-        (folder / "draft.log").read_text()
+    assert code == -signal.SIGKILL if world == 1 else code != 0, (
+        "the run ended before the kill:\n" + (folder / "draft.log").read_text()
+    )
     assert not (folder / "draft").exists()
     return checkpoints
 
@@ -275,10 +347,13 @@ def test_loss_decreases_and_a_killed_run_resumes_exactly(data, tmp_path, autocas
         se, acc = report["valid"][f"acc_se_{k}"], report["valid"][f"acc_{k}"]
         assert 0 <= se < 0.5 and (se > 0 or acc in (0.0, 1.0)), (k, se, acc)
     # the plot rows: one per epoch, split and TTT step, exactly the steps trained
-    assert [(r["epoch"], r["split"], r["step"]) for r in history] == \
-        [(e, s, k) for e in (1, 2) for s in ("train", "valid") for k in range(3)]
-    assert all(set(r) == {"epoch", "split", "step", "loss", "acc"} | ({"acc_se"} if r["split"] == "valid" else set())
-               for r in history)
+    assert [(r["epoch"], r["split"], r["step"]) for r in history] == [
+        (e, s, k) for e in (1, 2) for s in ("train", "valid") for k in range(3)
+    ]
+    assert all(
+        set(r) == {"epoch", "split", "step", "loss", "acc"} | ({"acc_se"} if r["split"] == "valid" else set())
+        for r in history
+    )
     row = {(r["epoch"], r["split"], r["step"]): r for r in history}
     assert row[2, "train", 0]["loss"] < row[1, "train", 0]["loss"] * 0.9
     assert row[2, "train", 0]["acc"] > row[1, "train", 0]["acc"] and row[2, "valid", 0]["loss"] is not None
@@ -349,8 +424,9 @@ TOLERANCE = 1e-5  # on the weights and the loss history (rounded to 1e-5): DDP a
 def assert_close_runs(got, want, history, want_history, tol=TOLERANCE):
     for (name, a), b in zip(got.state_dict().items(), want.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=tol, msg=name)
-    assert [(r["epoch"], r["split"], r["step"]) for r in history] == \
-        [(r["epoch"], r["split"], r["step"]) for r in want_history]
+    assert [(r["epoch"], r["split"], r["step"]) for r in history] == [
+        (r["epoch"], r["split"], r["step"]) for r in want_history
+    ]
     for r, w in zip(history, want_history):
         assert abs(r["loss"] - w["loss"]) <= 2 * tol, (r, w)
         assert abs(r["acc"] - w["acc"]) <= 0.02, (r, w)  # one position of about 50 may flip its argmax
@@ -371,8 +447,10 @@ def test_e2e_train_at_world_2_matches_world_1(data, tmp_path):
     assert_close_runs(two, one, two_history, history)
     assert two_history[-1]["loss"] < two_history[0]["loss"]
     # Adam's moments hold the gradients' scale, which its steps hide: the ranks' mean is the whole batch's gradient
-    moments = [torch.load(f / "state.pt", weights_only=True)["optimizer"]["state"] for f in (tmp_path / "checkpoints",
-                                                                                            tmp_path / "one")]
+    moments = [
+        torch.load(f / "state.pt", weights_only=True)["optimizer"]["state"]
+        for f in (tmp_path / "checkpoints", tmp_path / "one")
+    ]
     for key in moments[1]:
         for name in ("exp_avg", "exp_avg_sq"):
             want = moments[1][key][name]
@@ -390,8 +468,7 @@ def test_e2e_a_killed_rank_loses_nothing_and_a_world_2_checkpoint_resumes_at_wor
     for world in (2, 1):
         folder = tmp_path / f"resumed-at-{world}"
         folder.mkdir()
-        state = torch.load(killed_after_first_checkpoint(data, params, folder, world=2) / "state.pt",
-                           weights_only=True)
+        state = torch.load(killed_after_first_checkpoint(data, params, folder, world=2) / "state.pt", weights_only=True)
         assert state["epoch"] < params.epochs, "killed before the end"
         resumed, history = finished(data, params, folder, world=world)
         if world == 2:  # the same steps on the same ranks: the same weights, bit for bit

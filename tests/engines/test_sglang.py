@@ -1,21 +1,21 @@
 """The SGLang client (eaglepipe/engines/sglang.py): its answer checks, and its retries, failover and limits against
 tests/sglang_server.py in --no-compute mode (real protocol, made-up ids, no model) over loopback."""
+
 import json
 import sys
 import threading
 import time
 
 import pytest
+from sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
 
 from eaglepipe.core import config
-from eaglepipe.target import chat
-from eaglepipe.target import model as target
-from eaglepipe.engines import Failure, Output, Sampling
-from eaglepipe.engines import pool
+from eaglepipe.engines import Failure, Output, Sampling, pool
 from eaglepipe.engines.pool import ServerError, tokenizer_probes
 from eaglepipe.engines.server import BadAnswer
 from eaglepipe.engines.sglang import SGLangEngine, check_answer, sampling_params
-from sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
+from eaglepipe.target import chat
+from eaglepipe.target import model as target
 
 STOP = 2  # the embedded model's <|im_end|>
 SAMPLING = Sampling(max_new_tokens=8, stop_token_ids=(STOP,))
@@ -24,9 +24,17 @@ PROMPT = [1, 9690, 198, 2683, 314, 216, 34, 30, 216, 34, 47, 2, 198, 1, 520, 953
 
 # ---- answer checks (no server) ------------------------------------------------------------------------------------
 def answer(ids, finish, count=None, rid="r", prompt_tokens=len(PROMPT)):
-    return {"text": "", "output_ids": ids,
-            "meta_info": {"id": rid, "finish_reason": finish, "prompt_tokens": prompt_tokens,
-                          "completion_tokens": len(ids) if count is None else count, "cached_tokens": 0}}
+    return {
+        "text": "",
+        "output_ids": ids,
+        "meta_info": {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(ids) if count is None else count,
+            "cached_tokens": 0,
+        },
+    }
 
 
 def test_a_stop_answer_keeps_its_stop_id():
@@ -50,25 +58,28 @@ def test_a_batch_shaped_answer_of_one_is_accepted():
     assert check_answer([answer([5, STOP], {"type": "stop", "matched": STOP})], PROMPT, SAMPLING)[1] == "stop"
 
 
-@pytest.mark.parametrize("body, problem", [
-    (answer(PROMPT[-5:] + [5, STOP], {"type": "stop", "matched": STOP}, count=2), "#10896"),
-    (answer(PROMPT[-5:] + [5, STOP], {"type": "stop", "matched": STOP}), "#10896"),
-    (answer([5, 6, STOP], {"type": "stop", "matched": STOP}, count=4), "completion_tokens"),
-    (answer([5, 6], {"type": "abort", "message": "out of memory"}), "aborted"),
-    (answer([5, 6], {"type": "weird"}), "unknown finish_reason"),
-    (answer([5, 6], None), "unknown finish_reason"),
-    (answer([5, 7], {"type": "stop", "matched": 7}), "not one of infer's stop ids"),
-    (answer([5, 6], {"type": "stop", "matched": "</s>"}), "no stop strings"),
-    (answer([5, STOP, 6], {"type": "length", "length": 3}), "after 3 of 8"),
-    (answer([5, STOP, 6, 7, 8, 9, 10, 11], {"type": "length", "length": 8}), "before the end"),
-    (answer([5] * 9, {"type": "length", "length": 9}), "max_new_tokens"),
-    (answer([5, STOP], {"type": "stop", "matched": STOP}, rid="other"), "not 'r'"),
-    (answer([5, STOP], {"type": "stop", "matched": STOP}, prompt_tokens=3), "prompt_tokens=3"),
-    ([answer([5], {"type": "length"}), answer([6], {"type": "length"})], "2 answers"),
-    ({"error": {"message": "boom"}}, "boom"),
-    ("oops", "not an object"),
-    ({"output_ids": [1, -2], "meta_info": {}}, "output_ids"),
-])
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        (answer(PROMPT[-5:] + [5, STOP], {"type": "stop", "matched": STOP}, count=2), "#10896"),
+        (answer(PROMPT[-5:] + [5, STOP], {"type": "stop", "matched": STOP}), "#10896"),
+        (answer([5, 6, STOP], {"type": "stop", "matched": STOP}, count=4), "completion_tokens"),
+        (answer([5, 6], {"type": "abort", "message": "out of memory"}), "aborted"),
+        (answer([5, 6], {"type": "weird"}), "unknown finish_reason"),
+        (answer([5, 6], None), "unknown finish_reason"),
+        (answer([5, 7], {"type": "stop", "matched": 7}), "not one of infer's stop ids"),
+        (answer([5, 6], {"type": "stop", "matched": "</s>"}), "no stop strings"),
+        (answer([5, STOP, 6], {"type": "length", "length": 3}), "after 3 of 8"),
+        (answer([5, STOP, 6, 7, 8, 9, 10, 11], {"type": "length", "length": 8}), "before the end"),
+        (answer([5] * 9, {"type": "length", "length": 9}), "max_new_tokens"),
+        (answer([5, STOP], {"type": "stop", "matched": STOP}, rid="other"), "not 'r'"),
+        (answer([5, STOP], {"type": "stop", "matched": STOP}, prompt_tokens=3), "prompt_tokens=3"),
+        ([answer([5], {"type": "length"}), answer([6], {"type": "length"})], "2 answers"),
+        ({"error": {"message": "boom"}}, "boom"),
+        ("oops", "not an object"),
+        ({"output_ids": [1, -2], "meta_info": {}}, "output_ids"),
+    ],
+)
 def test_bad_answers_are_refused_with_the_reason(body, problem):
     with pytest.raises(BadAnswer, match=None) as e:
         check_answer(body, PROMPT, SAMPLING, "r")
@@ -112,8 +123,16 @@ def fresh(server):
 
 
 def engine(url, tokenizer, **over):
-    cfg = {"urls": [url], "concurrency": 4, "timeout_s": 5, "health_timeout_s": 10, "retries": 3,
-           "backoff_s": 0.01, "backoff_max_s": 0.05, **over}
+    cfg = {
+        "urls": [url],
+        "concurrency": 4,
+        "timeout_s": 5,
+        "health_timeout_s": 10,
+        "retries": 3,
+        "backoff_s": 0.01,
+        "backoff_max_s": 0.05,
+        **over,
+    }
     return SGLangEngine(config.Servers(**cfg), tokenizer)
 
 
@@ -136,8 +155,7 @@ def test_a_clean_run_streams_every_answer_within_the_concurrency(fresh, tokenize
         assert str(config.CACHE) not in json.dumps(described)
         out = run(eng, ps)
     assert sorted(out) == list(range(12)) and all(isinstance(o, Output) for o in out.values())
-    assert all(len(o.output_ids) == 8 and o.finish_reason == "length" and o.meta["attempts"] == 1
-               for o in out.values())
+    assert all(len(o.output_ids) == 8 and o.finish_reason == "length" and o.meta["attempts"] == 1 for o in out.values())
     assert [o.meta["rid"] for _, o in sorted(out.items())] == [f"p{i}" for i in range(12)]
     assert stats(fresh)["max_inflight"] == 3
     info = described["servers"][0]
@@ -168,8 +186,23 @@ def test_answers_arrive_in_completion_order_not_prompt_order(fresh, tokenizer):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("fault", ["http429", "http500", "http503", "http400", "reset", "hang", "malformed",
-                                   "truncated", "prefix", "count", "abort", "finish"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "http429",
+        "http500",
+        "http503",
+        "http400",
+        "reset",
+        "hang",
+        "malformed",
+        "truncated",
+        "prefix",
+        "count",
+        "abort",
+        "finish",
+    ],
+)
 def test_each_fault_is_retried_and_the_answer_kept(fresh, tokenizer, fault):
     configure(fresh, fault_rate=1.0, faults=fault, fault_mode="cycle", fault_budget=1, hang_s=2)
     ps = prompts(tokenizer, 3)
@@ -179,8 +212,17 @@ def test_each_fault_is_retried_and_the_answer_kept(fresh, tokenizer, fault):
     assert all(isinstance(o, Output) and len(o.output_ids) == 8 for o in out.values()), out
     assert sorted(o.meta["attempts"] for o in out.values()) == [1, 1, 2]
     assert stats(fresh)["faults"] == {fault: 1}
-    kind = {"reset": "connection", "truncated": "connection", "hang": "timeout", "malformed": "malformed",
-            "prefix": "check", "count": "check", "abort": "check", "finish": "check", "http400": "http4xx"}
+    kind = {
+        "reset": "connection",
+        "truncated": "connection",
+        "hang": "timeout",
+        "malformed": "malformed",
+        "prefix": "check",
+        "count": "check",
+        "abort": "check",
+        "finish": "check",
+        "http400": "http4xx",
+    }
     assert client.get(kind.get(fault, fault)) == 1, client
 
 
@@ -315,8 +357,12 @@ def test_stream_names_each_answer_by_its_prompt_index(fresh, tokenizer):
 
 
 def test_a_launched_server_that_dies_is_reported_with_its_log(tokenizer, tmp_path):
-    launch = {"model_path": "embedded", "port": free_port(), "log": str(tmp_path / "server.log"),
-              "command": [sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(3)"]}
+    launch = {
+        "model_path": "embedded",
+        "port": free_port(),
+        "log": str(tmp_path / "server.log"),
+        "command": [sys.executable, "-c", "import sys; print('no GPU here'); sys.exit(3)"],
+    }
     with pytest.raises(ServerError, match="exited with code 3") as e:
         SGLangEngine(config.Servers(launch=config.Launch(**launch), health_timeout_s=30), tokenizer).start()
     assert "no GPU here" in str(e.value)

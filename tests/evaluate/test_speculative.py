@@ -1,12 +1,13 @@
 """Decoding loops: plain greedy is the target's greedy; speculative decoding is lossless with any drafter (n-gram,
 oracle, always-wrong, noisy, an EAGLE drafter); acceptance bookkeeping on hand-built cases; the EAGLE drafter's
 incremental cache equals recomputing it from scratch."""
+
 import pytest
 import torch
 
-from eaglepipe.target import chat
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.evaluate import decode as sp
+from eaglepipe.target import chat
 from eaglepipe.target import model as tgt
 
 PROMPTS = [
@@ -54,14 +55,14 @@ class Oracle:
         self.done, self.step = 1, 0
 
     def propose(self, k):
-        want = self.plain[self.done:self.done + k]
+        want = self.plain[self.done : self.done + k]
         want += [0] * (k - len(want))
         self.last = [(t + 1) % self.vocab if self.wrong(self.step, i) else t for i, t in enumerate(want)]
         self.step += 1
         return list(self.last)
 
     def accept(self, n, aux, next_token):
-        assert self.last[:n] == self.plain[self.done:self.done + n]
+        assert self.last[:n] == self.plain[self.done : self.done + n]
         self.done += n + 1
         assert self.plain[self.done - 1] == next_token
 
@@ -69,9 +70,10 @@ class Oracle:
 def test_plain_greedy_equals_hf_generate(model, cases, stops):
     ids, plain = cases[1]
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=stops,
-                             pad_token_id=stops[0])
-    assert out[0, len(ids):].tolist() == plain
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=stops, pad_token_id=stops[0]
+        )
+    assert out[0, len(ids) :].tolist() == plain
 
 
 def test_ngram_drafting_is_lossless(model, cases, stops):
@@ -94,8 +96,13 @@ def test_ngram_replay_gives_the_counts_of_decoding(model, tokenizer, stops, num_
         decoded, replayed = sp.Stats(), sp.Stats()
         assert sp.speculative(model, sp.NgramDrafter(3, 1), ids, max_new, stops, num_steps, decoded) == plain
         assert sp.replay(sp.NgramDrafter(3, 1), ids, plain, max_new, stops, num_steps, replayed) == plain
-        assert (replayed.steps, replayed.emitted, replayed.tokens, replayed.proposed, replayed.accepted) == \
-            (decoded.steps, decoded.emitted, decoded.tokens, decoded.proposed, decoded.accepted)
+        assert (replayed.steps, replayed.emitted, replayed.tokens, replayed.proposed, replayed.accepted) == (
+            decoded.steps,
+            decoded.emitted,
+            decoded.tokens,
+            decoded.proposed,
+            decoded.accepted,
+        )
         assert decoded.steps > 0
     assert stopped, "one answer ends on a stop token inside max_new_tokens"
 
@@ -109,7 +116,7 @@ def test_greedy_check_accepts_the_greedy_output_and_finds_where_another_departs(
         plain = sp.greedy(model, ids, max_new, stops)
         assert sp.greedy_check(model, ids, plain, max_new, stops) is None
         for j in {0, len(plain) // 2, len(plain) - 1}:
-            changed = plain[:j] + [(plain[j] + 1) % model.config.vocab_size] + plain[j + 1:]
+            changed = plain[:j] + [(plain[j] + 1) % model.config.vocab_size] + plain[j + 1 :]
             assert sp.greedy_check(model, ids, changed, max_new, stops) == j
         if len(plain) > 1:
             assert sp.greedy_check(model, ids, plain[:-1], max_new, stops) == len(plain) - 1
@@ -149,8 +156,7 @@ def test_partial_acceptance_bookkeeping_and_cache_crop(model, cases, stops):
     """Drafts wrong at position 1 of every step: 1 accepted + 1 bonus = 2 tokens per step; rates [1, 0, 0]."""
     ids, plain = cases[0]
     stats = sp.Stats()
-    out = sp.speculative(model, Oracle(plain, model.config.vocab_size, lambda s, i: i == 1), ids, 16, stops, 3,
-                         stats)
+    out = sp.speculative(model, Oracle(plain, model.config.vocab_size, lambda s, i: i == 1), ids, 16, stops, 3, stats)
     assert out == plain
     full = (len(plain) - 1) // 2  # steps that emitted 2 tokens; the last one may be cut by max_new_tokens
     assert stats.steps == full + (len(plain) - 1) % 2
@@ -173,12 +179,12 @@ def test_stats_merge_and_report():
 def test_ngram_proposals():
     d = sp.NgramDrafter(max_ngram=3)
     d.reset([5, 6, 7, 8, 9, 5, 6], None, 7)
-    assert d.propose(3) == [8, 9, 5]        # "5 6 7" seen before, followed by 8 9 5
-    d.accept(2, None, 4)                    # 8 9 accepted, target says 4
+    assert d.propose(3) == [8, 9, 5]  # "5 6 7" seen before, followed by 8 9 5
+    d.accept(2, None, 4)  # 8 9 accepted, target says 4
     assert d.tokens[-3:] == [8, 9, 4]
-    assert d.propose(2) == []               # "9 4", "4": never seen
+    assert d.propose(2) == []  # "9 4", "4": never seen
     d.accept(0, None, 6)
-    assert d.propose(2) == [7, 8]           # "9 4 6", "4 6" unseen; the most recent earlier "6" precedes 7 8
+    assert d.propose(2) == [7, 8]  # "9 4 6", "4 6" unseen; the most recent earlier "6" precedes 7 8
 
 
 def small_drafter(model, seed=0):
@@ -189,7 +195,7 @@ def small_drafter(model, seed=0):
         torch.nn.init.normal_(p, std=0.05)
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[::12] = True  # every 12th target id: d2t is a real offset table
-    ids = t2d.nonzero()[:, 0][:cfg.draft_vocab_size]
+    ids = t2d.nonzero()[:, 0][: cfg.draft_vocab_size]
     m.set_vocab(ids - torch.arange(cfg.draft_vocab_size), t2d)
     return m.eval()
 
@@ -248,7 +254,7 @@ def test_eagle_drafter_receives_the_targets_states_at_its_layers(model, cases, s
     got = torch.cat(seen)
     with torch.inference_mode():
         ref = model(torch.tensor([ids + out]), output_hidden_states=True).hidden_states
-    want = torch.cat([ref[i][0] for i in (2, 15, 27)], dim=-1)[:len(got)]
+    want = torch.cat([ref[i][0] for i in (2, 15, 27)], dim=-1)[: len(got)]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -259,9 +265,18 @@ def test_a_sliding_window_target_crops_rejected_drafts_past_its_window():
     from transformers import AutoModelForCausalLM, MistralConfig
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(MistralConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=4, max_position_embeddings=128)).eval()
+    model = AutoModelForCausalLM.from_config(
+        MistralConfig(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=4,
+            max_position_embeddings=128,
+        )
+    ).eval()
     assert sp._new_cache(model).layers[0].is_sliding
     ids = torch.randint(0, 256, (12,)).tolist()
     plain = sp.greedy(model, ids, 20, [])

@@ -1,6 +1,7 @@
 """hidden: layer convention against a bare forward, final = the normed state lm_head reads, bf16 and FP8 storage, the
 published files' size, published data free of the run's fingerprint, resume after an interruption, reuse by content
 (more data computes only the new sequences, whatever merge's order), and no reuse across different params."""
+
 import json
 
 import numpy as np
@@ -10,12 +11,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eaglepipe.core import config
-from eaglepipe.hidden import layout as features
-from eaglepipe.hidden import extract as hidden
-from eaglepipe.dataset import sequences
-from eaglepipe.dataset import shards
-from eaglepipe.drafter import train
 from eaglepipe.core.errors import UserError
+from eaglepipe.dataset import sequences, shards
+from eaglepipe.drafter import train
+from eaglepipe.hidden import extract as hidden
+from eaglepipe.hidden import layout as features
 
 PARAMS = config.Hidden(layers="auto", dtype="bfloat16", batch_tokens=64, shard_tokens=60)
 
@@ -79,8 +79,11 @@ def test_published_files_hold_no_fingerprint(extracted):
     fp = rep["run"]["fingerprint"]
     files = sorted((tmp / "out").iterdir())
     assert len(files) > 2 and all(fp.encode() not in f.read_bytes() for f in files)
-    keys = {hidden.sequence_key(s["input_ids"], s["loss_mask"]) for split in ("train", "valid")
-            for s in features.read(tmp / "out", split)}
+    keys = {
+        hidden.sequence_key(s["input_ids"], s["loss_mask"])
+        for split in ("train", "valid")
+        for s in features.read(tmp / "out", split)
+    }
     stored = set()
     for f in files:
         if f.suffix == ".safetensors":
@@ -95,8 +98,10 @@ def test_published_files_hold_no_fingerprint(extracted):
 def test_ids_and_mask_are_the_sequences(extracted):
     tmp, items, _ = extracted
     stored = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp / "out", split)}
-    want = {rid: (ids, mask) for rid, _src, ids, mask in
-            [*sequences.read(tmp / "seq", "train"), *sequences.read(tmp / "seq", "valid")]}
+    want = {
+        rid: (ids, mask)
+        for rid, _src, ids, mask in [*sequences.read(tmp / "seq", "train"), *sequences.read(tmp / "seq", "valid")]
+    }
     assert list(stored) == list(want)  # stored order = sequences order
     for rid, (ids, mask) in want.items():
         assert stored[rid]["input_ids"].tolist() == ids.tolist()
@@ -114,12 +119,22 @@ def test_aux_rows_are_the_states_entering_layers_2_mid_and_L_minus_3(extracted, 
         with torch.inference_mode():
             out = model(input_ids=ids, output_hidden_states=True)
             # hidden_states[L] is the *normed* state in transformers 5 (tied to last_hidden_state)
-            assert torch.equal(out.hidden_states[L], model.model.norm(model.model.layers[-1](
-                out.hidden_states[L - 1], position_embeddings=model.model.rotary_emb(out.hidden_states[0],
-                torch.arange(ids.shape[1])[None]), attention_mask=None, position_ids=torch.arange(ids.shape[1])[None])))
+            assert torch.equal(
+                out.hidden_states[L],
+                model.model.norm(
+                    model.model.layers[-1](
+                        out.hidden_states[L - 1],
+                        position_embeddings=model.model.rotary_emb(
+                            out.hidden_states[0], torch.arange(ids.shape[1])[None]
+                        ),
+                        attention_mask=None,
+                        position_ids=torch.arange(ids.shape[1])[None],
+                    )
+                ),
+            )
             assert torch.allclose(model.lm_head(out.hidden_states[L]), out.logits, atol=1e-5)
         for j, layer in enumerate([2, L // 2, L - 3]):
-            block = sample["aux"][:, j * H:(j + 1) * H].float()
+            block = sample["aux"][:, j * H : (j + 1) * H].float()
             ref = out.hidden_states[layer][0]
             torch.testing.assert_close(block, ref.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
             for wrong in (layer - 1, layer + 1):
@@ -166,7 +181,7 @@ def test_a_sequence_sampled_twice_is_stored_once_and_bytes_per_token_counts_it_o
     assert rep["bytes_per_token"] == round(rep["bytes"] / distinct, 2)
     H = model.config.hidden_size
     assert 8 * H + 9 < rep["bytes_per_token"] < (8 * H + 9) * 1.02, "shard headers and offsets add a little"
-    valid, = features.read(tmp_path / "out", "valid")
+    (valid,) = features.read(tmp_path / "out", "valid")
     first = next(features.read(tmp_path / "out", "train"))
     assert valid["id"] == "twin" and torch.equal(valid["aux"], first["aux"])
 
@@ -217,12 +232,23 @@ def test_resume_keeps_finished_shards_and_a_changed_param_reuses_nothing(tmp_pat
     assert fresh["run"]["fingerprint"] == rep["run"]["fingerprint"] and fresh["run"]["reused_shards"] == 0
     assert {p.name: p.read_bytes() for p in (tmp_path / "out2").iterdir()} == published
     # a param that changes the states gets a store of its own; shard_tokens (the grouping alone) does not
-    other = hidden.run(tmp_path / "seq", tmp_path / "out3", model,
-                       config.Hidden(**{**PARAMS.model_dump(), "batch_tokens": 32}), "model-fp", tmp_path / "cache")
+    other = hidden.run(
+        tmp_path / "seq",
+        tmp_path / "out3",
+        model,
+        config.Hidden(**{**PARAMS.model_dump(), "batch_tokens": 32}),
+        "model-fp",
+        tmp_path / "cache",
+    )
     assert other["run"]["reused_sequences"] == 0 and other["run"]["fingerprint"] != rep["run"]["fingerprint"]
-    regrouped = hidden.run(tmp_path / "seq", tmp_path / "out4", model,
-                           config.Hidden(**{**PARAMS.model_dump(), "shard_tokens": 1000}), "model-fp",
-                           tmp_path / "cache")
+    regrouped = hidden.run(
+        tmp_path / "seq",
+        tmp_path / "out4",
+        model,
+        config.Hidden(**{**PARAMS.model_dump(), "shard_tokens": 1000}),
+        "model-fp",
+        tmp_path / "cache",
+    )
     assert regrouped["run"]["computed_tokens"] == 0 and regrouped["run"]["fingerprint"] == rep["run"]["fingerprint"]
 
 
@@ -312,8 +338,9 @@ def test_a_sequence_that_failed_is_tried_again_by_the_next_run(tmp_path, model):
     assert rep["left_out"] == 0 and rep["samples"] == clean["samples"] == 7
     assert rep["run"]["computed_sequences"] == 1 and not (tmp_path / "out" / "failures.jsonl").exists()
     for split in ("train", "valid"):
-        for got, want in zip(features.read(tmp_path / "out", split), features.read(tmp_path / "clean", split),
-                             strict=True):
+        for got, want in zip(
+            features.read(tmp_path / "out", split), features.read(tmp_path / "clean", split), strict=True
+        ):
             assert got["id"] == want["id"] and torch.equal(got["input_ids"], want["input_ids"])
             torch.testing.assert_close(got["aux"].float(), want["aux"].float(), rtol=0.02, atol=0.02)
 
@@ -328,15 +355,17 @@ def test_fp8_storage_halves_the_bytes_and_decodes_within_its_rounding(extracted,
     H, fp8 = model.config.hidden_size, PARAMS.model_copy(update={"dtype": "float8_e4m3fn"})
     rep8 = hidden.run(tmp / "seq", tmp_path / "out", model, fp8, "model-fp", tmp_path / "cache")
     assert rep8["hidden_bytes_per_token"] == 4 * H + 16 and rep8["bytes_per_token"] <= 0.55 * rep["bytes_per_token"]
-    print(f"bytes per token: bf16 {rep['bytes_per_token']}, fp8 {rep8['bytes_per_token']}, "
-          f"ratio {rep8['bytes_per_token'] / rep['bytes_per_token']:.3f}")
+    print(
+        f"bytes per token: bf16 {rep['bytes_per_token']}, fp8 {rep8['bytes_per_token']}, "
+        f"ratio {rep8['bytes_per_token'] / rep['bytes_per_token']:.3f}"
+    )
     worst = 0.0
     for ref, got in zip(features.read(tmp / "out", "train"), features.read(tmp_path / "out", "train")):
         assert ref["id"] == got["id"] and all(torch.equal(ref[k], got[k]) for k in ("input_ids", "loss_mask", "top"))
         for name, parts in (("aux", 3), ("final", 1)):
             a, b = ref[name].float().reshape(len(ref["top"]), parts, H), got[name].reshape(len(ref["top"]), parts, H)
             assert got[name].dtype == torch.float32
-            bound = (2 ** -4 + 2 ** -8) * a.abs() + a.abs().amax(-1, keepdim=True) * (1 + 2 ** -8) / 448 * 2 ** -9
+            bound = (2**-4 + 2**-8) * a.abs() + a.abs().amax(-1, keepdim=True) * (1 + 2**-8) / 448 * 2**-9
             assert ((b - a).abs() <= bound).all(), name
             worst = max(worst, float(((b - a).norm(dim=-1) / a.norm(dim=-1).clamp(min=1e-30)).max()))
     print(f"fp8 against bf16: largest relative error of a token's layer state {worst:.4f}")

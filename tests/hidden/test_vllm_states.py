@@ -2,6 +2,7 @@
 states equal the hf engine's within float32 rounding (max abs and relative differences printed with -s), sequences
 sharing a prompt included (vLLM's prefix cache); kill -9 of the stage, and kill -9 of the server with a restart, end
 with every sequence's states once; a server without the connector is refused by name."""
+
 import json
 import os
 import signal
@@ -13,24 +14,31 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from e2e import ENV, ROOT, served, start_vllm, wait_for
 from safetensors.torch import load_file
 
 from eaglepipe.core import config
-from eaglepipe.hidden import extract as hidden
 from eaglepipe.dataset import sequences
-from eaglepipe.hidden import vllm_source as states
 from eaglepipe.engines import vllm
-from e2e import ENV, ROOT, served, start_vllm, wait_for
+from eaglepipe.hidden import extract as hidden
+from eaglepipe.hidden import vllm_source as states
 
-pytestmark = [pytest.mark.engine, pytest.mark.skipif(not (ROOT / vllm.python()).exists(),
-                                                   reason="no .venv-vllm: run make vllm-venv (make test does)")]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(
+        not (ROOT / vllm.python()).exists(), reason="no .venv-vllm: run make vllm-venv (make test does)"
+    ),
+]
 LAYERS = [2, 15, 27]  # auto for the embedded target's 30 layers
 
 
 def start(folder, port: int, log: Path, capture: bool = True) -> vllm.LaunchedServer:
     """A server capturing LAYERS and the last layer's output through the project's connector, unless not ``capture``."""
-    return start_vllm(folder, port, log, states.server_args([*LAYERS, 30]), {"PYTHONPATH": str(ROOT)}) if capture \
+    return (
+        start_vllm(folder, port, log, states.server_args([*LAYERS, 30]), {"PYTHONPATH": str(ROOT)})
+        if capture
         else start_vllm(folder, port, log)
+    )
 
 
 def make_sequences(folder: Path, n: int = 12) -> list:
@@ -50,18 +58,42 @@ def make_sequences(folder: Path, n: int = 12) -> list:
 
 def params_file(folder: Path, url: str, dtype: str = "float32") -> Path:
     cfg = yaml.safe_load((ROOT / "params.yaml").read_text())
-    cfg["hidden"].update(engine="vllm", dtype=dtype, shard_tokens=300, vllm={
-        "urls": [url], "concurrency": 4, "timeout_s": 120, "health_timeout_s": 300, "retries": 6, "backoff_s": 0.2,
-        "backoff_max_s": 2})
+    cfg["hidden"].update(
+        engine="vllm",
+        dtype=dtype,
+        shard_tokens=300,
+        vllm={
+            "urls": [url],
+            "concurrency": 4,
+            "timeout_s": 120,
+            "health_timeout_s": 300,
+            "retries": 6,
+            "backoff_s": 0.2,
+            "backoff_max_s": 2,
+        },
+    )
     path = folder / "params.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
 
 
 def hidden_cmd(folder: Path, params: Path) -> list[str]:
-    return [sys.executable, "stages/hidden.py", "--params", str(params), "--sequences", str(folder / "seq"),
-            "--out", str(folder / "out"), "--report", str(folder / "report.json"), "--timings",
-            str(folder / "timings.json"), "--cache", str(folder / "cache")]
+    return [
+        sys.executable,
+        "stages/hidden.py",
+        "--params",
+        str(params),
+        "--sequences",
+        str(folder / "seq"),
+        "--out",
+        str(folder / "out"),
+        "--report",
+        str(folder / "report.json"),
+        "--timings",
+        str(folder / "timings.json"),
+        "--cache",
+        str(folder / "cache"),
+    ]
 
 
 def stored(out: Path) -> dict:
@@ -96,8 +128,13 @@ def reference(work, model):
 
 
 def test_the_vllm_states_equal_the_hf_engines(work, server, reference, target_folder):
-    p = config.Hidden(engine="vllm", layers="auto", dtype="float32", shard_tokens=300,
-                      vllm=config.Servers(urls=[server.url], concurrency=4, timeout_s=120))
+    p = config.Hidden(
+        engine="vllm",
+        layers="auto",
+        dtype="float32",
+        shard_tokens=300,
+        vllm=config.Servers(urls=[server.url], concurrency=4, timeout_s=120),
+    )
     with states.VLLMStates(target_folder.resolve(), p, "float32", work / "cache") as source:
         rep = hidden.run(work / "seq", work / "vllm", source, p, "model-fp", work / "cache")
     got = stored(work / "vllm")
@@ -119,8 +156,14 @@ def test_a_server_without_the_connector_is_refused(target_folder, tmp_path):
     make_sequences(tmp_path / "seq")
     plain = start(target_folder.resolve(), 8032, tmp_path / "plain.log", capture=False)
     try:
-        out = subprocess.run(hidden_cmd(tmp_path, params_file(tmp_path, plain.url)), cwd=ROOT, env=ENV,
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            hidden_cmd(tmp_path, params_file(tmp_path, plain.url)),
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     finally:
         plain.stop()
     assert out.returncode == 1 and "captures no hidden states" in out.stderr, out.stderr[-2000:]
@@ -147,8 +190,9 @@ def test_kill_9_of_the_stage_then_a_rerun_keeps_every_sequence_once(work, server
     assert out.returncode == 0, out.stderr[-3000:]
     rep, run = (json.loads((tmp_path / f).read_text()) for f in ("report.json", "timings.json"))
     assert rep["left_out"] == 0 and run["reused_shards"] >= 1 and run["computed_shards"] >= 1
-    assert all(p.stat().st_mtime_ns == first[p.name] for p in _shards(tmp_path) if p.name in first), \
+    assert all(p.stat().st_mtime_ns == first[p.name] for p in _shards(tmp_path) if p.name in first), (
         "a finished shard was computed again"
+    )
     assert stored(tmp_path / "out").keys() == reference.keys()
 
 
@@ -157,8 +201,13 @@ def test_kill_9_of_the_server_then_a_restart_loses_nothing(work, reference, targ
     folder = target_folder.resolve()
     servers = [start(folder, 8033, tmp_path / "server-1.log")]
     with open(tmp_path / "stage.log", "w") as log:
-        proc = subprocess.Popen(hidden_cmd(tmp_path, params_file(tmp_path, servers[0].url)), cwd=ROOT, env=ENV,
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            hidden_cmd(tmp_path, params_file(tmp_path, servers[0].url)),
+            cwd=ROOT,
+            env=ENV,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             wait_for(lambda: len(_shards(tmp_path)) >= 1 or proc.poll() is not None, 300, "a first shard")
             assert proc.poll() is None, "the stage finished before the server was killed"
@@ -181,8 +230,9 @@ def test_kill_9_of_the_server_then_a_restart_loses_nothing(work, reference, targ
 def test_an_mla_moe_target_the_seeds_kind(tokenizer, tmp_path):
     """A tiny random DeepseekV3 (MLA attention, routed and shared experts, YaRN) through a launched server: its
     states equal the in-process forward's."""
-    from eaglepipe.target import model as target
     from test_families import build_target
+
+    from eaglepipe.target import model as target
 
     build_target(tmp_path / "model", "deepseek_v3", tokenizer)
     make_sequences(tmp_path / "seq")
@@ -190,8 +240,9 @@ def test_an_mla_moe_target_the_seeds_kind(tokenizer, tmp_path):
     hidden.run(tmp_path / "seq", tmp_path / "hf", target.load_model(tmp_path / "model"), p, "fp", tmp_path / "c1")
     launch = config.Launch(port=8034, log=str(tmp_path / "server.log"), extra_args=["--enforce-eager"])
     pv = p.model_copy(update={"engine": "vllm", "vllm": config.Servers(concurrency=4, timeout_s=120, launch=launch)})
-    with states.VLLMStates(tmp_path / "model", pv, "float32", tmp_path / "c2",
-                           interpreter=str(ROOT / vllm.python())) as source:
+    with states.VLLMStates(
+        tmp_path / "model", pv, "float32", tmp_path / "c2", interpreter=str(ROOT / vllm.python())
+    ) as source:
         hidden.run(tmp_path / "seq", tmp_path / "vllm", source, pv, "fp", tmp_path / "c2")
     want, got = stored(tmp_path / "hf"), stored(tmp_path / "vllm")
     assert got.keys() == want.keys()

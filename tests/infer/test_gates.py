@@ -1,9 +1,10 @@
 """Gates: when they are checked, what each one counts, and what a breach says."""
+
 import pytest
 
 from eaglepipe.core import config
-from eaglepipe.infer.gates import GateBreach, Gates
 from eaglepipe.core.records import Response
+from eaglepipe.infer.gates import GateBreach, Gates
 
 PARAMS = config.Gates(warmup=4, every=3, min_reasoning=0.5, max_truncated=0.5, max_empty=0.25)
 MARKUP = ("<|im_end|>", "<|return|>")
@@ -43,8 +44,12 @@ def test_min_reasoning_breach_names_gate_rate_limit_and_records():
     msg = str(e.value)
     assert "gate min_reasoning breached: observed 0.250 < 0.5 after 4 records (e.g. id1, id2, id3)" in msg
     assert "target.reasoning" in msg  # and says where to look
-    assert (e.value.gate, e.value.rate, e.value.limit, e.value.offenders) == ("min_reasoning", 0.25, 0.5,
-                                                                              ["id1", "id2", "id3"])
+    assert (e.value.gate, e.value.rate, e.value.limit, e.value.offenders) == (
+        "min_reasoning",
+        0.25,
+        0.5,
+        ["id1", "id2", "id3"],
+    )
 
 
 def test_whitespace_only_reasoning_is_no_reasoning():
@@ -101,9 +106,9 @@ def test_max_truncated_counts_answers_cut_inside_an_unclosed_reasoning_block():
 
 def test_max_empty_ignores_special_tokens():
     g = Gates(PARAMS, False, MARKUP)
-    g.add(resp("empty", reasoning="", content="<|im_end|>"))        # only an end-of-turn token
+    g.add(resp("empty", reasoning="", content="<|im_end|>"))  # only an end-of-turn token
     g.add(resp("blank", reasoning=" ", content="\n<|return|>\n"))
-    g.add(resp("thought", reasoning="why", content=""))             # truncated in its reasoning: not empty
+    g.add(resp("thought", reasoning="why", content=""))  # truncated in its reasoning: not empty
     g.add(resp("answer", reasoning="", content="4<|im_end|>"))
     assert [g.empty(resp(*a)) for a in [("x", "", "<|im_end|>"), ("y", "", "4")]] == [True, False]
     with pytest.raises(GateBreach, match=r"gate max_empty breached: observed 0.500 > 0.25 .*\(e.g. empty, blank\)"):
@@ -128,13 +133,20 @@ def test_no_records_no_breach():
     Gates(PARAMS, True).check()
 
 
-@pytest.mark.parametrize("params, match", [
-    ({"warmup": 0}, "infer.gates.warmup = 0: input should be greater than or equal to 1"),
-    ({"every": 0}, "infer.gates.every = 0"),
-    ({"max_empty": 1.5}, "infer.gates.max_empty = 1.5: input should be less than or equal to 1"),
-    ({"max_empty": "a lot"}, "infer.gates.max_empty = 'a lot': input should be a valid number"),
-])
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"warmup": 0}, "infer.gates.warmup = 0: input should be greater than or equal to 1"),
+        ({"every": 0}, "infer.gates.every = 0"),
+        ({"max_empty": 1.5}, "infer.gates.max_empty = 1.5: input should be less than or equal to 1"),
+        ({"max_empty": "a lot"}, "infer.gates.max_empty = 'a lot': input should be a valid number"),
+    ],
+)
 def test_bad_params_are_refused_naming_the_key(params, match):
     with pytest.raises(config.ConfigError, match=match):
-        config.parse({"prepare": {"sources": [{"name": "a", "path": "a", "format": "alpaca", "n": 1}]},
-                      "infer": {"gates": params}})
+        config.parse(
+            {
+                "prepare": {"sources": [{"name": "a", "path": "a", "format": "alpaca", "n": 1}]},
+                "infer": {"gates": params},
+            }
+        )

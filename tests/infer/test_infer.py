@@ -1,4 +1,5 @@
 """infer: token-exact records, resumable after Ctrl-C or kill -9, incremental, never mixing fingerprints."""
+
 import json
 import os
 import signal
@@ -11,22 +12,37 @@ import pytest
 import torch
 import yaml
 
-from eaglepipe.target import chat
 from eaglepipe.core import config
-from eaglepipe.text import derive
-from eaglepipe.infer import run as infer
-from eaglepipe.target import model as target
-from eaglepipe.text import turns
+from eaglepipe.core.errors import UserError
+from eaglepipe.core.records import (
+    Generation,
+    Prompt,
+    content_id,
+    prompt_of,
+    read_jsonl,
+    response_from_json,
+    to_json,
+    write_jsonl,
+)
 from eaglepipe.engines import Failure, Sampling
 from eaglepipe.engines.hf import HFEngine
-from eaglepipe.core.errors import UserError
+from eaglepipe.infer import run as infer
 from eaglepipe.infer.gates import Gates
-from eaglepipe.core.records import Generation, Prompt, content_id, prompt_of, read_jsonl, response_from_json, to_json, write_jsonl
+from eaglepipe.target import chat
+from eaglepipe.target import model as target
+from eaglepipe.text import derive, turns
 
 ROOT = Path(__file__).resolve().parents[2]
-QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 plus 2?",
-             "Say hello in Spanish.", "Name a planet.", "What do bees make?", "Spell 'cat' backwards.",
-             "What is the opposite of hot?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is 2 plus 2?",
+    "Say hello in Spanish.",
+    "Name a planet.",
+    "What do bees make?",
+    "Spell 'cat' backwards.",
+    "What is the opposite of hot?",
+]
 NONE = derive.spec_from_params("none")
 GATES = {"warmup": 4, "every": 4, "min_reasoning": 0.9, "max_truncated": 1.0, "max_empty": 0.5}
 
@@ -39,16 +55,38 @@ def prompts(questions, source="t"):
     return out
 
 
-def run(prompt_list, model, tokenizer, folder, cache_dir, max_new_tokens=12, batch_size=4, samples=1,
-        temperature=0.0, turns="last"):
+def run(
+    prompt_list,
+    model,
+    tokenizer,
+    folder,
+    cache_dir,
+    max_new_tokens=12,
+    batch_size=4,
+    samples=1,
+    temperature=0.0,
+    turns="last",
+):
     engine = HFEngine(model, tokenizer.pad_token_id, batch_size)
-    sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens,
-                        stop_token_ids=tuple(target.stop_ids(folder, tokenizer)))
+    sampling = Sampling(
+        temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=tuple(target.stop_ids(folder, tokenizer))
+    )
     spec = derive.spec_from_params("none")
-    fp = infer.fingerprint(target.fingerprint(folder), "hf", engine.identity(), sampling, {},
-                           spec if turns == "all" else None)
-    return infer.run(prompt_list, engine, tokenizer, sampling, spec, Gates(config.Gates(**GATES), False),
-                     infer.Cache(Path(cache_dir) / fp), {}, samples=samples, turns_=turns)
+    fp = infer.fingerprint(
+        target.fingerprint(folder), "hf", engine.identity(), sampling, {}, spec if turns == "all" else None
+    )
+    return infer.run(
+        prompt_list,
+        engine,
+        tokenizer,
+        sampling,
+        spec,
+        Gates(config.Gates(**GATES), False),
+        infer.Cache(Path(cache_dir) / fp),
+        {},
+        samples=samples,
+        turns_=turns,
+    )
 
 
 def test_records_are_token_exact(model, tokenizer, target_folder, tmp_path):
@@ -61,9 +99,14 @@ def test_records_are_token_exact(model, tokenizer, target_folder, tmp_path):
         assert r.text == tokenizer.decode(r.output_ids, skip_special_tokens=False)
         assert r.content == r.text and r.reasoning == ""
         # the same ids as a bare, unbatched greedy model.generate
-        bare = model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=12, do_sample=False,
-                              eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)[0, len(r.prompt_ids):].tolist()
-        assert r.output_ids == bare[:len(r.output_ids)]
+        bare = model.generate(
+            torch.tensor([r.prompt_ids]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=stops,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, len(r.prompt_ids) :].tolist()
+        assert r.output_ids == bare[: len(r.output_ids)]
         assert r.finish_reason == ("stop" if r.output_ids[-1] in stops else "length")
     assert report["tokens_out"] == sum(len(r.output_ids) for r in responses)
     assert sum(report["finish_reason"].values()) == 3
@@ -147,8 +190,11 @@ def test_a_token_budget_splits_long_prompts_into_smaller_batches(model, tokenize
             yield from super().isolated(batch, *args)
 
     sizes = []
-    outs = dict(Recording(model, tokenizer.pad_token_id, batch_size=8, batch_tokens=budget).stream(
-        prompts, sampling, [f"r{i}" for i in range(5)]))
+    outs = dict(
+        Recording(model, tokenizer.pad_token_id, batch_size=8, batch_tokens=budget).stream(
+            prompts, sampling, [f"r{i}" for i in range(5)]
+        )
+    )
     assert len(sizes) > 1 and all(len(b) * (max(b) + 4) <= budget for b in sizes)
     assert sizes[0][0] == len(long) and sum(map(len, sizes)) == 5
     alone = HFEngine(model, tokenizer.pad_token_id, batch_size=1)
@@ -170,16 +216,36 @@ def test_prompts_that_cannot_train_get_no_generation(model, tokenizer, target_fo
     engine = HFEngine(model, tokenizer.pad_token_id, 4)
     sampling = Sampling(max_new_tokens=8, stop_token_ids=tuple(target.stop_ids(target_folder, tokenizer)))
     cache = infer.Cache(tmp_path / "skip")
-    responses, report = infer.run(ps, engine, tokenizer, sampling, derive.spec_from_params("none"),
-                                  Gates(config.Gates(**GATES), False), cache, {}, limits=skip)
+    responses, report = infer.run(
+        ps,
+        engine,
+        tokenizer,
+        sampling,
+        derive.spec_from_params("none"),
+        Gates(config.Gates(**GATES), False),
+        cache,
+        {},
+        limits=skip,
+    )
     assert [r.id for r in responses] == [p.id for p in ps[:2]]
     assert report["left_out_ids"] == {"exceeds_context": [huge.id], "no_room_in_max_length": [long_chat.id, wordy.id]}
     assert report["left_out"] == {"exceeds_context": 1, "no_room_in_max_length": 2} and report["run"]["generated"] == 2
-    with pytest.raises(UserError, match=rf"prompts.jsonl:3: prompt {huge.id} of source big: \d+ prompt tokens \+ "
-                                        rf"infer.max_new_tokens 8 exceed the target's context of {context}"):
-        infer.run(ps, engine, tokenizer, sampling, derive.spec_from_params("none"),
-                  Gates(config.Gates(**GATES), False), infer.Cache(tmp_path / "fail"), {},
-                  limits=infer.Limits(context, 1024, "fail", "prompts.jsonl"))
+    with pytest.raises(
+        UserError,
+        match=rf"prompts.jsonl:3: prompt {huge.id} of source big: \d+ prompt tokens \+ "
+        rf"infer.max_new_tokens 8 exceed the target's context of {context}",
+    ):
+        infer.run(
+            ps,
+            engine,
+            tokenizer,
+            sampling,
+            derive.spec_from_params("none"),
+            Gates(config.Gates(**GATES), False),
+            infer.Cache(tmp_path / "fail"),
+            {},
+            limits=infer.Limits(context, 1024, "fail", "prompts.jsonl"),
+        )
     assert not (tmp_path / "fail" / "generations.jsonl").exists()  # nothing was generated
 
 
@@ -195,13 +261,21 @@ def test_other_params_never_reuse_a_cache(model, tokenizer, target_folder, tmp_p
 def chats():
     """A three-turn conversation (the dataset's answers in it), a two-turn one whose first answer calls a tool, and a
     single-turn prompt."""
-    three = [{"role": "user", "content": "Name a planet."}, {"role": "assistant", "content": "DATASET ANSWER ONE"},
-             {"role": "user", "content": "Name another one."}, {"role": "assistant", "content": "DATASET TWO"},
-             {"role": "user", "content": "Which is larger?"}]
-    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}
-    tool = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "content": "sunny", "tool_call_id": "c1"}, {"role": "assistant", "content": "DATASET SUN"},
-            {"role": "user", "content": "And tomorrow?"}]
+    three = [
+        {"role": "user", "content": "Name a planet."},
+        {"role": "assistant", "content": "DATASET ANSWER ONE"},
+        {"role": "user", "content": "Name another one."},
+        {"role": "assistant", "content": "DATASET TWO"},
+        {"role": "user", "content": "Which is larger?"},
+    ]
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    tool = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "DATASET SUN"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
     return [Prompt(content_id(m, None), "t", m) for m in (three, tool)] + prompts(QUESTIONS[:1])
 
 
@@ -209,8 +283,13 @@ def test_every_turn_is_answered_after_the_targets_own_earlier_answers(model, tok
     ps = chats()
     responses, report = run(ps, model, tokenizer, target_folder, tmp_path, turns="all")
     assert [(r.id, r.turn) for r in responses] == [
-        (f"{ps[0].id}@1", 1), (f"{ps[0].id}@2", 2), (f"{ps[0].id}@3", 3), (f"{ps[1].id}@1", 1),
-        (f"{ps[1].id}@2", 2), (f"{ps[2].id}@1", 1)]
+        (f"{ps[0].id}@1", 1),
+        (f"{ps[0].id}@2", 2),
+        (f"{ps[0].id}@3", 3),
+        (f"{ps[1].id}@1", 1),
+        (f"{ps[1].id}@2", 2),
+        (f"{ps[2].id}@1", 1),
+    ]
     stops = target.stop_ids(target_folder, tokenizer)
     by_id = {r.id: r for r in responses}
     for p in ps:
@@ -244,29 +323,37 @@ def test_a_conversation_cut_after_turn_2_resumes_at_turn_3(model, tokenizer, tar
 
 
 @pytest.mark.parametrize("template, joined", [(None, True), ("rewrites history", False)])
-def test_turns_share_a_training_sequence_only_where_the_ids_extend(model, tokenizer, target_folder, tmp_path,
-                                                                   template, joined):
+def test_turns_share_a_training_sequence_only_where_the_ids_extend(
+    model, tokenizer, target_folder, tmp_path, template, joined
+):
     """SmolLM's template renders the target's answers back to the ids it generated: merge joins a conversation's
     turns into one sequence with a masked segment per turn. A template that rewrites history (here, every earlier
     answer shown as its length) cannot: each turn is its own sequence. Either way every masked token is an output
     id, in the context it was generated in."""
     from copy import deepcopy
 
-    from eaglepipe.dataset import merge
-    from eaglepipe.dataset import sequences
+    from eaglepipe.dataset import merge, sequences
 
     tok = deepcopy(tokenizer)
     if template:
-        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
-                             "[an answer of {{ m.content | length }} characters]"
-                             "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
-                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        tok.chat_template = (
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
+            "[an answer of {{ m.content | length }} characters]"
+            "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        )
     ps = chats()[:1]
     responses, _ = run(ps, model, tok, target_folder, tmp_path / "cache", turns="all", max_new_tokens=16)
     write_jsonl(tmp_path / "responses.jsonl", responses)
     eot = target.end_of_turn_id(target_folder, tokenizer)
-    stats = merge.run(tmp_path / "responses.jsonl", tmp_path / "seq", tok, NONE, eot,
-                      config.Merge(valid_fraction=0.0, max_length=1024))
+    stats = merge.run(
+        tmp_path / "responses.jsonl",
+        tmp_path / "seq",
+        tok,
+        NONE,
+        eot,
+        config.Merge(valid_fraction=0.0, max_length=1024),
+    )
     seqs = list(sequences.read(tmp_path / "seq", "train"))
     by_id = {r.id: r for r in responses}
     if joined:
@@ -282,8 +369,9 @@ def test_turns_share_a_training_sequence_only_where_the_ids_extend(model, tokeni
 
 def test_torn_last_line_and_duplicates_are_dropped_and_counted(tmp_path):
     cache = infer.Cache(tmp_path)
-    line = json.dumps({"id": "a", "source": "s", "prompt_ids": [1], "output_ids": [2], "finish_reason": "stop",
-                       "sample": 0})
+    line = json.dumps(
+        {"id": "a", "source": "s", "prompt_ids": [1], "output_ids": [2], "finish_reason": "stop", "sample": 0}
+    )
     cache.path.write_text(line + "\n" + line + "\n" + line[:20])
     done, counts = cache.load()
     assert list(done) == ["a"] and counts == {"duplicates": 1, "torn_last_line": 1}
@@ -294,8 +382,10 @@ def test_a_whole_last_line_without_its_newline_is_kept_and_what_follows_resumes(
     """A kill after a record's bytes and before its newline leaves a whole last line: load keeps it and ends the file
     with its newline, so records appended after it stay on lines of their own (and a later resume reads them all)."""
     cache = infer.Cache(tmp_path)
-    gens = [Generation(id=i, source="s", prompt_ids=[1], output_ids=[2], finish_reason="stop", sample=0)
-            for i in ("a", "b", "c")]
+    gens = [
+        Generation(id=i, source="s", prompt_ids=[1], output_ids=[2], finish_reason="stop", sample=0)
+        for i in ("a", "b", "c")
+    ]
     cache.add(gens[0])
     cache.path.write_bytes(cache.path.read_bytes().rstrip(b"\n"))
     done, counts = cache.load()
@@ -308,7 +398,9 @@ def test_a_whole_last_line_without_its_newline_is_kept_and_what_follows_resumes(
 
 def write_params(tmp_path, **infer_overrides):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["infer"].update({"engine": "hf", "batch_size": 1, "max_new_tokens": 24, "samples": 1, "temperature": 0.0, **infer_overrides})
+    params["infer"].update(
+        {"engine": "hf", "batch_size": 1, "max_new_tokens": 24, "samples": 1, "temperature": 0.0, **infer_overrides}
+    )
     params["infer"]["gates"].update(GATES)
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
@@ -316,9 +408,22 @@ def write_params(tmp_path, **infer_overrides):
 
 
 def stage(tmp_path, params, name="out"):
-    return [sys.executable, str(ROOT / "stages/infer.py"), "--params", str(params), "--prompts",
-            str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / name), "--report", str(tmp_path / "report.json"),
-            "--timings", str(tmp_path / "timings.json"), "--cache", str(tmp_path / f"cache-{name}")]
+    return [
+        sys.executable,
+        str(ROOT / "stages/infer.py"),
+        "--params",
+        str(params),
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+        "--out",
+        str(tmp_path / name),
+        "--report",
+        str(tmp_path / "report.json"),
+        "--timings",
+        str(tmp_path / "timings.json"),
+        "--cache",
+        str(tmp_path / f"cache-{name}"),
+    ]
 
 
 @pytest.mark.e2e
@@ -371,8 +476,11 @@ def test_the_stage_checks_the_limits_before_generating(tmp_path):
         out = subprocess.run(stage(tmp_path, tmp_path / "params.yaml", on_error), capture_output=True, text=True)
         if on_error == "fail":
             assert out.returncode == 1, out.stderr
-            assert out.stderr.strip().splitlines()[-1].startswith(
-                f"Error: {tmp_path / 'prompts.jsonl'}:3: prompt {ps[2].id} of source wordy: "), out.stderr
+            assert (
+                out.stderr.strip()
+                .splitlines()[-1]
+                .startswith(f"Error: {tmp_path / 'prompts.jsonl'}:3: prompt {ps[2].id} of source wordy: ")
+            ), out.stderr
             assert "leave no room for an answer within merge.max_length 64" in out.stderr
             assert not list((tmp_path / "cache-fail").glob("*/generations.jsonl"))  # nothing generated
         else:
@@ -420,5 +528,5 @@ def test_sampling_filters_follow_sglang():
             rank = order[row].tolist().index(p)
             assert sorted_probs[row, :rank].sum() <= 0.5
     assert torch.equal(pick(logits, Sampling(), None), top)  # temperature 0: greedy
-    alone = [pick(logits[i:i + 1], Sampling(temperature=1.0), rngs(7)[i:i + 1]) for i in range(4)]
+    alone = [pick(logits[i : i + 1], Sampling(temperature=1.0), rngs(7)[i : i + 1]) for i in range(4)]
     assert torch.equal(torch.cat(alone), pick(logits, Sampling(temperature=1.0), rngs(7)))  # batch mates don't matter

@@ -1,6 +1,7 @@
 """The DVC contract: each stage's deps list exactly the project code it runs and its params exactly the result keys it
 reads; a full repro followed by a second one runs nothing; a speed knob changes nothing; changing how infer derives
 reasoning re-runs infer and what is below it, never prepare."""
+
 import ast
 import json
 import os
@@ -11,11 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from eaglepipe.core import config
-from eaglepipe.core import codedeps as deps
-
 from helpers import ROOT, stages, tiny_params
+
+from eaglepipe.core import codedeps as deps
+from eaglepipe.core import config
 
 
 def test_deps_list_exactly_the_code_each_stage_runs():
@@ -35,13 +35,22 @@ def test_deps_are_derived_from_imports_also_inside_functions(tmp_path):
     (tmp_path / "pkg" / "unused.py").write_text("")
     (tmp_path / "stages" / "s.py").write_text("import pkg.a\n")
     dvc_yaml = tmp_path / "dvc.yaml"
-    dvc_yaml.write_text("stages:\n  s:\n    cmd: python stages/s.py\n    deps:\n      - stages/s.py\n"
-                        "      - pkg/unused.py\n      - data/x\n    outs:\n      - out\n")
-    assert deps.differences(dvc_yaml) == {"s": (["pkg/__init__.py", "pkg/a.py", "pkg/b.py", "pkg/c.py"],
-                                                ["pkg/unused.py"])}
+    dvc_yaml.write_text(
+        "stages:\n  s:\n    cmd: python stages/s.py\n    deps:\n      - stages/s.py\n"
+        "      - pkg/unused.py\n      - data/x\n    outs:\n      - out\n"
+    )
+    assert deps.differences(dvc_yaml) == {
+        "s": (["pkg/__init__.py", "pkg/a.py", "pkg/b.py", "pkg/c.py"], ["pkg/unused.py"])
+    }
     dvc_yaml.write_text(deps.rewrite(dvc_yaml))
     assert yaml.safe_load(dvc_yaml.read_text())["stages"]["s"]["deps"] == [
-        "stages/s.py", "pkg/__init__.py", "pkg/a.py", "pkg/b.py", "pkg/c.py", "data/x"]
+        "stages/s.py",
+        "pkg/__init__.py",
+        "pkg/a.py",
+        "pkg/b.py",
+        "pkg/c.py",
+        "data/x",
+    ]
     assert deps.differences(dvc_yaml) == {}
 
 
@@ -97,22 +106,29 @@ def project(tmp_path_factory, target_folder):
 
     def ignore(folder, names):
         here = Path(folder).name
-        return [n for n in names if n in skip or (here == "data" and n in outputs) or
-                (here == "metrics" and n.endswith(".json"))]
+        return [
+            n
+            for n in names
+            if n in skip or (here == "data" and n in outputs) or (here == "metrics" and n.endswith(".json"))
+        ]
 
     shutil.copytree(ROOT, dst, dirs_exist_ok=True, ignore=ignore)
     (dst / ".venv-vllm").symlink_to(ROOT / ".venv-vllm")  # infer's launched vLLM and the serve check run it
     params = tiny_params(yaml.safe_load((dst / "params.yaml").read_text()))
     (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "-c", "user.name=t", "-c", "user.email=t@t",
-                                                               "commit", "-qm", "copy"]):
+    for cmd in (
+        ["git", "init", "-q"],
+        ["git", "add", "-A"],
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"],
+    ):
         subprocess.run(cmd, cwd=dst, check=True)
     return dst
 
 
 def dvc(project: Path, *args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-               EAGLEPIPE_CACHE=str(project / ".cache"))
+    env = dict(
+        os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", EAGLEPIPE_CACHE=str(project / ".cache")
+    )
     out = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     return out
@@ -120,10 +136,12 @@ def dvc(project: Path, *args) -> subprocess.CompletedProcess:
 
 def make_repro(project: Path, *args) -> str:
     """What ``make repro`` runs (eaglepipe/tools/repro.py) in ``project``; its output."""
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-               EAGLEPIPE_CACHE=str(project / ".cache"))
-    out = subprocess.run([sys.executable, "-m", "eaglepipe.tools.repro", *args], cwd=project, env=env, capture_output=True,
-                         text=True)
+    env = dict(
+        os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", EAGLEPIPE_CACHE=str(project / ".cache")
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "eaglepipe.tools.repro", *args], cwd=project, env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
@@ -138,9 +156,13 @@ def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     timed = json.loads((project / "metrics/timings/stages.json").read_text())
     assert set(timed) == set(stages()) and all(t["seconds"] > 0 for t in timed.values())
     ev = json.loads((project / "metrics/eval.json").read_text())["benchmarks"]["heldout"]
-    summary = rest[rest.index("acceptance length (tokens per target forward"):]
-    assert f"heldout    {ev['acceptance_length']:.3f} ± " in summary and "serve check (vLLM serving the drafter): passed" in \
-        summary and "models/draft/" in summary and "make metrics" in summary
+    summary = rest[rest.index("acceptance length (tokens per target forward") :]
+    assert (
+        f"heldout    {ev['acceptance_length']:.3f} ± " in summary
+        and "serve check (vLLM serving the drafter): passed" in summary
+        and "models/draft/" in summary
+        and "make metrics" in summary
+    )
     index = json.loads((project / "data/sequences/index.json").read_text())
     assert index["train"]["samples"] + index["valid"]["samples"] > 0
 

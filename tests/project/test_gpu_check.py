@@ -1,13 +1,12 @@
 """bench/gpu_check.py (`make gpu-check`), run here on the CPU with tiny params: the same script a GPU machine runs."""
+
 import json
 import subprocess
 import sys
 
 import pytest
 import yaml
-
-from helpers import ROOT
-from helpers import tiny_params
+from helpers import ROOT, tiny_params
 
 STAGES = ("prepare", "infer", "merge", "hidden", "train", "evaluate")
 

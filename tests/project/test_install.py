@@ -1,6 +1,7 @@
 """The environments `make` builds (tools/install.sh: uv where it can be had, else pip) hold exactly the versions pip
 resolves for the same requirements: what pip would install (`pip install --dry-run --report`, from the registry)
 is compared with what each venv has."""
+
 import json
 import os
 import re
@@ -22,15 +23,32 @@ def norm(name: str) -> str:
 
 
 def installed(python: Path) -> dict[str, str]:
-    out = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        [str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True
+    ).stdout
     return {norm(p["name"]): p["version"] for p in json.loads(out)}
 
 
 def resolved(python: Path, requirements: Path, tmp_path: Path) -> dict[str, str]:
     report = tmp_path / f"{requirements.stem}.json"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--report",
-                    str(report), "-r", str(requirements)], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            "-r",
+            str(requirements),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return {norm(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
 
 
@@ -38,11 +56,27 @@ def uv_resolved(venv: Path, requirements: Path) -> dict[str, str]:
     """What the venv's uv would install for ``requirements`` now (its cached index pages refreshed), given the
     find-links folder tools/install.sh gives it (PIP_FIND_LINKS, else pip's configuration)."""
     pip_config = [str(venv / "bin" / "pip"), "config", "get", "global.find-links"]
-    links = os.environ.get("PIP_FIND_LINKS") or \
-        subprocess.run(pip_config, capture_output=True, text=True).stdout.strip()
-    out = subprocess.run([str(venv / "bin" / "uv"), "pip", "install", "--dry-run", "--reinstall", "--refresh",
-                          "--python", str(venv / "bin" / "python"), *(["--find-links", links] if links else []),
-                          "-r", str(requirements)], capture_output=True, text=True, check=True).stderr
+    links = (
+        os.environ.get("PIP_FIND_LINKS") or subprocess.run(pip_config, capture_output=True, text=True).stdout.strip()
+    )
+    out = subprocess.run(
+        [
+            str(venv / "bin" / "uv"),
+            "pip",
+            "install",
+            "--dry-run",
+            "--reinstall",
+            "--refresh",
+            "--python",
+            str(venv / "bin" / "python"),
+            *(["--find-links", links] if links else []),
+            "-r",
+            str(requirements),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
     return {norm(name): version for name, version in re.findall(r"^ \+ ([^=\s]+)==(\S+)$", out, re.M)}
 
 
@@ -55,9 +89,15 @@ def test_the_venv_holds_what_pip_resolves(venv, requirements, tmp_path):
     if not python.exists():
         pytest.fail(f"{venv} is missing: make test builds it first")
     have = {k: v for k, v in installed(python).items() if k not in EXTRA | {"pip", "setuptools"}}
-    want = {k: v for k, v in resolved(Path(sys.executable), ROOT / requirements, tmp_path).items()
-            if k not in REMOVED | {"pip", "setuptools"}}
+    want = {
+        k: v
+        for k, v in resolved(Path(sys.executable), ROOT / requirements, tmp_path).items()
+        if k not in REMOVED | {"pip", "setuptools"}
+    }
     if have != want and (ROOT / venv / "bin" / "uv").exists():
-        have = {k: v for k, v in uv_resolved(ROOT / venv, ROOT / requirements).items()
-                if k not in EXTRA | REMOVED | {"pip", "setuptools"}}
+        have = {
+            k: v
+            for k, v in uv_resolved(ROOT / venv, ROOT / requirements).items()
+            if k not in EXTRA | REMOVED | {"pip", "setuptools"}
+        }
     assert have == want

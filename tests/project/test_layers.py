@@ -5,8 +5,17 @@ from helpers import ROOT
 from eaglepipe.core import codedeps
 
 # Lowest first; the packages of one row are peers and import none of each other.
-LAYERS = [("core",), ("target",), ("engines",), ("text",), ("dataset",), ("infer", "hidden"), ("drafter",),
-          ("evaluate",), ("tools",)]
+LAYERS = [
+    ("core",),
+    ("target",),
+    ("engines",),
+    ("text",),
+    ("dataset",),
+    ("infer", "hidden"),
+    ("drafter",),
+    ("evaluate",),
+    ("tools",),
+]
 RANK = {package: rank for rank, row in enumerate(LAYERS) for package in row}
 
 

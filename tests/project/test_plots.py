@@ -1,6 +1,7 @@
 """The DVC plots: dvc.yaml's plot definitions with the templates in .dvc/plots draw exactly the TTT steps the curve
 rows hold and both methods' acceptance per draft position; the offline page template (tools/plots_page.py) is one
 that DVC accepts, and it replaces DVC's CDN script tags with the inlined libraries."""
+
 import importlib.util
 import json
 import os
@@ -25,13 +26,22 @@ def plots_page():
 
 def curve_rows(steps: int, epochs: int = 2) -> list[dict]:
     """Rows in train.run's history format, with values that tell every (epoch, split, step) apart."""
-    return [{"epoch": e, "split": s, "step": k, "loss": 5.0 - e - k / 10, "acc": e / 10 + k / 100}
-            for e in range(1, epochs + 1) for s in ("train", "valid") for k in range(steps)]
+    return [
+        {"epoch": e, "split": s, "step": k, "loss": 5.0 - e - k / 10, "acc": e / 10 + k / 100}
+        for e in range(1, epochs + 1)
+        for s in ("train", "valid")
+        for k in range(steps)
+    ]
 
 
 def dvc(project: Path, *args) -> str:
-    out = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, capture_output=True, text=True,
-                         env={**os.environ, "DVC_NO_ANALYTICS": "1"})  # as the project's .dvc/config: no reports
+    out = subprocess.run(
+        [sys.executable, "-m", "dvc", *args],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DVC_NO_ANALYTICS": "1"},
+    )  # as the project's .dvc/config: no reports
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
@@ -66,15 +76,22 @@ def test_plots_draw_the_steps_and_positions_the_rows_hold(project, steps):
     spec = specs["metrics/eval_positions.json"]
     assert spec["encoding"]["x"]["field"] == "position" and spec["encoding"]["color"]["field"] == "method"
     drawn = {(v["method"], v["position"]): v["acceptance_rate"] for v in spec["data"]["values"]}
-    assert drawn == {("eagle", 1): 0.3, ("eagle", 2): 0.1, ("eagle", 3): 0.05,
-                     ("ngram", 1): 0.4, ("ngram", 2): 0.2, ("ngram", 3): 0.1}
+    assert drawn == {
+        ("eagle", 1): 0.3,
+        ("eagle", 2): 0.1,
+        ("eagle", 3): 0.05,
+        ("ngram", 1): 0.4,
+        ("ngram", 2): 0.2,
+        ("ngram", 3): 0.1,
+    }
 
 
 def test_position_rows_number_positions_from_one():
     assert evaluate.position_rows({"eagle": [0.5, 0.25], "ngram": [0.125]}) == [
         {"position": 1, "method": "eagle", "acceptance_rate": 0.5},
         {"position": 2, "method": "eagle", "acceptance_rate": 0.25},
-        {"position": 1, "method": "ngram", "acceptance_rate": 0.125}]
+        {"position": 1, "method": "ngram", "acceptance_rate": 0.125},
+    ]
 
 
 @pytest.mark.e2e

@@ -2,6 +2,7 @@
 without the venv activated, from the repository root: each command a page shows is either run here (the cheap ones)
 or named below as one that runs the pipeline or the tests. Every relative link of those pages points at a file that
 exists (and at a heading of it, for a #fragment)."""
+
 import os
 import re
 import subprocess
@@ -13,10 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Commands that run stages, tests, benchmarks or experiments (minutes to hours), need a GPU or a server, or change git
 # or DVC's config: shown, not run here.
-EXPENSIVE = re.compile(r"^(\w+=\S+ )*(make (repro|test|test-fast|plots|inspect|prepare|infer|merge|hidden|train|"
-                       r"evaluate|serve|vllm-venv|bench|gpu-check)\b|dvc (repro|exp run|push|pull|remote)\b|git |"
-                       r"python bench/|python -m sglang|python -m vllm|python -m eaglepipe.core.runtime |torchrun |export |"
-                       r"sh -c )")
+EXPENSIVE = re.compile(
+    r"^(\w+=\S+ )*(make (repro|test|test-fast|plots|inspect|prepare|infer|merge|hidden|train|"
+    r"evaluate|serve|vllm-venv|bench|gpu-check)\b|dvc (repro|exp run|push|pull|remote)\b|git |"
+    r"python bench/|python -m sglang|python -m vllm|python -m eaglepipe.core.runtime |torchrun |export |"
+    r"sh -c )"
+)
 
 
 def commands(page: Path) -> list[str]:
@@ -35,8 +38,12 @@ def readme_commands() -> list[str]:
 
 
 def cheap_commands() -> list:
-    return [pytest.param(command, id=f"{page.relative_to(ROOT)}: {command}")
-            for page in PAGES for command in dict.fromkeys(commands(page)) if not EXPENSIVE.match(command)]
+    return [
+        pytest.param(command, id=f"{page.relative_to(ROOT)}: {command}")
+        for page in PAGES
+        for command in dict.fromkeys(commands(page))
+        if not EXPENSIVE.match(command)
+    ]
 
 
 def test_the_readme_shows_commands():
@@ -56,8 +63,7 @@ def test_a_cheap_command_works_in_a_fresh_shell(command):
 def anchors(page: Path) -> set[str]:
     """GitHub's ids of the page's headings: lower case, punctuation but hyphens dropped, spaces made hyphens."""
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-            for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
 
 
 def links() -> list:
@@ -74,6 +80,8 @@ def links() -> list:
 def test_a_relative_link_points_at_something_in_the_repository(page, target):
     path, _, fragment = target.partition("#")
     resolved = (page.parent / path).resolve() if path else page
-    assert resolved.exists() and ROOT in (resolved, *resolved.parents), f"{page.name}: {target} is not in the repository"
+    assert resolved.exists() and ROOT in (resolved, *resolved.parents), (
+        f"{page.name}: {target} is not in the repository"
+    )
     if fragment and resolved.suffix == ".md":
         assert fragment in anchors(resolved), f"{page.name}: no heading #{fragment} in {resolved.name}"

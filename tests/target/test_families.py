@@ -5,6 +5,7 @@ each through hidden, train and evaluate (lossless), and the vLLM serve check (se
 drafter's init is exact for the Llama targets only, measured against the target's own layer on its own states, and
 logged as not exact for the others; a target the pipeline cannot serve is refused in seconds, naming why, by each
 stage before it loads anything."""
+
 import json
 import logging
 import subprocess
@@ -16,72 +17,165 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
 from helpers import ROOT, STAGE_ARGS, with_
-from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, DeepseekV3Config, GemmaConfig, GlmConfig,
-                          GptOssConfig, LlamaConfig, Qwen2Config, Qwen2VLConfig, Qwen3Config, Qwen3MoeConfig,
-                          Qwen3VLConfig, T5Config)
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    DeepseekV3Config,
+    GemmaConfig,
+    GlmConfig,
+    GptOssConfig,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen2VLConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    Qwen3VLConfig,
+    T5Config,
+)
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
 
-from eaglepipe.dataset import benchmarks
-from eaglepipe.target import compat
 from eaglepipe.core import config
-from eaglepipe.drafter.eagle3 import model as draft
-from eaglepipe.drafter.eagle3 import init as draft_init
-from eaglepipe.evaluate import run as evaluate
-from eaglepipe.target import families
-from eaglepipe.hidden import layout as features
-from eaglepipe.hidden import extract as hidden
-from eaglepipe.target import quant
-from eaglepipe.text import reasoning
-from eaglepipe.dataset import sequences
-from eaglepipe.evaluate import decode as speculative
-from eaglepipe.target import model as target
-from eaglepipe.drafter import train
-from eaglepipe.engines import Sampling
-from eaglepipe.engines import vllm
 from eaglepipe.core.errors import UserError
+from eaglepipe.dataset import benchmarks, sequences
+from eaglepipe.drafter import train
+from eaglepipe.drafter.eagle3 import init as draft_init
+from eaglepipe.drafter.eagle3 import model as draft
+from eaglepipe.engines import Sampling, vllm
+from eaglepipe.evaluate import decode as speculative
+from eaglepipe.evaluate import run as evaluate
+from eaglepipe.hidden import extract as hidden
+from eaglepipe.hidden import layout as features
+from eaglepipe.target import compat, families, quant
+from eaglepipe.target import model as target
+from eaglepipe.text import reasoning
 
-SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "max_position_embeddings": 256}
-DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "num_key_value_heads": 4,
-               "first_k_dense_replace": 1, "q_lora_rank": 32, "qk_nope_head_dim": 8, "v_head_dim": 16,
-               "kv_lora_rank": 512, "qk_rope_head_dim": 64,  # the latent vLLM's CPU MLA runs
-               "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 32,
-               "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",  # DeepSeek-V3's
-               "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,  # routing, read by vLLM
-                                   "original_max_position_embeddings": 64, "beta_fast": 32,
-                                   "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+SIZES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 4,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,  # the latent vLLM's CPU MLA runs
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",  # DeepSeek-V3's
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 1e4,
+        "factor": 4.0,  # routing, read by vLLM
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
 FAMILIES = {  # config class, its own keys; vocab and special ids are the embedded target's tokenizer's
     "qwen3": (Qwen3Config, {"num_hidden_layers": 5, "head_dim": 32}),  # train.drafter auto: qwen3; vLLM's CPU
     "qwen3_llama": (Qwen3Config, {"num_hidden_layers": 5, "head_dim": 32}),  # attention: heads of 32 and up
-    "qwen2": (Qwen2Config, {"num_hidden_layers": 4, "tie_word_embeddings": False, "num_attention_heads": 2,
-                            "num_key_value_heads": 1}),  # heads of 32
-    "qwen3_moe": (Qwen3MoeConfig, {"num_hidden_layers": 4, "head_dim": 32, "num_experts": 4,
-                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "qwen2": (
+        Qwen2Config,
+        {"num_hidden_layers": 4, "tie_word_embeddings": False, "num_attention_heads": 2, "num_key_value_heads": 1},
+    ),  # heads of 32
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        },
+    ),
     "llama": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 32}),
     "llama_fp8": (LlamaConfig, {"num_hidden_layers": 4, "head_dim": 16}),  # its layers' projections in FP8 blocks
     "deepseek_v3": (DeepseekV3Config, DEEPSEEK_V3),
-    "gpt_oss": (GptOssConfig, {"num_hidden_layers": 4, "head_dim": 32, "num_local_experts": 4,  # attention sinks,
-                               "num_experts_per_tok": 2, "sliding_window": 8,  # q/k/v/o biases, windows on every other
-                               "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0,  # layer
-                                                   "original_max_position_embeddings": 64, "beta_fast": 32.0,
-                                                   "beta_slow": 1.0, "truncate": False}}),
+    "gpt_oss": (
+        GptOssConfig,
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "num_local_experts": 4,  # attention sinks,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,  # q/k/v/o biases, windows on every other
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1.5e5,
+                "factor": 4.0,  # layer
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+    ),
     "kimi_k25": (Kimi_K25Config, DEEPSEEK_V3),  # a composite: DeepseekV3 in Kimi-K2.5's wrapper (the seed's target)
-    "qwen3_vl": (Qwen3VLConfig, {"num_hidden_layers": 5, "head_dim": 16,  # a composite: Qwen3's layer in a wrapper
-                                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                                                     "mrope_section": [2, 3, 3], "mrope_interleaved": True}}),
+    "qwen3_vl": (
+        Qwen3VLConfig,
+        {
+            "num_hidden_layers": 5,
+            "head_dim": 16,  # a composite: Qwen3's layer in a wrapper
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1e4,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        },
+    ),
 }
 MOE = ("qwen3_moe", "deepseek_v3", "gpt_oss", "kimi_k25")  # routed experts
 DRAFTER = {"qwen3_llama": "llama"}  # train.drafter where it is not auto
 VISION = {  # a composite's vision tower, never run (prompts are text)
-    Qwen3VLConfig: {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 64,
-                    "deepstack_visual_indexes": [0]},
-    Kimi_K25Config: {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
-                     "pos_emb_height": 4, "pos_emb_width": 4, "pos_emb_time": 2}}
+    Qwen3VLConfig: {
+        "depth": 1,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "deepstack_visual_indexes": [0],
+    },
+    Kimi_K25Config: {
+        "num_hidden_layers": 1,
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "pos_emb_height": 4,
+        "pos_emb_width": 4,
+        "pos_emb_time": 2,
+    },
+}
 BLOCK = [16, 32]  # weight_block_size of llama_fp8: rows, columns
-TRAIN = config.Train(seed=0, draft_vocab_size=256, ttt_steps=2, epochs=1, batch_tokens=128, lr=1e-3, warmup_steps=1,
-                     threads=0, positions="all", autocast="none", init="target")
+TRAIN = config.Train(
+    seed=0,
+    draft_vocab_size=256,
+    ttt_steps=2,
+    epochs=1,
+    batch_tokens=128,
+    lr=1e-3,
+    warmup_steps=1,
+    threads=0,
+    positions="all",
+    autocast="none",
+    init="target",
+)
 MEMORIZE = TRAIN.model_copy(update={"epochs": 40, "lr": 1e-2, "init": "fresh"})  # learns the answers it trains on
 HIDDEN = config.Hidden(layers="auto", dtype="bfloat16", batch_tokens=64, shard_tokens=1000)
 PROMPTS = [[{"role": "user", "content": "Count from 1 to 20."}], [{"role": "user", "content": "Name three seas."}]]
@@ -94,8 +188,13 @@ def build_target(folder, family, tokenizer, published=True):
     training target) is peaked as a trained model's is, not nearly uniform. Kimi-K2.5's weights are named as
     published, which vLLM loads, unless not ``published``: as transformers saves them."""
     cls, keys = FAMILIES[family]
-    text = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, **{**SIZES, **keys})
+    text = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **{**SIZES, **keys},
+    )
     composite = cls in VISION
     cfg = cls(text_config=text, vision_config=VISION[cls], tie_word_embeddings=False) if composite else cls(**text)
     torch.manual_seed(0)
@@ -112,8 +211,11 @@ def build_target(folder, family, tokenizer, published=True):
     tokenizer.save_pretrained(folder)
     if cls is Kimi_K25Config and published:  # transformers saves its language model's layers as "blocks"
         weights = load_file(str(folder / "model.safetensors"))
-        save_file({k.replace("language_model.model.blocks.", "language_model.model.layers."): v
-                   for k, v in weights.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k.replace("language_model.model.blocks.", "language_model.model.layers."): v for k, v in weights.items()},
+            str(folder / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
     if family.endswith("_fp8"):
         to_fp8(folder, lambda name: ".layers." in name and name.endswith("proj.weight"))
 
@@ -132,8 +234,12 @@ def to_fp8(folder, which):
         weights[name], weights[name + quant.SCALE] = (w / full).to(torch.float8_e4m3fn), scale
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": block}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": block,
+    }
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
@@ -144,8 +250,9 @@ def deviation(model, drafter, ids, layers) -> float:
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
         i, pos = layers[2], torch.arange(ids.shape[1])[None]
-        ref = lm.layers[i](states[i], attention_mask=None, position_ids=pos,
-                           position_embeddings=lm.rotary_emb(states[i], pos))
+        ref = lm.layers[i](
+            states[i], attention_mask=None, position_ids=pos, position_embeddings=lm.rotary_emb(states[i], pos)
+        )
         _, h, _ = drafter(ids, drafter.project(torch.cat([states[j] for j in layers], -1)))
     return float((h - ref).norm() / ref.norm())
 
@@ -157,10 +264,14 @@ def generated_sequences(folder, model, prompts, n=5):
     g = torch.Generator().manual_seed(0)
     items = []
     for i in range(n):
-        prompt = prompts[i] if i < len(prompts) else \
-            torch.randint(3, 5000, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist()
-        answer = speculative.greedy(model, prompt, 12 if i < len(prompts) else int(torch.randint(6, 16, (1,),
-                                                                                                 generator=g)), [])
+        prompt = (
+            prompts[i]
+            if i < len(prompts)
+            else torch.randint(3, 5000, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist()
+        )
+        answer = speculative.greedy(
+            model, prompt, 12 if i < len(prompts) else int(torch.randint(6, 16, (1,), generator=g)), []
+        )
         items.append((f"r{i}", "s", prompt + answer, [0] * len(prompt) + [1] * len(answer)))
     sequences.write(folder, {"train": items[:-1], "valid": items[-1:]}, shard_tokens=1000, policy="test")
     return items
@@ -196,22 +307,41 @@ def ran(request, tmp_path_factory, tokenizer):
     conversations = [benchmarks.Conversation("heldout", str(i), "all", m) for i, m in enumerate(PROMPTS)]
     metrics = {}
     memorize = MEMORIZE.model_copy(update={"drafter": p.drafter})
-    for name, drafter in (("trained", trained), ("memorized", train.run(tmp / "hidden", tmp / "target", memorize,
-                                                                           tmp / "memorize-checkpoints")[0])):
+    for name, drafter in (
+        ("trained", trained),
+        ("memorized", train.run(tmp / "hidden", tmp / "target", memorize, tmp / "memorize-checkpoints")[0]),
+    ):
         draft.save(drafter, tmp / name)
-        metrics[name] = evaluate.run(conversations, chat_, model, evaluate.load_drafter(tmp / name, model),
-                                     config.Evaluate(num_steps=3, max_new_tokens=12))
+        metrics[name] = evaluate.run(
+            conversations,
+            chat_,
+            model,
+            evaluate.load_drafter(tmp / name, model),
+            config.Evaluate(num_steps=3, max_new_tokens=12),
+        )
     ids = torch.tensor([items[0][2]])
-    stored = {s.id: st for s, st in zip(*(lambda ss: (ss, features.read_states(ss)))(
-        train.load_samples(tmp / "hidden", "train")))}
-    computed = {s.id: st for s, st in zip(*(lambda ss: (ss, online.states(ss)))(
-        train.load_samples(tmp / "seq", "train")))}
-    return {"family": family, "hidden": hidden_report, "train": train_report, "eval": metrics["trained"],
-            "memorized": metrics["memorized"],
-            "online": {"report": online_report, "stored": stored, "computed": computed,
-                       "weights": (trained.state_dict(), online_trained.state_dict())},
-            "init_log": [r.getMessage() for r in records if r.getMessage().startswith("drafter init")],
-            "deviation": deviation(model, initial, ids, hidden_report["layers"])}
+    stored = {
+        s.id: st
+        for s, st in zip(*(lambda ss: (ss, features.read_states(ss)))(train.load_samples(tmp / "hidden", "train")))
+    }
+    computed = {
+        s.id: st for s, st in zip(*(lambda ss: (ss, online.states(ss)))(train.load_samples(tmp / "seq", "train")))
+    }
+    return {
+        "family": family,
+        "hidden": hidden_report,
+        "train": train_report,
+        "eval": metrics["trained"],
+        "memorized": metrics["memorized"],
+        "online": {
+            "report": online_report,
+            "stored": stored,
+            "computed": computed,
+            "weights": (trained.state_dict(), online_trained.state_dict()),
+        },
+        "init_log": [r.getMessage() for r in records if r.getMessage().startswith("drafter init")],
+        "deviation": deviation(model, initial, ids, hidden_report["layers"]),
+    }
 
 
 def test_hidden_train_and_evaluate_run_on_each_family_and_decoding_stays_lossless(ran):
@@ -231,9 +361,11 @@ def test_a_drafter_trained_on_the_evaluated_answers_drafts_them(ran):
     m = ran["memorized"]
     assert m["lossless"], m["mismatches"]
     figures = m["benchmarks"]["heldout"]
-    print(f"{ran['family']}: acceptance length {figures['acceptance_length']:.3f}, n-gram "
-          f"{figures['baseline_acceptance_length']:.3f} ({figures['verification_steps']} steps; 1 epoch: "
-          f"{ran['eval']['benchmarks']['heldout']['acceptance_length']:.3f})")
+    print(
+        f"{ran['family']}: acceptance length {figures['acceptance_length']:.3f}, n-gram "
+        f"{figures['baseline_acceptance_length']:.3f} ({figures['verification_steps']} steps; 1 epoch: "
+        f"{ran['eval']['benchmarks']['heldout']['acceptance_length']:.3f})"
+    )
     assert figures["acceptance_length"] > max(2.0, figures["baseline_acceptance_length"])
 
 
@@ -250,7 +382,7 @@ def test_online_training_computes_the_stored_states_and_trains_the_same_drafter(
         for name in features.STATES:
             computed, stored = o["computed"][sid][name], st[name]
             if moe and stored.is_floating_point():
-                step = stored.float().abs() * 2 ** -7 + 1e-30  # one rounding step of bf16 (8 significant bits)
+                step = stored.float().abs() * 2**-7 + 1e-30  # one rounding step of bf16 (8 significant bits)
                 assert ((computed.float() - stored.float()).abs() <= step).all(), (sid, name)
             else:
                 assert torch.equal(computed, stored), (sid, name)
@@ -276,20 +408,21 @@ def test_the_init_is_exact_where_the_drafter_is_the_family_s_layer_and_logged_on
         assert dev < 1e-5
         return
     assert setup_line.startswith("drafter init: not exact: the midlayer starts from target layer 3") and dev > 1e-2
-    dropped = {"qwen3_llama": "dropped self_attn.k_norm.weight, self_attn.q_norm.weight",
-               "qwen3_vl": "dropped self_attn.k_norm.weight, self_attn.q_norm.weight",
-               "qwen2": "dropped self_attn.k_proj.bias, self_attn.q_proj.bias, self_attn.v_proj.bias",
-               "qwen3_moe": "dropped mlp.experts.*.down_proj.weight, mlp.experts.*.gate_proj.weight, "
-                            "mlp.experts.*.up_proj.weight, mlp.gate.weight, post_attention_layernorm.weight",
-               "deepseek_v3": "dropped mlp.experts.*.down_proj.weight, mlp.experts.*.gate_proj.weight, "
-                              "mlp.experts.*.up_proj.weight, mlp.gate.e_score_correction_bias, mlp.gate.weight, "
-                              "mlp.shared_experts.down_proj.weight, mlp.shared_experts.gate_proj.weight, "
-                              "mlp.shared_experts.up_proj.weight, post_attention_layernorm.weight",  # MLA copied
-               "gpt_oss": "dropped mlp.experts.down_proj, mlp.experts.down_proj_bias, mlp.experts.gate_up_proj, "
-                          "mlp.experts.gate_up_proj_bias, mlp.router.bias, mlp.router.weight, "
-                          "post_attention_layernorm.weight, self_attn.k_proj.bias, self_attn.o_proj.bias, "
-                          "self_attn.q_proj.bias, self_attn.sinks, self_attn.v_proj.bias"
-               }[{"kimi_k25": "deepseek_v3"}.get(family, family)]  # Kimi-K2.5's language model is a DeepseekV3
+    dropped = {
+        "qwen3_llama": "dropped self_attn.k_norm.weight, self_attn.q_norm.weight",
+        "qwen3_vl": "dropped self_attn.k_norm.weight, self_attn.q_norm.weight",
+        "qwen2": "dropped self_attn.k_proj.bias, self_attn.q_proj.bias, self_attn.v_proj.bias",
+        "qwen3_moe": "dropped mlp.experts.*.down_proj.weight, mlp.experts.*.gate_proj.weight, "
+        "mlp.experts.*.up_proj.weight, mlp.gate.weight, post_attention_layernorm.weight",
+        "deepseek_v3": "dropped mlp.experts.*.down_proj.weight, mlp.experts.*.gate_proj.weight, "
+        "mlp.experts.*.up_proj.weight, mlp.gate.e_score_correction_bias, mlp.gate.weight, "
+        "mlp.shared_experts.down_proj.weight, mlp.shared_experts.gate_proj.weight, "
+        "mlp.shared_experts.up_proj.weight, post_attention_layernorm.weight",  # MLA copied
+        "gpt_oss": "dropped mlp.experts.down_proj, mlp.experts.down_proj_bias, mlp.experts.gate_up_proj, "
+        "mlp.experts.gate_up_proj_bias, mlp.router.bias, mlp.router.weight, "
+        "post_attention_layernorm.weight, self_attn.k_proj.bias, self_attn.o_proj.bias, "
+        "self_attn.q_proj.bias, self_attn.sinks, self_attn.v_proj.bias",
+    }[{"kimi_k25": "deepseek_v3"}.get(family, family)]  # Kimi-K2.5's language model is a DeepseekV3
     assert setup_line.endswith(dropped) and "attention copied" in setup_line
     assert ("MLP fresh (seeded gate/up, zero down_proj), no mlp.gate_proj.weight" in setup_line) == (family in MOE)
 
@@ -311,15 +444,23 @@ def test_the_mla_drafter_started_from_a_dense_deepseek_layer_computes_that_layer
     text = draft_init.init_from_target(drafter, train.target_tensors(tmp_path / "target", 3))
     assert text.startswith("exact: the midlayer is target layer 3 (deepseek_v3), a deepseek_mla layer"), text
     assert deviation(model, drafter, torch.tensor([list(range(5, 40))]), [1, 2, 3]) < 1e-5
-    assert cfg.mla == {"q_lora_rank": 32, "kv_lora_rank": 512, "qk_nope_head_dim": 8, "qk_rope_head_dim": 64,
-                       "v_head_dim": 16} and draft.yarn_mscale(cfg.rope_parameters) > 1  # the scale is exercised
+    assert (
+        cfg.mla
+        == {"q_lora_rank": 32, "kv_lora_rank": 512, "qk_nope_head_dim": 8, "qk_rope_head_dim": 64, "v_head_dim": 16}
+        and draft.yarn_mscale(cfg.rope_parameters) > 1
+    )  # the scale is exercised
 
 
 def test_auto_layer_ids_for_targets_below_7_layers():
     """[2, L // 2, L - 3] collides below 7 layers: auto is then the three consecutive ids around the middle, never 0
     (from 7 layers on it is the default, checked in test_hidden.py)."""
-    assert [features.layer_ids("auto", L) for L in (4, 5, 6, 7, 8)] == \
-        [[1, 2, 3], [1, 2, 3], [2, 3, 4], [2, 3, 4], [2, 4, 5]]
+    assert [features.layer_ids("auto", L) for L in (4, 5, 6, 7, 8)] == [
+        [1, 2, 3],
+        [1, 2, 3],
+        [2, 3, 4],
+        [2, 3, 4],
+        [2, 4, 5],
+    ]
     with pytest.raises(ValueError, match="^the target has 3 decoder layers: .* it needs at least 4$"):
         features.layer_ids("auto", 3)
     assert features.layer_ids([0, 1, 2], 3) == [0, 1, 2]  # explicit ids stay the user's choice
@@ -329,10 +470,20 @@ def test_a_part_that_does_not_fit_starts_fresh_and_the_log_says_why():
     """By hand: a layer with the Llama names whose gate_proj has another size (MLP fresh: zero down_proj), one whose
     q_proj is stored quantized (attention fresh, the seeded default init), and a family not known to compute the
     Llama layer from the same weights (every weight copied, still not exact)."""
-    cfg = draft.DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=16, rms_norm_eps=1e-6, rope_parameters={"rope_theta": 1e4, "rope_type": "default"},
-                            max_position_embeddings=256, hidden_act="silu", vocab_size=128, draft_vocab_size=32,
-                            aux_layers=[1, 2, 3])
+    cfg = draft.DraftConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_theta": 1e4, "rope_type": "default"},
+        max_position_embeddings=256,
+        hidden_act="silu",
+        vocab_size=128,
+        draft_vocab_size=32,
+        aux_layers=[1, 2, 3],
+    )
     shapes = draft_init.layer_shapes(draft.Eagle3Draft(cfg, torch.randn(128, 64)))
 
     def init(model_type, **changed):
@@ -340,15 +491,25 @@ def test_a_part_that_does_not_fit_starts_fresh_and_the_log_says_why():
         torch.manual_seed(0)
         model = draft.Eagle3Draft(cfg, torch.randn(128, 64))
         default_q = model.midlayer.self_attn.q_proj.weight.clone()
-        text = draft_init.init_from_target(model, {"layer": layer, "layer_names": sorted(layer), "layer_index": 3,
-                                              "model_type": model_type, "head": torch.randn(128, 64),
-                                              "norm": torch.ones(64)})
+        text = draft_init.init_from_target(
+            model,
+            {
+                "layer": layer,
+                "layer_names": sorted(layer),
+                "layer_index": 3,
+                "model_type": model_type,
+                "head": torch.randn(128, 64),
+                "norm": torch.ones(64),
+            },
+        )
         return text, model, layer, default_q
 
     text, model, layer, _ = init("llama", **{"mlp.gate_proj.weight": torch.rand(64, 64)})
-    assert text == ("not exact: the midlayer starts from target layer 3 (llama): attention copied; MLP fresh (seeded "
-                    "gate/up, zero down_proj), its mlp.gate_proj.weight is [64, 64], the drafter's [128, 64]; dropped "
-                    "mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight, post_attention_layernorm.weight")
+    assert text == (
+        "not exact: the midlayer starts from target layer 3 (llama): attention copied; MLP fresh (seeded "
+        "gate/up, zero down_proj), its mlp.gate_proj.weight is [64, 64], the drafter's [128, 64]; dropped "
+        "mlp.down_proj.weight, mlp.gate_proj.weight, mlp.up_proj.weight, post_attention_layernorm.weight"
+    )
     assert not model.midlayer.mlp.down_proj.weight.any() and model.midlayer.mlp.up_proj.weight.any()
     assert torch.equal(model.midlayer.self_attn.o_proj.weight, layer["self_attn.o_proj.weight"])
     text, model, _, default_q = init("llama", **{"self_attn.q_proj.weight": torch.rand(64, 64).to(torch.float8_e4m3fn)})
@@ -380,8 +541,10 @@ def test_a_target_the_pipeline_cannot_serve_is_refused_naming_why(case, tmp_path
     cfg, reason = REFUSED[case]
     cfg.save_pretrained(tmp_path)
     if case == "untied, no head":
-        save_file({"model.embed_tokens.weight": torch.zeros(128, 64), "model.norm.weight": torch.ones(64)},
-                  str(tmp_path / "model.safetensors"))
+        save_file(
+            {"model.embed_tokens.weight": torch.zeros(128, 64), "model.norm.weight": torch.ones(64)},
+            str(tmp_path / "model.safetensors"),
+        )
     with pytest.raises(compat.UnsupportedTarget, match=f"^target {tmp_path}: {reason}"):
         compat.check(tmp_path)
 
@@ -394,15 +557,22 @@ def test_each_stage_refuses_it_in_seconds_before_loading_anything(tmp_path):
     REFUSED["three layers"][0].save_pretrained(folder)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(with_(target={"model": str(folder)})))
     start = time.monotonic()
-    procs = {stage: subprocess.Popen([sys.executable, str(ROOT / "stages" / f"{stage}.py"), "--params", "params.yaml",
-                                      *STAGE_ARGS[stage]], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
-             for stage in ("hidden", "train", "evaluate")}
+    procs = {
+        stage: subprocess.Popen(
+            [sys.executable, str(ROOT / "stages" / f"{stage}.py"), "--params", "params.yaml", *STAGE_ARGS[stage]],
+            cwd=tmp_path,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for stage in ("hidden", "train", "evaluate")
+    }
     for stage, proc in procs.items():
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 1, err
         assert err.strip().splitlines() == [
             f"Error: target {folder}: it has 3 decoder layers, fewer than 4: EAGLE-3 reads the inputs of three "
-            "distinct layers, and layer 0's (the embeddings) is one several SGLang and vLLM models cannot capture"], err
+            "distinct layers, and layer 0's (the embeddings) is one several SGLang and vLLM models cannot capture"
+        ], err
     assert time.monotonic() - start < 60
     assert not (tmp_path / "o").exists()
 
@@ -414,8 +584,9 @@ def test_fp8_weights_are_read_as_transformers_dequantizes_them(tmp_path, tokeniz
     compat.check(tmp_path)
     read = train.target_tensors(tmp_path, 3)
     layer = target.load_model(tmp_path).model.layers[3]
-    assert sorted(read["layer"]) == sorted(draft_init.LLAMA_ATTENTION + ("input_layernorm.weight",) +
-                                           draft_init.MLP_WEIGHTS)
+    assert sorted(read["layer"]) == sorted(
+        draft_init.LLAMA_ATTENTION + ("input_layernorm.weight",) + draft_init.MLP_WEIGHTS
+    )
     for name in read["layer"]:
         assert torch.equal(read["layer"][name], layer.get_parameter(name)), name
     assert read["layer"]["mlp.up_proj.weight"].dtype == torch.float32
@@ -434,8 +605,11 @@ def test_a_quantization_this_machine_cannot_load_is_refused_in_seconds(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UserError, match="compressed-tensors-quantized, .* compressed_tensors package, not installed "
-                                        "here: generate with infer.engine: sglang or vllm"):
+    with pytest.raises(
+        UserError,
+        match="compressed-tensors-quantized, .* compressed_tensors package, not installed "
+        "here: generate with infer.engine: sglang or vllm",
+    ):
         target.load_model(tmp_path)
 
 
@@ -468,10 +642,22 @@ def test_a_launched_vllm_gets_the_flags_its_model_needs(tmp_path, monkeypatch, t
 
 @pytest.mark.engine
 @pytest.mark.skipif(not (ROOT / ".venv-vllm/bin/python").exists(), reason="no .venv-vllm: run make vllm-venv")
-@pytest.mark.parametrize("family,drafter", [("llama", "auto"), ("qwen3", "auto"), ("qwen3", "llama"),
-                                            ("qwen3_moe", "auto"), ("deepseek_v3", "auto"), ("deepseek_v3", "llama"),
-                                            ("gpt_oss", "auto"), ("qwen2", "auto"), ("llama_fp8", "auto"),
-                                            ("qwen3_vl", "auto"), ("kimi_k25", "auto")])
+@pytest.mark.parametrize(
+    "family,drafter",
+    [
+        ("llama", "auto"),
+        ("qwen3", "auto"),
+        ("qwen3", "llama"),
+        ("qwen3_moe", "auto"),
+        ("deepseek_v3", "auto"),
+        ("deepseek_v3", "llama"),
+        ("gpt_oss", "auto"),
+        ("qwen2", "auto"),
+        ("llama_fp8", "auto"),
+        ("qwen3_vl", "auto"),
+        ("kimi_k25", "auto"),
+    ],
+)
 def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, drafter, tmp_path, tokenizer):
     """The serve check on a tiny target: vLLM serves it with the drafter train.drafter exports for it (auto: for
     Qwen3 the qwen3 drafter, vLLM's Eagle3Qwen3ForCausalLM; for DeepseekV3 the deepseek_mla one,
@@ -501,41 +687,61 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
     if drafter == "deepseek_mla":  # memorizes the answers: the engine's acceptance then tests its MLA against ours
         generated_sequences(tmp_path / "seq", model, [chat_.ids(m) for m in PROMPTS])
         hidden.run(tmp_path / "seq", tmp_path / "hidden", model, HIDDEN, "fp", tmp_path / "cache")
-        trained = train.run(tmp_path / "hidden", folder, MEMORIZE.model_copy(update={"drafter": drafter}),
-                            tmp_path / "checkpoints")[0]
+        trained = train.run(
+            tmp_path / "hidden", folder, MEMORIZE.model_copy(update={"drafter": drafter}), tmp_path / "checkpoints"
+        )[0]
     else:
         trained = untrained_drafter(folder, [1, 2, 3], draft_vocab=256, drafter=drafter)
     draft.save(trained, tmp_path / "draft")
     exported = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert exported["architectures"] == [draft.DRAFTERS[drafter][0]]
     rope = exported["rope_parameters"]
-    assert "mrope_section" not in rope and \
-        rope["rope_type"] == FAMILIES[family][1].get("rope_parameters", {"rope_type": "default"})["rope_type"]
+    assert (
+        "mrope_section" not in rope
+        and rope["rope_type"] == FAMILIES[family][1].get("rope_parameters", {"rope_type": "default"})["rope_type"]
+    )
     conversations = [benchmarks.Conversation("heldout", str(i), "all", m) for i, m in enumerate(PROMPTS)]
     e = config.Evaluate(num_steps=3, max_new_tokens=12)
-    rows = evaluate.run(conversations, chat_, model, evaluate.load_drafter(tmp_path / "draft", model),
-                        e)["decoded"]["heldout"]
+    rows = evaluate.run(conversations, chat_, model, evaluate.load_drafter(tmp_path / "draft", model), e)["decoded"][
+        "heldout"
+    ]
     p = config.Serve(python=str(ROOT / ".venv-vllm/bin/python"), port=8015, extra_args=["--enforce-eager"])
-    no_torchvision = vllm._no_torchvision(p.python, vllm.cpu_env(p.python)) and \
-        "cannot serve the composite target .* import torchvision, which fails"
-    amx_mla = vllm.cpu_build(p.python) and vllm.amx() and \
-        "cannot serve the deepseek_mla drafter in float32 on this CPU: .* AMX MLA kernels"
-    refusal = {("llama", "llama"): False, ("qwen3", "qwen3"): False,
-               ("qwen3", "llama"): False, ("qwen3_moe", "qwen3"): False, ("deepseek_v3", "deepseek_mla"): amx_mla,
-               ("gpt_oss", "llama"): False, ("qwen2", "llama"): False,
-               ("llama_fp8", "llama"): "FP8 target .* bfloat16 or float16 only",
-               ("qwen3_vl", "llama"): no_torchvision, ("kimi_k25", "deepseek_mla"): amx_mla or no_torchvision,
-               ("deepseek_v3", "llama"): vllm.cpu_build(p.python) and
-               "cannot serve the llama drafter beside .*: the target's MLA attention .* blocks of 16 tokens"
-               }[family, drafter]
+    no_torchvision = (
+        vllm._no_torchvision(p.python, vllm.cpu_env(p.python))
+        and "cannot serve the composite target .* import torchvision, which fails"
+    )
+    amx_mla = (
+        vllm.cpu_build(p.python)
+        and vllm.amx()
+        and "cannot serve the deepseek_mla drafter in float32 on this CPU: .* AMX MLA kernels"
+    )
+    refusal = {
+        ("llama", "llama"): False,
+        ("qwen3", "qwen3"): False,
+        ("qwen3", "llama"): False,
+        ("qwen3_moe", "qwen3"): False,
+        ("deepseek_v3", "deepseek_mla"): amx_mla,
+        ("gpt_oss", "llama"): False,
+        ("qwen2", "llama"): False,
+        ("llama_fp8", "llama"): "FP8 target .* bfloat16 or float16 only",
+        ("qwen3_vl", "llama"): no_torchvision,
+        ("kimi_k25", "deepseek_mla"): amx_mla or no_torchvision,
+        ("deepseek_v3", "llama"): vllm.cpu_build(p.python)
+        and "cannot serve the llama drafter beside .*: the target's MLA attention .* blocks of 16 tokens",
+    }[family, drafter]
     if refusal:
         start = time.monotonic()
         with pytest.raises(UserError, match=refusal):
             serve.check(folder, tokenizer, tmp_path / "draft", rows, stops, p, e.num_steps, e.max_new_tokens)
         assert time.monotonic() - start < 60
         if family == "deepseek_v3":  # the target alone it serves (infer.engine: vllm), token-exact
-            plain = serve.decode(folder, tokenizer, p, rows, Sampling(max_new_tokens=e.max_new_tokens,
-                                                                       stop_token_ids=tuple(sorted(stops))))
+            plain = serve.decode(
+                folder,
+                tokenizer,
+                p,
+                rows,
+                Sampling(max_new_tokens=e.max_new_tokens, stop_token_ids=tuple(sorted(stops))),
+            )
             assert plain["outputs"] == [r["output_ids"] for r in rows]
         return
     m = serve.check(folder, tokenizer, tmp_path / "draft", rows, stops, p, e.num_steps, e.max_new_tokens)
@@ -548,10 +754,16 @@ def test_the_weights_train_reads_are_found_under_each_layout():
     """A text-only checkpoint's names, transformers' composites' (model.language_model.*), and Kimi-K2.5's as
     published (language_model.model.*, language_model.lm_head)."""
     for prefix, head in compat.PREFIXES:
-        stored = {f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", f"{prefix}layers.0.mlp.up_proj.weight", head,
-                  "model.visual.blocks.0.attn.qkv.weight"}
-        assert compat.names(stored) == compat.Names(f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", head,
-                                                    f"{prefix}layers.")
+        stored = {
+            f"{prefix}embed_tokens.weight",
+            f"{prefix}norm.weight",
+            f"{prefix}layers.0.mlp.up_proj.weight",
+            head,
+            "model.visual.blocks.0.attn.qkv.weight",
+        }
+        assert compat.names(stored) == compat.Names(
+            f"{prefix}embed_tokens.weight", f"{prefix}norm.weight", head, f"{prefix}layers."
+        )
         saved = {n.replace("layers.", "blocks.") for n in stored}  # Kimi-K2.5 as transformers 5.23 saves it
         assert compat.names(saved).layers == f"{prefix}blocks."
 
@@ -565,5 +777,9 @@ def test_a_kimi_saved_by_transformers_is_read_as_the_published_one(tmp_path, tok
     published, saved = (train.target_tensors(tmp_path / layout, 1) for layout in ("published", "saved"))
     assert saved["layer_names"] == published["layer_names"] and "self_attn.kv_a_proj_with_mqa.weight" in saved["layer"]
     for key in ("embed", "head", "norm", "layer"):
-        assert torch.equal(*(torch.cat([t.flatten().float() for t in (w[key].values() if key == "layer" else [w[key]])])
-                             for w in (published, saved))), key
+        assert torch.equal(
+            *(
+                torch.cat([t.flatten().float() for t in (w[key].values() if key == "layer" else [w[key]])])
+                for w in (published, saved)
+            )
+        ), key

@@ -1,29 +1,30 @@
 """target.trust_remote_code on a copy of the embedded target whose tokenizer class is remote code: refused in the first
 seconds when off, run when on, its code in the fingerprint and in engine.json, and ``--trust-remote-code`` for the
 servers launched for it."""
+
 import hashlib
 import json
 import shutil
 
 import pytest
 import yaml
+from e2e import PROMPTS, ROOT, run_infer
 
 from eaglepipe.core import config
-from eaglepipe.target import remote
-from eaglepipe.evaluate import serve
-from eaglepipe.target import model as target
+from eaglepipe.core.errors import UserError
+from eaglepipe.core.records import write_jsonl
 from eaglepipe.engines import launch
 from eaglepipe.engines.sglang import SGLangEngine
-from eaglepipe.core.errors import UserError
-from e2e import PROMPTS, ROOT, run_infer
-from eaglepipe.core.records import write_jsonl
+from eaglepipe.evaluate import serve
+from eaglepipe.target import model as target
+from eaglepipe.target import remote
 
-CODE = '''from transformers import PreTrainedTokenizerFast
+CODE = """from transformers import PreTrainedTokenizerFast
 
 
 class ProbeTokenizer(PreTrainedTokenizerFast):
     probe = "remote code ran"
-'''
+"""
 
 
 @pytest.fixture
@@ -37,8 +38,9 @@ def custom(target_folder, tmp_path):
         else:
             shutil.copy(p, folder / p.name)
     tok = json.loads((folder / "tokenizer_config.json").read_text())
-    tok.update(tokenizer_class="ProbeTokenizer",
-               auto_map={"AutoTokenizer": [None, "tokenization_probe.ProbeTokenizer"]})
+    tok.update(
+        tokenizer_class="ProbeTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_probe.ProbeTokenizer"]}
+    )
     (folder / "tokenizer_config.json").write_text(json.dumps(tok))
     (folder / "tokenization_probe.py").write_text(CODE)
     return folder

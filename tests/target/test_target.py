@@ -1,4 +1,5 @@
 """target.fingerprint: it changes when the model's bytes do, and reads each weight file once."""
+
 import hashlib
 import os
 

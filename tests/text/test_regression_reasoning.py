@@ -13,6 +13,7 @@ tokenizer and the embedded weights), the server serving a reasoning model's outp
 same with the thinking dropped (``--reasoning drop``); with the prefilling template and with the one that leaves
 ``<think>`` to the model.
 """
+
 import json
 import os
 import subprocess
@@ -22,27 +23,44 @@ from pathlib import Path
 
 import pytest
 import yaml
+from reasoning_fixtures import (
+    ScriptedEngine,
+    harmony_model,
+    ids,
+    model_folder,
+    question_of,
+    reasoning_dropped,
+    reasoning_model,
+    reasoning_tokenizer,
+    served_model_folder,
+    think_answer,
+)
+from sglang_server import THOUGHT, configure, free_port, start_server, stats, stop_server
 
 from eaglepipe.core import config
-from eaglepipe.target import chat
-from eaglepipe.text import derive
-from eaglepipe.infer import run as infer
-from eaglepipe.tools import inspect
+from eaglepipe.core.records import Prompt, RecordError, content_id, response_from_json, write_json, write_jsonl
 from eaglepipe.dataset import merge
-from eaglepipe.target import model as target
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
+from eaglepipe.infer import run as infer
 from eaglepipe.infer.gates import GateBreach, Gates
-from eaglepipe.core.records import Prompt, RecordError, content_id, response_from_json, write_json, write_jsonl
-from reasoning_fixtures import (ScriptedEngine, harmony_model, ids, model_folder, question_of, reasoning_dropped,
-                                reasoning_model, reasoning_tokenizer, served_model_folder, think_answer)
-from sglang_server import THOUGHT, configure, free_port, start_server, stats, stop_server
+from eaglepipe.target import chat
+from eaglepipe.target import model as target
+from eaglepipe.text import derive
+from eaglepipe.tools import inspect
 
 ROOT = Path(__file__).resolve().parents[2]
 GATES = config.load(ROOT / "params.yaml").infer.gates  # the project's own settings
-TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the web",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"query": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the web",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+        },
+    }
+]
 MERGE = config.Merge(shard_tokens=100000)
 
 
@@ -80,35 +98,60 @@ def test_1_seed_run_replayed_every_record_keeps_its_reasoning(tok, folder, tmp_p
     think = tok.convert_tokens_to_ids("</think>")
     for p, r in zip(ps, responses):
         thought, _ = think_answer(p.messages[-1]["content"], p.tools)
-        assert think in r.output_ids                      # the thinking is in the ids ...
-        assert r.reasoning.strip() == thought             # ... and in the readable field
+        assert think in r.output_ids  # the thinking is in the ids ...
+        assert r.reasoning.strip() == thought  # ... and in the readable field
         assert r.reasoning_closed and r.content.endswith("<|im_end|>") and "</think>" not in r.content
         if p.tools:
-            assert r.tool_calls == [{"type": "function", "function": {
-                "name": "search", "arguments": {"query": p.messages[-1]["content"]}}}]
+            assert r.tool_calls == [
+                {"type": "function", "function": {"name": "search", "arguments": {"query": p.messages[-1]["content"]}}}
+            ]
             assert "<tool_call>" in r.content
     assert rep["with_reasoning"] == 40 and rep["unclosed_reasoning"] == 0
     assert rep["gates"]["min_reasoning"] == 1.0
     assert rep["tool_calls"] == {"records": 10, "calls": 10, "parse_failures": 0}
     # published, then merged: merge re-validates every record against its ids and accepts them all
     write_jsonl(tmp_path / "responses.jsonl", responses)
-    stats = merge.run(tmp_path / "responses.jsonl", tmp_path / "seq", tok, derive.spec_from_params("think"),
-                      target.end_of_turn_id(folder, tok), MERGE)
+    stats = merge.run(
+        tmp_path / "responses.jsonl",
+        tmp_path / "seq",
+        tok,
+        derive.spec_from_params("think"),
+        target.end_of_turn_id(folder, tok),
+        MERGE,
+    )
     assert stats["train"]["samples"] + stats["valid"]["samples"] == 40
     # what a user checks by eye: the inspection command, run as `make inspect` runs it
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["target"].update({"model": str(folder), "reasoning": "think", "tool_calls": "hermes"})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     write_json(tmp_path / "infer.json", rep)
-    proc = subprocess.run([sys.executable, "stages/inspect_run.py", "--responses", str(tmp_path / "responses.jsonl"),
-                           "--params", str(tmp_path / "params.yaml"), "--report", str(tmp_path / "infer.json"),
-                           "--n", "40", "--seed", "3", "--source", "glaive"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "stages/inspect_run.py",
+            "--responses",
+            str(tmp_path / "responses.jsonl"),
+            "--params",
+            str(tmp_path / "params.yaml"),
+            "--report",
+            str(tmp_path / "infer.json"),
+            "--n",
+            "40",
+            "--seed",
+            "3",
+            "--source",
+            "glaive",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "with reasoning 40 (100.0%)" in out and "(source glaive): 40 records; showing 40" in out
     assert out.count("-- reasoning (closed) --") == 40 and out.count("-- content --") == 40
-    assert out.count("re-derived from ids: ok") == 40 and out.count("  1. search({\"query\": ") == 10
+    assert out.count("re-derived from ids: ok") == 40 and out.count('  1. search({"query": ') == 10
     assert out.count("-- prompt (its prompt_ids decoded) --") == 40
     assert all(f"<|im_start|>user\n{p.messages[-1]['content']}<|im_end|>" in out for p in ps)  # the question asked
 
@@ -124,8 +167,8 @@ def test_2_reasoning_dropped_fails_its_gate_within_the_warmup(tok, folder, tmp_p
     msg = str(e.value)
     assert f"gate min_reasoning breached: observed 0.000 < {GATES.min_reasoning} after {warmup} records" in msg
     assert ", ".join(p.id for p in ps[:5]) in msg  # a few record ids to look at
-    assert engine.served == warmup                   # stopped at the first check: the rest was never asked for
-    done, _ = infer.Cache(cache).load()              # what was generated stays on disk for inspection
+    assert engine.served == warmup  # stopped at the first check: the rest was never asked for
+    done, _ = infer.Cache(cache).load()  # what was generated stays on disk for inspection
     assert list(done) == [p.id for p in ps[:warmup]]
     assert not (tmp_path / "responses.jsonl").exists()
     # the stopped run's records can be inspected where they are
@@ -164,8 +207,15 @@ def test_3_output_without_closing_tag_is_reasoning_flagged_unclosed(tok, folder,
         return (text, "length") if "Question 3:" in prompt_text else (text, finish)
 
     ps = prompts(20, 0)
-    responses, rep = run(ps, ScriptedEngine(tok, sometimes_cut), tok, folder, tmp_path,
-                         derive.spec_from_params("think"), max_new_tokens=6)
+    responses, rep = run(
+        ps,
+        ScriptedEngine(tok, sometimes_cut),
+        tok,
+        folder,
+        tmp_path,
+        derive.spec_from_params("think"),
+        max_new_tokens=6,
+    )
     cut = [r for r in responses if r.finish_reason == "length"]
     assert len(cut) == 1 and len(cut[0].output_ids) == 6
     assert cut[0].reasoning and cut[0].content == "" and not cut[0].reasoning_closed
@@ -182,16 +232,24 @@ def test_3_gpt_oss_harmony_channels(tok, folder, tmp_path):
         assert r.reasoning.startswith("User asks: Question") and r.reasoning_closed
         assert "<|channel|>analysis" not in r.content
         if p.tools:
-            assert r.tool_calls == [{"type": "function", "function": {
-                "name": "search", "arguments": {"query": p.messages[-1]["content"]}}}]
+            assert r.tool_calls == [
+                {"type": "function", "function": {"name": "search", "arguments": {"query": p.messages[-1]["content"]}}}
+            ]
             assert r.content.endswith("<|call|>") and "to=functions.search" in r.content
         else:
             assert r.content == f"Answer: {p.messages[-1]['content']}" and r.tool_calls == []
     assert rep["with_reasoning"] == 24 and rep["tool_calls"]["parse_failures"] == 0
     # the same output read with the think preset has no reasoning: the gate would stop such a misconfigured run
     with pytest.raises(GateBreach, match="min_reasoning"):
-        run(ps, ScriptedEngine(tok, harmony_model), tok, folder, tmp_path / "other",
-            derive.spec_from_params("think"), {"harmony": True})
+        run(
+            ps,
+            ScriptedEngine(tok, harmony_model),
+            tok,
+            folder,
+            tmp_path / "other",
+            derive.spec_from_params("think"),
+            {"harmony": True},
+        )
 
 
 @pytest.mark.e2e
@@ -200,23 +258,50 @@ def test_4_stage_on_a_non_reasoning_model_under_think_fails_its_gate(tmp_path):
     first check, names the gate, the rate and the records, and publishes nothing."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["target"].update({"model": "embedded", "reasoning": "think", "chat_template_kwargs": {}})
-    params["infer"].update({"engine": "hf", "batch_size": 1, "max_new_tokens": 8, "temperature": 0.0, "samples": 1,
-                            "max_failure_rate": 0.0,
-                            "gates": {"warmup": 2, "every": 2, "min_reasoning": 0.9, "max_truncated": 1.0,
-                                      "max_empty": 1.0}})
+    params["infer"].update(
+        {
+            "engine": "hf",
+            "batch_size": 1,
+            "max_new_tokens": 8,
+            "temperature": 0.0,
+            "samples": 1,
+            "max_failure_rate": 0.0,
+            "gates": {"warmup": 2, "every": 2, "min_reasoning": 0.9, "max_truncated": 1.0, "max_empty": 1.0},
+        }
+    )
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    ps = [Prompt(content_id(m, None), "chat", m) for m in
-          ([{"role": "user", "content": q}] for q in ["What is 2+2?", "Name a colour.", "Say hi."])]
+    ps = [
+        Prompt(content_id(m, None), "chat", m)
+        for m in ([{"role": "user", "content": q}] for q in ["What is 2+2?", "Name a colour.", "Say hi."])
+    ]
     write_jsonl(tmp_path / "prompts.jsonl", ps)
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "stages/infer.py"), "--params", str(tmp_path / "params.yaml"),
-         "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "responses"),
-         "--report", str(tmp_path / "metrics/infer.json"), "--timings", str(tmp_path / "metrics/timings.json"),
-         "--cache", str(tmp_path / "cache")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(ROOT / "stages/infer.py"),
+            "--params",
+            str(tmp_path / "params.yaml"),
+            "--prompts",
+            str(tmp_path / "prompts.jsonl"),
+            "--out",
+            str(tmp_path / "responses"),
+            "--report",
+            str(tmp_path / "metrics/infer.json"),
+            "--timings",
+            str(tmp_path / "metrics/timings.json"),
+            "--cache",
+            str(tmp_path / "cache"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert f"gate min_reasoning breached: observed 0.000 < 0.9 after 2 records (e.g. {ps[0].id}, {ps[1].id})" \
-        in proc.stderr, proc.stderr
+    assert (
+        f"gate min_reasoning breached: observed 0.000 < 0.9 after 2 records (e.g. {ps[0].id}, {ps[1].id})"
+        in proc.stderr
+    ), proc.stderr
     assert "Nothing was published" in proc.stderr
     assert not (tmp_path / "responses").exists() and not (tmp_path / "metrics").exists()
     [cache] = list((tmp_path / "cache").iterdir())
@@ -228,12 +313,23 @@ def test_4_stage_on_a_non_reasoning_model_under_think_fails_its_gate(tmp_path):
 # Questions the embedded model answers in at most 13 ids and a stop (greedy): every answer fits the budget left by
 # the think block, so `content` holds whole answers, and the dropped run's answers end by stop (a truncated output
 # under a prefilled <think> would count as reasoning cut short).
-E2E_QUESTIONS = ["What is the capital of France?", "What is 2 plus 2?", "Name a fruit.",
-                 "What is the capital of Italy?", "What is the capital of Japan?", "What is the capital of Germany?",
-                 "What is 1 plus 1?", "What is 5 plus 5?", "What is 10 minus 3?", "Translate 'cat' to French.",
-                 "What is the capital of Canada?", "What is the capital of England?"]
-E2E_PROMPTS = [Prompt(content_id(m, None), "glaive", m) for m in ([{"role": "user", "content": q}]
-                                                                  for q in E2E_QUESTIONS)]
+E2E_QUESTIONS = [
+    "What is the capital of France?",
+    "What is 2 plus 2?",
+    "Name a fruit.",
+    "What is the capital of Italy?",
+    "What is the capital of Japan?",
+    "What is the capital of Germany?",
+    "What is 1 plus 1?",
+    "What is 5 plus 5?",
+    "What is 10 minus 3?",
+    "Translate 'cat' to French.",
+    "What is the capital of Canada?",
+    "What is the capital of England?",
+]
+E2E_PROMPTS = [
+    Prompt(content_id(m, None), "glaive", m) for m in ([{"role": "user", "content": q}] for q in E2E_QUESTIONS)
+]
 E2E_MAX_NEW, E2E_WARMUP, E2E_CONCURRENCY = 24, 4, 2
 TEMPLATES = pytest.mark.parametrize("template", [{}, {"prefill_think": False}], ids=["prefilled", "model-opens-tag"])
 
@@ -275,20 +371,54 @@ def answers(tok, model):
 def run_stage(folder: Path, served: Path, url: str, prompts: Path, template: dict) -> subprocess.CompletedProcess:
     """The real stage with params.yaml's gates (warm-up shortened) against the test server."""
     cfg = yaml.safe_load((ROOT / "params.yaml").read_text())
-    cfg["target"].update({"model": str(served), "reasoning": "think", "tool_calls": "none",
-                          "chat_template_kwargs": template})
-    cfg["infer"].update({"engine": "sglang", "batch_size": 1, "max_new_tokens": E2E_MAX_NEW, "temperature": 0.0,
-                         "samples": 1, "max_failure_rate": 0.0})
+    cfg["target"].update(
+        {"model": str(served), "reasoning": "think", "tool_calls": "none", "chat_template_kwargs": template}
+    )
+    cfg["infer"].update(
+        {
+            "engine": "sglang",
+            "batch_size": 1,
+            "max_new_tokens": E2E_MAX_NEW,
+            "temperature": 0.0,
+            "samples": 1,
+            "max_failure_rate": 0.0,
+        }
+    )
     cfg["infer"]["gates"].update({"warmup": E2E_WARMUP, "every": E2E_WARMUP})
-    cfg["infer"]["sglang"] = {"urls": [url], "concurrency": E2E_CONCURRENCY, "timeout_s": 60, "health_timeout_s": 60,
-                              "retries": 2, "backoff_s": 0.05, "backoff_max_s": 0.5, "launch": None}
+    cfg["infer"]["sglang"] = {
+        "urls": [url],
+        "concurrency": E2E_CONCURRENCY,
+        "timeout_s": 60,
+        "health_timeout_s": 60,
+        "retries": 2,
+        "backoff_s": 0.05,
+        "backoff_max_s": 0.5,
+        "launch": None,
+    }
     (folder / "params.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     return subprocess.run(
-        [sys.executable, "stages/infer.py", "--params", str(folder / "params.yaml"), "--prompts", str(prompts),
-         "--out", str(folder / "out"), "--report", str(folder / "metrics" / "infer.json"),
-         "--timings", str(folder / "metrics" / "timings.json"), "--cache", str(folder / "cache")],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, capture_output=True,
-        text=True, timeout=300)
+        [
+            sys.executable,
+            "stages/infer.py",
+            "--params",
+            str(folder / "params.yaml"),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(folder / "out"),
+            "--report",
+            str(folder / "metrics" / "infer.json"),
+            "--timings",
+            str(folder / "metrics" / "timings.json"),
+            "--cache",
+            str(folder / "cache"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def think_block(tok, template: dict) -> list[int]:
@@ -299,8 +429,9 @@ def think_block(tok, template: dict) -> list[int]:
 
 @pytest.mark.engine
 @TEMPLATES
-def test_1_e2e_seed_run_over_http_every_record_keeps_its_reasoning(tok, served, server, e2e_prompts, answers,
-                                                                   tmp_path, template):
+def test_1_e2e_seed_run_over_http_every_record_keeps_its_reasoning(
+    tok, served, server, e2e_prompts, answers, tmp_path, template
+):
     configure(server, reasoning="wrap", reset_stats=True)
     out = run_stage(tmp_path, served, server, e2e_prompts, template)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -311,7 +442,7 @@ def test_1_e2e_seed_run_over_http_every_record_keeps_its_reasoning(tok, served, 
     open_id = tok.convert_tokens_to_ids("<think>")
     for r in recs:
         answer = answers[r["id"]]
-        assert r["output_ids"] == block + answer                      # token-exact: thinking, then the answer
+        assert r["output_ids"] == block + answer  # token-exact: thinking, then the answer
         assert (open_id in r["output_ids"]) == ("prefill_think" in template)
         assert tok.decode(r["prompt_ids"][-2:]).endswith("<think>\n") == ("prefill_think" not in template)
         assert r["finish_reason"] == "stop" and r["output_ids"][-1] == 2
@@ -329,8 +460,9 @@ def test_1_e2e_seed_run_over_http_every_record_keeps_its_reasoning(tok, served, 
 
 @pytest.mark.engine
 @TEMPLATES
-def test_2_e2e_reasoning_dropped_over_http_fails_its_gate_within_the_warmup(tok, served, server, e2e_prompts,
-                                                                            answers, tmp_path, template):
+def test_2_e2e_reasoning_dropped_over_http_fails_its_gate_within_the_warmup(
+    tok, served, server, e2e_prompts, answers, tmp_path, template
+):
     configure(server, reasoning="drop", reset_stats=True)
     out = run_stage(tmp_path, served, server, e2e_prompts, template)
     assert out.returncode != 0, out.stderr[-3000:]
@@ -338,8 +470,10 @@ def test_2_e2e_reasoning_dropped_over_http_fails_its_gate_within_the_warmup(tok,
     kept = [json.loads(line) for line in (cache / "generations.jsonl").read_text().splitlines()]
     assert len(kept) == E2E_WARMUP  # stopped at the first check, right after the warm-up
     offenders = ", ".join(k["id"] for k in kept)
-    assert (f"gate min_reasoning breached: observed 0.000 < {GATES.min_reasoning} after {E2E_WARMUP} records "
-            f"(e.g. {offenders})") in out.stderr, out.stderr[-3000:]
+    assert (
+        f"gate min_reasoning breached: observed 0.000 < {GATES.min_reasoning} after {E2E_WARMUP} records "
+        f"(e.g. {offenders})"
+    ) in out.stderr, out.stderr[-3000:]
     assert f"Nothing was published; the records are in {cache}" in out.stderr
     assert not (tmp_path / "out" / "responses.jsonl").exists() and not (tmp_path / "metrics").exists()
     by_id = {p.id: p for p in E2E_PROMPTS}
@@ -362,6 +496,7 @@ def test_every_turn_of_a_reasoning_model_under_a_template_that_drops_history_rea
     each later turn's prompt holds the earlier answers without their reasoning, so merge keeps every turn a sequence
     of its own, each trained in the context it was generated in. A turn that calls a tool, or is aborted, ends its
     conversation there (nothing in the dataset answers the target's own call), counted."""
+
     def script(text):
         question = question_of(text)
         if question.startswith("abort"):
@@ -371,30 +506,41 @@ def test_every_turn_of_a_reasoning_model_under_a_template_that_drops_history_rea
     def chat_of(*users):
         messages = []
         for i, user in enumerate(users):
-            messages += ([{"role": "assistant", "content": f"dataset answer {i}"}] if i else []) + \
-                        [{"role": "user", "content": user}]
+            messages += ([{"role": "assistant", "content": f"dataset answer {i}"}] if i else []) + [
+                {"role": "user", "content": user}
+            ]
         return messages
 
-    ps = [Prompt(content_id(m, t), "chat", m, t) for m, t in [
-        (chat_of("What is 2 + 2?", "And 3 + 3?", "And 4 + 4?"), None),
-        (chat_of("Look up the capital of Peru.", "And of Chile?"), TOOLS),
-        (chat_of("abort this one", "never asked"), None)]]
+    ps = [
+        Prompt(content_id(m, t), "chat", m, t)
+        for m, t in [
+            (chat_of("What is 2 + 2?", "And 3 + 3?", "And 4 + 4?"), None),
+            (chat_of("Look up the capital of Peru.", "And of Chile?"), TOOLS),
+            (chat_of("abort this one", "never asked"), None),
+        ]
+    ]
     spec = derive.spec_from_params("think", "hermes")
     sampling = Sampling(max_new_tokens=256, stop_token_ids=tuple(target.stop_ids(folder, tok)))
     gates = Gates(config.Gates(warmup=100, every=100, max_truncated=1.0, max_empty=1.0), True, derive.markup(tok))
-    responses, report = infer.run(ps, ScriptedEngine(tok, script), tok, sampling, spec, gates,
-                                  infer.Cache(tmp_path / "cache"), {}, turns_="all")
-    assert [r.id for r in responses] == [f"{ps[0].id}@1", f"{ps[0].id}@2", f"{ps[0].id}@3", f"{ps[1].id}@1",
-                                         f"{ps[2].id}@1"]
-    assert report["turns"] == {"mode": "all", "answered": {1: 3, 2: 1, 3: 1}, "unanswered": 2,
-                               "ended_at_tool_call": 1}
+    responses, report = infer.run(
+        ps, ScriptedEngine(tok, script), tok, sampling, spec, gates, infer.Cache(tmp_path / "cache"), {}, turns_="all"
+    )
+    assert [r.id for r in responses] == [
+        f"{ps[0].id}@1",
+        f"{ps[0].id}@2",
+        f"{ps[0].id}@3",
+        f"{ps[1].id}@1",
+        f"{ps[2].id}@1",
+    ]
+    assert report["turns"] == {"mode": "all", "answered": {1: 3, 2: 1, 3: 1}, "unanswered": 2, "ended_at_tool_call": 1}
     first, second = responses[0], responses[1]
     assert first.reasoning and first.content.strip() == "Here is my answer to: What is 2 + 2?<|im_end|>"
     history = tok.decode(second.prompt_ids, skip_special_tokens=False)
     assert "Here is my answer to: What is 2 + 2?" in history and first.reasoning not in history  # dropped
     assert "dataset answer" not in history
     write_jsonl(tmp_path / "responses.jsonl", [r for r in responses if r.finish_reason != "abort"])
-    stats = merge.run(tmp_path / "responses.jsonl", tmp_path / "seq", tok, spec, target.end_of_turn_id(folder, tok),
-                      MERGE)
+    stats = merge.run(
+        tmp_path / "responses.jsonl", tmp_path / "seq", tok, spec, target.end_of_turn_id(folder, tok), MERGE
+    )
     assert stats["turns"] == {"joined": 0, "apart": 2}
     assert stats["train"]["samples"] + stats["valid"]["samples"] == 4

@@ -1,19 +1,24 @@
 """What ``make inspect`` shows of one record: the prompt the target saw (its prompt_ids decoded), abbreviated to
 ``--max-chars`` with the last user turn kept, beside the reasoning and the content."""
-import pytest
 
+import pytest
+from reasoning_fixtures import ids, reasoning_tokenizer
+
+from eaglepipe.core.records import Generation, write_jsonl
+from eaglepipe.engines import Sampling
 from eaglepipe.target import chat
 from eaglepipe.text import derive
 from eaglepipe.tools import inspect
-from eaglepipe.engines import Sampling
-from eaglepipe.core.records import Generation, write_jsonl
-from reasoning_fixtures import ids, reasoning_tokenizer
 
 THINK = derive.spec_from_params("think")
 SYSTEM = "You follow the house style guide. " * 60  # far longer than --max-chars
 QUESTION = "Which river flows through Vienna?"
-MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a river."},
-            {"role": "assistant", "content": "The Rhine."}, {"role": "user", "content": QUESTION}]
+MESSAGES = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "Name a river."},
+    {"role": "assistant", "content": "The Rhine."},
+    {"role": "user", "content": QUESTION},
+]
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +28,14 @@ def tok(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rec(tok):
-    gen = Generation("p1", "s", chat.prompt_ids(tok, MESSAGES),
-                     ids(tok, "Rivers of Austria.</think>The Danube.<|im_end|>"), "stop", {})
+    gen = Generation(
+        "p1",
+        "s",
+        chat.prompt_ids(tok, MESSAGES),
+        ids(tok, "Rivers of Austria.</think>The Danube.<|im_end|>"),
+        "stop",
+        {},
+    )
     return derive.to_response(gen, tok, THINK, Sampling())
 
 
@@ -61,13 +72,25 @@ def test_a_turn_is_shown_with_every_turn_of_its_conversation(tok, tmp_path):
     """Records of infer.turns: all: picking turn 2 shows turns 1 and 2 of its conversation, in order, each with the
     prompt it was answered in; a record of another conversation stays apart."""
     first = [{"role": "user", "content": "Name a river."}]
-    one = derive.to_response(Generation("p1@1", "s", chat.prompt_ids(tok, first), ids(tok, "The Danube.<|im_end|>"),
-                                        "stop", {}, 0, 1), tok, THINK, Sampling())
+    one = derive.to_response(
+        Generation("p1@1", "s", chat.prompt_ids(tok, first), ids(tok, "The Danube.<|im_end|>"), "stop", {}, 0, 1),
+        tok,
+        THINK,
+        Sampling(),
+    )
     second = first + [{"role": "assistant", "content": "The Danube."}, {"role": "user", "content": QUESTION}]
-    two = derive.to_response(Generation("p1@2", "s", chat.prompt_ids(tok, second), ids(tok, "Vienna's.<|im_end|>"),
-                                        "stop", {}, 0, 2), tok, THINK, Sampling())
-    other = derive.to_response(Generation("p2", "s", chat.prompt_ids(tok, first), ids(tok, "The Rhine.<|im_end|>"),
-                                          "stop", {}), tok, THINK, Sampling())
+    two = derive.to_response(
+        Generation("p1@2", "s", chat.prompt_ids(tok, second), ids(tok, "Vienna's.<|im_end|>"), "stop", {}, 0, 2),
+        tok,
+        THINK,
+        Sampling(),
+    )
+    other = derive.to_response(
+        Generation("p2", "s", chat.prompt_ids(tok, first), ids(tok, "The Rhine.<|im_end|>"), "stop", {}),
+        tok,
+        THINK,
+        Sampling(),
+    )
     write_jsonl(tmp_path / "r.jsonl", [one, two, other])
     out = inspect.render(tmp_path / "r.jsonl", 3, 0, tok, THINK)
     assert out.count("conversation p1, sample 0: 2 turn(s)") == 1  # picked twice, shown once

@@ -1,5 +1,6 @@
 """The plan (eaglepipe/tools/plan.py): bytes per token against the measured run, the text config of a composite config,
 a missing field, and the CLI on the Kimi-K2.5 recipe and on the embedded target with measured figures."""
+
 import json
 from pathlib import Path
 
@@ -32,8 +33,16 @@ def test_bytes_per_token_is_what_hidden_stored_for_the_embedded_target(target_fo
 
 def test_a_composite_config_is_read_through_its_text_config(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "vlm", "hidden_size": 1, "vision_config": {"hidden_size": 2},
-                                "text_config": {"hidden_size": 64, "num_hidden_layers": 8, "vocab_size": 100}}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "vlm",
+                "hidden_size": 1,
+                "vision_config": {"hidden_size": 2},
+                "text_config": {"hidden_size": 64, "num_hidden_layers": 8, "vocab_size": 100},
+            }
+        )
+    )
     assert plan.text_config(path) == {"hidden_size": 64, "num_hidden_layers": 8, "vocab_size": 100, "composite": True}
     kimi = plan.text_config(KIMI)
     assert (kimi["hidden_size"], kimi["num_hidden_layers"], kimi["vocab_size"]) == (7168, 61, 163840)
@@ -56,8 +65,20 @@ def test_the_seeds_case_prints_its_terabytes():
 
 
 def test_given_lengths_and_speeds_are_used_and_answers_capped():
-    out = run("--target", str(KIMI), "--samples", "1000", "--prompt-tokens", "100", "--answer-tokens", "5000",
-              "-S", "infer.max_new_tokens=400", "--generate-tokens-per-s", "100")
+    out = run(
+        "--target",
+        str(KIMI),
+        "--samples",
+        "1000",
+        "--prompt-tokens",
+        "100",
+        "--answer-tokens",
+        "5000",
+        "-S",
+        "infer.max_new_tokens=400",
+        "--generate-tokens-per-s",
+        "100",
+    )
     assert "answer 400 (given, capped at infer.max_new_tokens)" in out
     assert "400,000  infer" in out and "1.1 h  at 100.0 tokens/s (given)" in out
 

@@ -1,5 +1,6 @@
 """make repro's plan and summary (eaglepipe/tools/repro.py) on hand-written files; the whole wrapper runs end to end in
 tests/project/test_dvc_contract.py."""
+
 import json
 
 import pytest
@@ -7,12 +8,14 @@ import yaml
 
 from eaglepipe.tools import repro
 
-PIPELINE = {"stages": {
-    "a": {"cmd": "x", "deps": ["src"], "outs": ["data/a"]},
-    "b": {"cmd": "x", "deps": ["data/a/part.jsonl"], "outs": ["data/b"]},
-    "c": {"cmd": "x", "deps": ["other"], "outs": [{"data/c": {"cache": False}}]},
-    "d": {"cmd": "x", "deps": ["data/b", "data/c"], "outs": ["data/d"]},
-}}
+PIPELINE = {
+    "stages": {
+        "a": {"cmd": "x", "deps": ["src"], "outs": ["data/a"]},
+        "b": {"cmd": "x", "deps": ["data/a/part.jsonl"], "outs": ["data/b"]},
+        "c": {"cmd": "x", "deps": ["other"], "outs": [{"data/c": {"cache": False}}]},
+        "d": {"cmd": "x", "deps": ["data/b", "data/c"], "outs": ["data/d"]},
+    }
+}
 
 
 @pytest.fixture
@@ -26,7 +29,7 @@ def project(tmp_path, monkeypatch):
 def test_the_stages_below_follow_outputs_into_deps(project):
     order = repro.stage_order()
     assert order == ["a", "b", "c", "d"]
-    assert repro.below(["a"], order) == ["b", "d"]      # b reads a file inside a's output, d reads b's
+    assert repro.below(["a"], order) == ["b", "d"]  # b reads a file inside a's output, d reads b's
     assert repro.below(["c"], order) == ["d"] and repro.below(["d"], order) == []
 
 
@@ -45,11 +48,27 @@ def test_the_probe_measures_a_positive_speed():
 
 
 def test_summary_reads_the_metrics(project):
-    (project / "metrics/eval.json").write_text(json.dumps({"benchmarks": {"heldout": {
-        "acceptance_length": 1.5, "acceptance_length_se": 0.02, "baseline_acceptance_length": 1.3,
-        "baseline_acceptance_length_se": 0.03, "difference_se": 0.04, "prompts": 10, "turns": 10, "lossless": True}}}))
-    (project / "metrics/serve.json").write_text(json.dumps({"passed": True, "acceptance_length": 1.5,
-                                                            "evaluate_acceptance_length": 1.5, "outputs_equal": True}))
+    (project / "metrics/eval.json").write_text(
+        json.dumps(
+            {
+                "benchmarks": {
+                    "heldout": {
+                        "acceptance_length": 1.5,
+                        "acceptance_length_se": 0.02,
+                        "baseline_acceptance_length": 1.3,
+                        "baseline_acceptance_length_se": 0.03,
+                        "difference_se": 0.04,
+                        "prompts": 10,
+                        "turns": 10,
+                        "lossless": True,
+                    }
+                }
+            }
+        )
+    )
+    (project / "metrics/serve.json").write_text(
+        json.dumps({"passed": True, "acceptance_length": 1.5, "evaluate_acceptance_length": 1.5, "outputs_equal": True})
+    )
     text = repro.summary()
     assert "heldout    1.500 ± 0.020 vs 1.300 ± 0.030: beats n-gram by more than twice the error" in text
     assert "serve check (vLLM serving the drafter): passed" in text and "make metrics" in text

@@ -13,6 +13,7 @@ layer is left over and the family's layer is the drafter's (``families.Family.la
 exact and names what it dropped (e.g. Qwen3's q_norm/k_norm under the llama drafter, Qwen2's q/k/v biases) or started
 fresh (e.g. an MoE layer's MLP, at the target config's ``intermediate_size``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,23 +21,39 @@ import re
 
 import torch
 
-from eaglepipe.target import families
 from eaglepipe.drafter.eagle3.model import DraftConfig, Eagle3Draft
+from eaglepipe.target import families
 
 log = logging.getLogger(__name__)
 
-LLAMA_ATTENTION = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                   "self_attn.o_proj.weight")
+LLAMA_ATTENTION = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+)
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")  # the qwen3 drafter's attention has them too
-MLA_ATTENTION = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight",
-                 "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_layernorm.weight",
-                 "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight")
+MLA_ATTENTION = (
+    "self_attn.q_a_proj.weight",
+    "self_attn.q_a_layernorm.weight",
+    "self_attn.q_b_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attn.kv_a_layernorm.weight",
+    "self_attn.kv_b_proj.weight",
+    "self_attn.o_proj.weight",
+)
 MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-LAYER_WEIGHTS = tuple(dict.fromkeys(LLAMA_ATTENTION + QK_NORMS + MLA_ATTENTION + ("input_layernorm.weight",) +
-                                    MLP_WEIGHTS))
+LAYER_WEIGHTS = tuple(
+    dict.fromkeys(LLAMA_ATTENTION + QK_NORMS + MLA_ATTENTION + ("input_layernorm.weight",) + MLP_WEIGHTS)
+)
 """A target layer's weights the midlayer can start from (train.target_tensors reads those the target has)."""
-INPUT_PROJECTIONS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                     "self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")  # 2H inputs: the hidden half
+INPUT_PROJECTIONS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.q_a_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight",
+)  # 2H inputs: the hidden half
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -51,10 +68,16 @@ def layer_shapes(model: Eagle3Draft) -> dict:
     """The shape each target weight the midlayer can start from must have: the drafter's own (the 2H-input
     projections: their hidden-state half)."""
     H, mid = model.cfg.hidden_size, model.midlayer
-    shapes = {name: tuple(mid.get_parameter(name).shape) for name in attention_weights(model.cfg) + MLP_WEIGHTS
-              if name != "input_layernorm.weight"}
-    return {**shapes, **{name: (shapes[name][0], H) for name in INPUT_PROJECTIONS if name in shapes},
-            "input_layernorm.weight": (H,)}
+    shapes = {
+        name: tuple(mid.get_parameter(name).shape)
+        for name in attention_weights(model.cfg) + MLP_WEIGHTS
+        if name != "input_layernorm.weight"
+    }
+    return {
+        **shapes,
+        **{name: (shapes[name][0], H) for name in INPUT_PROJECTIONS if name in shapes},
+        "input_layernorm.weight": (H,),
+    }
 
 
 def misfit(layer: dict, names, shapes: dict) -> str:
@@ -88,7 +111,7 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
     dropped = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", n) for n in target["layer_names"] if n not in used))
     with torch.no_grad():
         model.fc.weight.zero_()
-        model.fc.weight[:, 2 * H:] = torch.eye(H)
+        model.fc.weight[:, 2 * H :] = torch.eye(H)
         for name in used:
             w = mid.hidden_norm.weight if name == "input_layernorm.weight" else mid.get_parameter(name)
             if name in INPUT_PROJECTIONS:
@@ -102,11 +125,12 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
     source = f"target layer {target['layer_index']} ({target['model_type']})"
     family, drafter = families.FAMILIES.get(target["model_type"], families.OTHER), model.cfg.drafter
     if not (why_attn or why_mlp or dropped) and family.layer == drafter:
-        text = (f"exact: the midlayer is {source}, a {drafter} layer with every weight used; step 0 computes that "
-                "layer")
+        text = f"exact: the midlayer is {source}, a {drafter} layer with every weight used; step 0 computes that layer"
     else:
-        parts = [f"attention {'fresh (seeded), ' + why_attn if why_attn else 'copied'}",
-                 f"MLP {'fresh (seeded gate/up, zero down_proj), ' + why_mlp if why_mlp else 'copied'}"]
+        parts = [
+            f"attention {'fresh (seeded), ' + why_attn if why_attn else 'copied'}",
+            f"MLP {'fresh (seeded gate/up, zero down_proj), ' + why_mlp if why_mlp else 'copied'}",
+        ]
         if dropped:
             parts.append(f"dropped {', '.join(dropped)}")
         elif family.layer != drafter:

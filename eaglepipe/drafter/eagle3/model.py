@@ -58,6 +58,7 @@ engine, each in a key only that engine reads (they mean different ids):
         top-level key is absent.
 ``load`` refuses a config whose two keys disagree, or that has only one of them.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,12 +73,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from eaglepipe.target import families
 from eaglepipe.core.errors import UserError
+from eaglepipe.target import families
 
-DRAFTERS = {"llama": ("LlamaForCausalLMEagle3", "llama"),  # the Llama layer: SGLang and vLLM
-            "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3"),  # with q_norm/k_norm: vLLM only
-            "deepseek_mla": ("Eagle3DeepseekV2ForCausalLM", "deepseek_v2")}  # MLA, dense MLP: vLLM only
+DRAFTERS = {
+    "llama": ("LlamaForCausalLMEagle3", "llama"),  # the Llama layer: SGLang and vLLM
+    "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3"),  # with q_norm/k_norm: vLLM only
+    "deepseek_mla": ("Eagle3DeepseekV2ForCausalLM", "deepseek_v2"),
+}  # MLA, dense MLP: vLLM only
 """train.drafter's layers: name -> (config.json's ``architectures`` name, ``model_type``). deepseek_mla's is
 deepseek_v2 for V2 and V3 targets alike: vLLM makes a drafter of type deepseek_v3 its multi-token-prediction model."""
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -108,7 +111,7 @@ class DraftConfig:
         return self.drafter == "qwen3"
 
     @classmethod
-    def from_target(cls, config, draft_vocab_size: int, aux_layers: list, drafter: str = "llama") -> "DraftConfig":
+    def from_target(cls, config, draft_vocab_size: int, aux_layers: list, drafter: str = "llama") -> DraftConfig:
         """The ``drafter``'s config from the target's (a transformers config): same widths, heads and RoPE (an
         M-RoPE made the 1-D RoPE of text positions)."""
         c = families.text_config(config)
@@ -117,52 +120,102 @@ class DraftConfig:
         if drafter == "deepseek_mla":
             mla = {k: getattr(c, k, None) for k in MLA_KEYS}
             if None in mla.values():  # without q_lora_rank vLLM's loader would stack kv_a_proj_with_mqa into nothing
-                raise UserError(f"train.drafter deepseek_mla needs a target with MLA attention and a query "
-                                 f"low-rank projection; its {c.model_type} config has no "
-                                 f"{', '.join(k for k, v in mla.items() if v is None)}")
-        return cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                   num_attention_heads=c.num_attention_heads,
-                   num_key_value_heads=c.num_attention_heads if mla else
-                   getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                   head_dim=mla["qk_rope_head_dim"] if mla else
-                   getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-                   rms_norm_eps=float(c.rms_norm_eps), rope_parameters=rope,
-                   max_position_embeddings=c.max_position_embeddings, hidden_act=c.hidden_act,
-                   vocab_size=c.vocab_size, draft_vocab_size=int(draft_vocab_size), aux_layers=list(aux_layers),
-                   drafter=drafter, mla=mla)
+                raise UserError(
+                    f"train.drafter deepseek_mla needs a target with MLA attention and a query "
+                    f"low-rank projection; its {c.model_type} config has no "
+                    f"{', '.join(k for k, v in mla.items() if v is None)}"
+                )
+        return cls(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_attention_heads
+            if mla
+            else getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim=mla["qk_rope_head_dim"]
+            if mla
+            else getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            rms_norm_eps=float(c.rms_norm_eps),
+            rope_parameters=rope,
+            max_position_embeddings=c.max_position_embeddings,
+            hidden_act=c.hidden_act,
+            vocab_size=c.vocab_size,
+            draft_vocab_size=int(draft_vocab_size),
+            aux_layers=list(aux_layers),
+            drafter=drafter,
+            mla=mla,
+        )
 
     def to_json(self) -> dict:
         """config.json in the layout the engines load (module docstring, Checkpoint)."""
         rope = dict(self.rope_parameters)
-        legacy_scaling = None if rope.get("rope_type", "default") == "default" else \
-            {k: v for k, v in rope.items() if k != "rope_theta"}
+        legacy_scaling = (
+            None
+            if rope.get("rope_type", "default") == "default"
+            else {k: v for k, v in rope.items() if k != "rope_theta"}
+        )
         architecture, model_type = DRAFTERS[self.drafter]
-        return {"architectures": [architecture], "model_type": model_type, "num_hidden_layers": 1,
-                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-                "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-                "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "hidden_act": self.hidden_act,
-                "max_position_embeddings": self.max_position_embeddings, "rope_theta": rope["rope_theta"],
-                "rope_scaling": legacy_scaling, "rope_parameters": rope, "vocab_size": self.vocab_size,
-                "draft_vocab_size": self.draft_vocab_size, "tie_word_embeddings": False,
-                "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
-                "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
-                "eagle_config": {"use_aux_hidden_state": True,
-                                 "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers]},
-                **(self.mla or {})}
+        return {
+            "architectures": [architecture],
+            "model_type": model_type,
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": self.hidden_act,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": rope["rope_theta"],
+            "rope_scaling": legacy_scaling,
+            "rope_parameters": rope,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
+            "eagle_config": {
+                "use_aux_hidden_state": True,
+                "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers],
+            },
+            **(self.mla or {}),
+        }
 
     @classmethod
-    def from_json(cls, d: dict) -> "DraftConfig":
+    def from_json(cls, d: dict) -> DraftConfig:
         drafter = next((name for name, (arch, _) in DRAFTERS.items() if arch in d.get("architectures", [])), None)
         if drafter is None or d.get("num_hidden_layers") != 1:
-            raise ValueError(f"not a one-layer config of {', '.join(a for a, _ in DRAFTERS.values())}: "
-                             f"{d.get('architectures')}")
-        rope = d.get("rope_parameters") or {"rope_theta": d["rope_theta"], **(d.get("rope_scaling") or
-                                                                             {"rope_type": "default"})}
-        return cls(**{k: d[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                        "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
-                                        "hidden_act", "vocab_size", "draft_vocab_size")},
-                   rope_parameters=rope, aux_layers=aux_layers_of(d), drafter=drafter,
-                   mla={k: d[k] for k in MLA_KEYS} if drafter == "deepseek_mla" else None)
+            raise ValueError(
+                f"not a one-layer config of {', '.join(a for a, _ in DRAFTERS.values())}: {d.get('architectures')}"
+            )
+        rope = d.get("rope_parameters") or {
+            "rope_theta": d["rope_theta"],
+            **(d.get("rope_scaling") or {"rope_type": "default"}),
+        }
+        return cls(
+            **{
+                k: d[k]
+                for k in (
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "rms_norm_eps",
+                    "max_position_embeddings",
+                    "hidden_act",
+                    "vocab_size",
+                    "draft_vocab_size",
+                )
+            },
+            rope_parameters=rope,
+            aux_layers=aux_layers_of(d),
+            drafter=drafter,
+            mla={k: d[k] for k in MLA_KEYS} if drafter == "deepseek_mla" else None,
+        )
 
 
 def aux_layers_of(d: dict) -> list:
@@ -171,11 +224,15 @@ def aux_layers_of(d: dict) -> list:
     vllm_ids = d.get("eagle_aux_hidden_state_layer_ids")
     sglang_ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if vllm_ids is None or sglang_ids is None:
-        raise ValueError("config.json should name the aux layers for both engines: eagle_aux_hidden_state_layer_ids "
-                         "(vLLM, HF indices) and eagle_config.eagle_aux_hidden_state_layer_ids (SGLang, minus one)")
+        raise ValueError(
+            "config.json should name the aux layers for both engines: eagle_aux_hidden_state_layer_ids "
+            "(vLLM, HF indices) and eagle_config.eagle_aux_hidden_state_layer_ids (SGLang, minus one)"
+        )
     if [i + 1 for i in sglang_ids] != list(vllm_ids):
-        raise ValueError(f"config.json's aux layers disagree: vLLM would read hidden_states {list(vllm_ids)}, "
-                         f"SGLang {[i + 1 for i in sglang_ids]} (eagle_config's ids plus one)")
+        raise ValueError(
+            f"config.json's aux layers disagree: vLLM would read hidden_states {list(vllm_ids)}, "
+            f"SGLang {[i + 1 for i in sglang_ids]} (eagle_config's ids plus one)"
+        )
     return list(vllm_ids)
 
 
@@ -218,8 +275,9 @@ def rotate_pairs(x, cos, sin):
 def yarn_mscale(rope: dict) -> float:
     """YaRN's attention factor on MLA's softmax scale, applied twice (DeepSeek's ``mscale_all_dim``; 1 without)."""
     factor, m = rope.get("factor", 1.0), rope.get("mscale_all_dim", 0)
-    return 0.1 * m * math.log(factor) + 1.0 if rope.get("rope_type", "default") != "default" and m and factor > 1 \
-        else 1.0
+    return (
+        0.1 * m * math.log(factor) + 1.0 if rope.get("rope_type", "default") != "default" and m and factor > 1 else 1.0
+    )
 
 
 class Attention(nn.Module):
@@ -266,8 +324,12 @@ class MLAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         H, m, eps = cfg.hidden_size, cfg.mla, cfg.rms_norm_eps
-        self.heads, self.nope, self.rope_dim, self.v_dim = (cfg.num_attention_heads, m["qk_nope_head_dim"],
-                                                            m["qk_rope_head_dim"], m["v_head_dim"])
+        self.heads, self.nope, self.rope_dim, self.v_dim = (
+            cfg.num_attention_heads,
+            m["qk_nope_head_dim"],
+            m["qk_rope_head_dim"],
+            m["v_head_dim"],
+        )
         self.kv_rank = m["kv_lora_rank"]
         self.q_a_proj = nn.Linear(2 * H, m["q_lora_rank"], bias=False)
         self.q_a_layernorm = RMSNorm(m["q_lora_rank"], eps)
@@ -353,8 +415,10 @@ class Eagle3Draft(nn.Module):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
         if tuple(embed_tokens.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(f"target embeddings {tuple(embed_tokens.shape)} do not match the config "
-                             f"({cfg.vocab_size}, {cfg.hidden_size})")
+            raise ValueError(
+                f"target embeddings {tuple(embed_tokens.shape)} do not match the config "
+                f"({cfg.vocab_size}, {cfg.hidden_size})"
+            )
         self.cfg = cfg
         self.aux_layers = list(cfg.aux_layers)
         H = cfg.hidden_size
@@ -365,9 +429,13 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.register_buffer("embed_tokens", embed_tokens.detach().float().clone(), persistent=False)
-        rope_cfg = LlamaConfig(hidden_size=H, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
-                               max_position_embeddings=cfg.max_position_embeddings,
-                               rope_parameters=dict(cfg.rope_parameters))
+        rope_cfg = LlamaConfig(
+            hidden_size=H,
+            num_attention_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_parameters=dict(cfg.rope_parameters),
+        )
         self.rotary = LlamaRotaryEmbedding(rope_cfg)  # buffers only (not persistent)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor):
@@ -414,8 +482,11 @@ def save(model: Eagle3Draft, folder) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(model.cfg.to_json(), indent=2, sort_keys=True) + "\n")
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous() for k, v in model.state_dict().items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def read_config(folder) -> DraftConfig:

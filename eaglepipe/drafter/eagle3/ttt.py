@@ -17,6 +17,7 @@ Loss: sum_k w^k * soft cross-entropy(target distribution over the draft vocabula
 ``train.step_weight``, averaged per step over its positions. acc_k: share of the step's positions where the drafter's
 argmax (as a target id) equals the target's argmax over the full vocabulary.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,9 +34,9 @@ def chain_masks(mask: torch.Tensor, steps: int) -> torch.Tensor:
     n = mask.shape[0]
     padded = torch.cat((mask.bool(), torch.zeros(steps + 2, dtype=torch.bool)))
     out = torch.empty(steps, n, dtype=torch.bool)
-    cur = padded[1:n + 1]
+    cur = padded[1 : n + 1]
     for k in range(steps):
-        cur = cur & padded[2 + k:n + 2 + k]
+        cur = cur & padded[2 + k : n + 2 + k]
         out[k] = cur
     return out
 
@@ -74,11 +75,10 @@ def collate(samples: list, states: list[dict], steps: int, head_draft: torch.Ten
     for b, (s, st, c, a) in enumerate(zip(samples, states, chains, active)):
         n = s.ids.shape[0]
         ids[b, :n], top[b, :n], aux[b, :n], final[b, :n] = s.ids, st["top"], st["aux"], st["final"]
-        act[b, :a.numel()] = a
-        masks[:, b, :a.numel()] = c[:, a]
+        act[b, : a.numel()] = a
+        masks[:, b, : a.numel()] = c[:, a]
     dev = head_draft.device
-    batch = {name: x.to(dev) for name, x in (("ids", ids), ("aux", aux), ("top", top), ("act", act),
-                                             ("masks", masks))}
+    batch = {name: x.to(dev) for name, x in (("ids", ids), ("aux", aux), ("top", top), ("act", act), ("masks", masks))}
     batch["probs"] = torch.softmax((final.to(dev) @ head_draft.T).float(), dim=-1)
     kept = []
     for k in range(steps):
@@ -98,10 +98,10 @@ def _attend(q, k0, v0, act, own_k, own_v, scale):
     steps 1..k ``own_k``, ``own_v`` [B, heads, A, k, d] (None at step 0)."""
     T = k0.shape[-2]
     future = torch.arange(T, device=q.device)[None, None, None, :] > act[:, None, :, None]
-    scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))     # [B, heads, A, T]
+    scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(future, float("-inf"))  # [B, heads, A, T]
     if own_k is None:
         return torch.softmax(scores, -1) @ v0
-    own = (q[..., None, :] * own_k).sum(-1) * scale                                    # [B, heads, A, k]
+    own = (q[..., None, :] * own_k).sum(-1) * scale  # [B, heads, A, k]
     p = torch.softmax(torch.cat((scores, own), -1), -1)
     return p[..., :T] @ v0 + (p[..., T:, None] * own_v).sum(-2)
 
@@ -110,7 +110,7 @@ def attention(q, k0, v0, act, own_k, own_v, scale):
     """``_attend``; past ``CHUNK`` queries in blocks of ``CHUNK``, each block's scores recomputed in backward
     (``torch.utils.checkpoint``) rather than kept: the same values within float rounding."""
     A, chunk = q.shape[-2], CHUNK
-    if A <= chunk:
+    if chunk >= A:
         return _attend(q, k0, v0, act, own_k, own_v, scale)
     blocks = []
     for i in range(0, A, chunk):
@@ -132,7 +132,7 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: 
     rows = torch.arange(B, device=dev)[:, None]
     layer, attn = model.midlayer, model.midlayer.self_attn
 
-    g = model.project(batch["aux"])                                            # [B, T, H]
+    g = model.project(batch["aux"])  # [B, T, H]
     x0 = layer.attn_input(model.embed(torch.cat((ids[:, 1:], torch.zeros_like(ids[:, :1])), 1)), g)
     k0, v0 = attn.keys_values(x0, *model.rope(torch.arange(T, device=dev)[None].expand(B, T)))  # step-0 keys
     h, x = g[rows, act], x0[rows, act]
@@ -143,25 +143,34 @@ def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: 
             x = layer.attn_input(model.embed(ids[rows, (act + 1 + k).clamp(max=T - 1)]), h)
         q = attn.queries(x, cos, sin)  # before the keys: autograd's node order fixes backward's sums
         if k:
-            diag.append(attn.keys_values(x, cos, sin))                       # this step's own keys and values
+            diag.append(attn.keys_values(x, cos, sin))  # this step's own keys and values
         own = [torch.stack(d, -2) for d in zip(*diag)] if k else (None, None)  # [B, heads, A, k, d]
         out = attention(q, k0, v0, act, *own, attn.scale)
         h = layer.finish(attn.merge(out), h)
 
         b, a = torch.nonzero(masks[k], as_tuple=True)
-        t = act[b, a] + 1 + k                       # the target's position whose logits predict x[act + 2 + k]
+        t = act[b, a] + 1 + k  # the target's position whose logits predict x[act + 2 + k]
         logits = model.logits(h[b, a])
         target = batch["top"][b, t]
         keep = model.t2d[target]
         ce = -(batch["probs"][b, t] * torch.log_softmax(logits, -1)).sum(-1)[keep]
         loss = ce.sum() / max(norm[k], 1)
-        total = total + step_weight ** k * (loss * weight)
+        total = total + step_weight**k * (loss * weight)
         hit = model.to_target(logits.argmax(-1)) == target
-        stats.append(torch.stack([ce.detach().sum(), ce.new_tensor(float(ce.numel())), hit.sum().float(),
-                                  ce.new_tensor(float(b.numel()))]))
+        stats.append(
+            torch.stack(
+                [
+                    ce.detach().sum(),
+                    ce.new_tensor(float(ce.numel())),
+                    hit.sum().float(),
+                    ce.new_tensor(float(b.numel())),
+                ]
+            )
+        )
         if per_row:
-            rows_hit.append(torch.stack([torch.bincount(b, hit.float(), B), torch.bincount(b, minlength=B).float()],
-                                        -1))
+            rows_hit.append(
+                torch.stack([torch.bincount(b, hit.float(), B), torch.bincount(b, minlength=B).float()], -1)
+            )
     return (total, torch.stack(stats)) + ((torch.stack(rows_hit),) if per_row else ())
 
 
