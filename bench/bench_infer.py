@@ -67,7 +67,7 @@ def main(prompts, n, batch_size, max_new_tokens):
             derive.spec_from_params("none"),
             gates,
             infer.Cache(Path(cache)),
-            {},
+            infer.Plan({}),
         )
         stage_s = time.perf_counter() - start
     stage_tokens = sum(len(r.output_ids) for r in responses)

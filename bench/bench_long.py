@@ -35,7 +35,8 @@ from eaglepipe.target import model as target
 
 def rss_mib() -> float:
     """This process's resident memory now, in MiB."""
-    line = next(x for x in open("/proc/self/status") if x.startswith("VmRSS:"))
+    with open("/proc/self/status") as status:
+        line = next(x for x in status if x.startswith("VmRSS:"))
     return int(line.split()[1]) / 1024
 
 

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import click
 
-ROOT = Path(__file__).resolve().parent.parent
-
 from eaglepipe.core import config
 from eaglepipe.engines import Output, Sampling
 from eaglepipe.engines.sglang import SGLangEngine
 from eaglepipe.target import model as target
+
+ROOT = Path(__file__).resolve().parent.parent
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the SGLang stand-in, a test double
 from sglang_server import free_port, start_server, stop_server  # noqa: E402

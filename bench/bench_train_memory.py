@@ -79,8 +79,8 @@ def peak_rss_mb(work: Path, hidden: Path, name: str, steps: int) -> float:
         "--checkpoints",
         str(work / f"{name}-checkpoints"),
     ]
-    log = open(work / f"{name}.log", "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    with open(work / f"{name}.log", "wb") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env=dict(os.environ, OMP_NUM_THREADS="1"))
     while not (work / f"{name}-checkpoints" / "state.pt").exists():
         if proc.poll() is not None:
             raise SystemExit(f"train on {hidden} ended first:\n{(work / f'{name}.log').read_text()[-3000:]}")

@@ -1,6 +1,6 @@
 """Benchmark: how the train stage scales with processes. It runs the stage as dvc.yaml does
-(``python -m eaglepipe.core.runtime stages/train.py``) on the same hidden states at 1 process and at ``--nproc`` processes
-(torchrun, DDP, gloo on CPU), each with ``--threads`` torch threads, and prints the scaling efficiency:
+(``python -m eaglepipe.core.runtime stages/train.py``) on the same hidden states at 1 process and at ``--nproc``
+processes (torchrun, DDP, gloo on CPU), each with ``--threads`` torch threads, and prints the scaling efficiency:
 
     efficiency = (tokens/s at N processes) / (N x tokens/s at 1 process)
 

@@ -2,8 +2,8 @@
 
 All of evaluate's held-out prompts (``--prompts``), all 80 MT-bench questions (both turns: turn 2 asked after the
 target's own greedy turn-1 answer, as evaluate asks it) and all 164 HumanEval problems, each answered greedily by vLLM
-(from .venv-vllm, started as the serve check starts it: eaglepipe/evaluate/serve.py) once per method: plain decoding; the
-trained drafter (eagle3, evaluate.num_steps draft tokens); prompt lookup (vLLM's ngram method with evaluate.ngram's
+(from .venv-vllm, started as the serve check starts it: eaglepipe/evaluate/serve.py) once per method: plain decoding;
+the trained drafter (eagle3, evaluate.num_steps draft tokens); prompt lookup (vLLM's ngram method with evaluate.ngram's
 bounds and as many draft tokens). vLLM's suffix method is left out: it needs Arctic Inference (arctic-inference),
 which PyPI ships for vLLM's CPU build only as source. GSM8K is left out: no package on PyPI ships its test split
 (aviary-gsm8k loads it from the Hugging Face hub at run time).
@@ -23,6 +23,7 @@ import logging
 import math
 import sys
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
@@ -201,18 +202,27 @@ def flat(by_group: dict) -> list[tuple[str, dict]]:
     )
 
 
+@dataclass(frozen=True)
+class Compared:
+    """What is decoded besides plain decoding: the trained drafter (``draft``), the other drafters by label
+    (``against``), the methods to run (``only``, by their name before any ``:``; all when empty) and the crossings to
+    extrapolate (``ratios``: label -> its drafter's trained tokens over the drafter's, ``crossings``)."""
+
+    draft: Path
+    against: dict[str, Path] = field(default_factory=dict)
+    only: tuple = ()
+    ratios: dict[str, float] = field(default_factory=dict)
+
+
 def run(
     cfg,
     folder,
     tokenizer,
-    draft: Path,
+    compared: Compared,
     heldout: Path,
     max_new: int,
     concurrency: int,
     limit: int | None = None,
-    only: tuple = (),
-    against: dict[str, Path] | None = None,
-    ratios: dict[str, float] | None = None,
 ) -> dict:
     e = cfg.evaluate
     stops = target.stop_ids(folder, tokenizer)
@@ -241,8 +251,8 @@ def run(
             }
             logging.info("plain %s: %d turns", name, len(s["rows"]))
     ran = []
-    for method, spec in methods(e, draft, against or {}).items():
-        if only and method.split(":")[0] not in only:
+    for method, spec in methods(e, compared.draft, compared.against).items():
+        if compared.only and method.split(":")[0] not in compared.only:
             continue
         ran.append(method)
         with serve.Served(folder, tokenizer, cfg.serve, spec, f"bench-{method}", concurrency) as server:
@@ -260,7 +270,7 @@ def run(
         }
         for a, b in comparisons(ran)
     }
-    for name, by_method in results.items():
+    for by_method in results.values():
         plain_tps = by_method["plain"]["tokens"] / by_method["plain"]["seconds"]
         for m in by_method.values():
             m["tokens_per_s"] = round(m["tokens"] / m["seconds"], 2)
@@ -273,7 +283,7 @@ def run(
         "ngram": {"max": e.ngram.max, "min": e.ngram.min},
         "benchmarks": results,
         "paired": paired,
-        "crossing": crossings(sets, ratios or {}),
+        "crossing": crossings(sets, compared.ratios),
     }
 
 
@@ -379,7 +389,9 @@ def table(result: dict) -> str:
     type=click.Path(dir_okay=False),
     help="The figures as JSON (not in git: they hold this machine's speeds).",
 )
-def main(params, draft, prompts, max_new_tokens, concurrency, only, against, crossing, limit, out):
+def main(  # noqa: PLR0913  click passes one argument per option: the signature is the command line
+    params, draft, prompts, max_new_tokens, concurrency, only, against, crossing, limit, out
+):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = config.load(params)
     if bad := [a for a in against if "=" not in a]:
@@ -404,14 +416,11 @@ def main(params, draft, prompts, max_new_tokens, concurrency, only, against, cro
         cfg,
         folder,
         target.load_tokenizer(folder),
-        Path(draft).resolve(),
+        Compared(Path(draft).resolve(), {label: Path(path).resolve() for label, path in others.items()}, only, ratios),
         Path(prompts),
         max_new_tokens or cfg.evaluate.max_new_tokens,
         concurrency,
         limit,
-        only,
-        {label: Path(path).resolve() for label, path in others.items()},
-        ratios,
     )
     write_json(out, result)
     print(table(result))

@@ -1,7 +1,7 @@
 """evaluate: speculative decoding with the trained drafter on the benchmarks of evaluate.benchmarks
-(eaglepipe/dataset/benchmarks.py), against plain greedy decoding and a prompt-lookup (n-gram) drafter, with the real target
-(definitions: eaglepipe/evaluate/decode.py). Fails when any speculative output differs from plain greedy. Runs as one
-process or under torchrun, whose ranks share the conversations (eaglepipe/core/runtime.py)."""
+(eaglepipe/dataset/benchmarks.py), against plain greedy decoding and a prompt-lookup (n-gram) drafter, with the real
+target (definitions: eaglepipe/evaluate/decode.py). Fails when any speculative output differs from plain greedy. Runs as
+one process or under torchrun, whose ranks share the conversations (eaglepipe/core/runtime.py)."""
 
 import logging
 from pathlib import Path

@@ -57,11 +57,13 @@ def main(params, prompts, out, report, timings, cache):
                     spec,
                     Gates(p.gates, spec.expects_reasoning, derive.markup(tokenizer)),
                     infer.Cache(work),
-                    template_kwargs,
-                    p.max_failure_rate,
-                    p.samples,
-                    infer.Limits(target.context_length(folder), cfg.merge.max_length, p.on_error, prompts),
-                    p.turns,
+                    infer.Plan(
+                        template_kwargs,
+                        max_failure_rate=p.max_failure_rate,
+                        samples=p.samples,
+                        limits=infer.Limits(target.context_length(folder), cfg.merge.max_length, p.on_error, prompts),
+                        turns=p.turns,
+                    ),
                 )
         except UserError as e:
             raise UserError(f"{e}. Nothing was published; the records are in {work}") from None

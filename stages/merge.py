@@ -1,5 +1,6 @@
 """merge: responses -> training sequences (prompt_ids + output_ids, loss mask on the output), never re-tokenised,
-split per prompt and shuffled (eaglepipe/dataset/sequences.py); every record is re-validated against its own ids first."""
+split per prompt and shuffled (eaglepipe/dataset/sequences.py); every record is re-validated against its own ids
+first."""
 
 from pathlib import Path
 

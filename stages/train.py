@@ -1,6 +1,7 @@
-"""train: the EAGLE-3 drafter on the target's stored hidden states, with training-time test (eaglepipe/drafter/train.py); writes
-a checkpoint SGLang and vLLM load as it is (eaglepipe/drafter/eagle3/model.py). Checkpointed as it goes: a rerun resumes, at any number
-of processes (exactly at the same number). Runs as one process or under torchrun (DDP; eaglepipe/core/runtime.py)."""
+"""train: the EAGLE-3 drafter on the target's stored hidden states, with training-time test
+(eaglepipe/drafter/train.py); writes a checkpoint SGLang and vLLM load as it is (eaglepipe/drafter/eagle3/model.py).
+Checkpointed as it goes: a rerun resumes, at any number of processes (exactly at the same number). Runs as one process
+or under torchrun (DDP; eaglepipe/core/runtime.py)."""
 
 import logging
 import os

@@ -1,11 +1,12 @@
 """What the end-to-end tests share: for the infer stage against servers (tests/engines/test_sglang_e2e.py,
-tests/engines/test_vllm_engine.py, tests/evaluate/test_serve.py) running it, reading the generation cache, comparing records, the
-kill -9 and server-restart checks every engine passes, waiting; for stages under torchrun (tests/core/test_distributed.py,
-tests/drafter/test_train.py) finding the ranks' processes; for decoding tests (tests/evaluate/test_evaluate.py, tests/evaluate/test_serve.py,
-tests/core/test_distributed.py) an untrained drafter."""
+tests/engines/test_vllm_engine.py, tests/evaluate/test_serve.py) running it, reading the generation cache, comparing
+records, the kill -9 and server-restart checks every engine passes, waiting; for stages under torchrun
+(tests/core/test_distributed.py, tests/drafter/test_train.py) finding the ranks' processes; for decoding tests
+(tests/evaluate/test_evaluate.py, tests/evaluate/test_serve.py, tests/core/test_distributed.py) an untrained drafter."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -67,10 +68,8 @@ def cache_lines(folder: Path) -> list[dict]:
     out = []
     for path in (folder / "cache").glob("*/generations.jsonl"):
         for line in path.read_text().splitlines():
-            try:
+            with contextlib.suppress(ValueError):
                 out.append(json.loads(line))
-            except ValueError:
-                pass
     return out
 
 

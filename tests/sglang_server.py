@@ -67,9 +67,9 @@ from pathlib import Path
 import orjson
 from aiohttp import web
 
-dumps, loads = orjson.dumps, orjson.loads  # the benchmark wants the server cheap
-
 from eaglepipe.target import model as target
+
+dumps, loads = orjson.dumps, orjson.loads  # the benchmark wants the server cheap
 
 log = logging.getLogger("sglang_server")
 
@@ -162,6 +162,23 @@ def new_stats() -> dict:
         "max_inflight": 0,
         "connections": [],
     }
+
+
+def request_ids(rid, single: bool, n: int) -> list:
+    """The rids of a request's ``n`` items, as SGLang derives them from its ``rid`` (None: random ones)."""
+    if single:
+        rids = [rid if rid is not None else os.urandom(16).hex()]
+    elif rid is None:
+        rids = [os.urandom(16).hex() for _ in range(n)]
+    elif isinstance(rid, str):
+        rids = [f"{rid}_{i}" for i in range(n)]
+    elif isinstance(rid, list) and len(rid) == n:
+        rids = rid
+    else:
+        raise RequestError("The specified rids length mismatch with the batch_size for batch processing.")
+    if len(set(rids)) != len(rids):
+        raise RequestError(f"Duplicate request IDs in the batch: {rids}")
+    return rids
 
 
 class FakeSGLang:
@@ -401,6 +418,20 @@ class FakeSGLang:
 
     def parse_items(self, body) -> tuple[bool, list[dict]]:
         """GenerateReqInput, normalised as SGLang does: (is_single, [{input_ids, sampling_params, rid}])."""
+        single, inputs = self.parse_inputs(body)
+        n = len(inputs)
+        rids = request_ids(body.get("rid"), single, n)
+        sps = body.get("sampling_params") or {}
+        sps = [sps] * n if isinstance(sps, dict) else sps
+        if not isinstance(sps, list) or len(sps) != n:
+            raise RequestError("sampling_params should be a dict or one dict per request")
+        return single, [
+            {"input_ids": list(i), "sampling_params": self.sampling(sp), "rid": r}
+            for i, sp, r in zip(inputs, sps, rids)
+        ]
+
+    def parse_inputs(self, body) -> tuple[bool, list[list[int]]]:
+        """(is_single, the prompts' token ids) of a GenerateReqInput: its text tokenized, or its input_ids checked."""
         if not isinstance(body, dict):
             raise RequestError("the request body should be a JSON object")
         given = [k for k in ("text", "input_ids", "input_embeds") if body.get(k) is not None]
@@ -423,28 +454,7 @@ class FakeSGLang:
         for ids in inputs:
             if not ids or not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) >= self.vocab_size:
                 raise RequestError("input_ids should hold valid token ids (and not be empty)")
-        n = len(inputs)
-        rid = body.get("rid")
-        if single:
-            rids = [rid if rid is not None else os.urandom(16).hex()]
-        elif rid is None:
-            rids = [os.urandom(16).hex() for _ in range(n)]
-        elif isinstance(rid, str):
-            rids = [f"{rid}_{i}" for i in range(n)]
-        elif isinstance(rid, list) and len(rid) == n:
-            rids = rid
-        else:
-            raise RequestError("The specified rids length mismatch with the batch_size for batch processing.")
-        if len(set(rids)) != len(rids):
-            raise RequestError(f"Duplicate request IDs in the batch: {rids}")
-        sps = body.get("sampling_params") or {}
-        sps = [sps] * n if isinstance(sps, dict) else sps
-        if not isinstance(sps, list) or len(sps) != n:
-            raise RequestError("sampling_params should be a dict or one dict per request")
-        return single, [
-            {"input_ids": list(i), "sampling_params": self.sampling(sp), "rid": r}
-            for i, sp, r in zip(inputs, sps, rids)
-        ]
+        return single, inputs
 
     def sampling(self, sp: dict) -> dict:
         unknown = set(sp) - SAMPLING_KEYS
@@ -736,15 +746,14 @@ def free_port() -> int:
 
 def start_server(port: int, log: Path, *args) -> subprocess.Popen:
     """This server on a loopback port; returns once /health answers 200."""
-    out = open(log, "ab")
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--port", str(port), *map(str, args)],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    out.close()
+    with open(log, "ab") as out:  # the server keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--port", str(port), *map(str, args)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     wait_healthy(f"http://127.0.0.1:{port}", proc, log)
     return proc
 
@@ -779,23 +788,23 @@ def stats(url: str) -> dict:
         return loads(r.read())
 
 
-CLEAN = dict(
-    latency=0.0,
-    fault_rate=0.0,
-    faults="all",
-    fault_mode="random",
-    fault_budget=None,
-    hang_s=30.0,
-    batch_arrays=False,
-    exclude_stop=False,
-    old_api=False,
-    tokenize_skew=False,
-    unhealthy=False,
-    seed=0,
-    fail_rids=[],
-    fake_stop_after=None,
-    reset_stats=True,
-)
+CLEAN = {
+    "latency": 0.0,
+    "fault_rate": 0.0,
+    "faults": "all",
+    "fault_mode": "random",
+    "fault_budget": None,
+    "hang_s": 30.0,
+    "batch_arrays": False,
+    "exclude_stop": False,
+    "old_api": False,
+    "tokenize_skew": False,
+    "unhealthy": False,
+    "seed": 0,
+    "fail_rids": [],
+    "fake_stop_after": None,
+    "reset_stats": True,
+}
 
 
 def stop_server(proc: subprocess.Popen) -> None:

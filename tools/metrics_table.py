@@ -22,7 +22,7 @@ def rows(value, key=""):
 @click.command(help=__doc__)
 def main():
     shown = json.load(sys.stdin)
-    for rev, files in shown.items():
+    for files in shown.values():
         for path, body in files.get("data", {}).items():
             if "error" in body:
                 click.echo(f"{path}  (not readable: {body['error']})")

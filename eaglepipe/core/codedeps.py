@@ -1,9 +1,10 @@
 """The project code each stage runs, derived from its imports: the one source of dvc.yaml's ``.py`` ``deps``.
 
 ``runs(script)`` is the project's .py files a script (or module) runs, transitively: absolute and relative imports,
-also those inside functions (importing ``a.b.c`` runs ``a/__init__``, ``a/b/__init__`` and ``a/b/c``). ``python -m eaglepipe.core.codedeps`` compares every stage of dvc.yaml with it and exits 1
-naming each difference; ``--write`` rewrites the ``.py`` entries of each stage's ``deps`` (the script first, then the
-package in path order; the rest of the file stays as it is).
+also those inside functions (importing ``a.b.c`` runs ``a/__init__``, ``a/b/__init__`` and ``a/b/c``).
+``python -m eaglepipe.core.codedeps`` compares every stage of dvc.yaml with it and exits 1 naming each difference;
+``--write`` rewrites the ``.py`` entries of each stage's ``deps`` (the script first, then the package in path order;
+the rest of the file stays as it is).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def runs(script, root: Path = ROOT) -> list[str]:
         if path in seen:
             continue
         seen.add(path)
-        todo += [f for f in map(lambda n: module_file(n, root), imported(path, root)) if f]
+        todo += [f for f in (module_file(n, root) for n in imported(path, root)) if f]
     rest = sorted(p.relative_to(root).as_posix() for p in seen if p != script)
     return [script.relative_to(root).as_posix()] + rest
 

@@ -338,8 +338,8 @@ class Hidden(Section):
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="the dtype the target computes the states in: auto = bfloat16 where the device multiplies "
-        "bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX), float32 elsewhere (eaglepipe/core/runtime.py states_dtype; "
-        "pin one so that the dtype does not follow the machine)",
+        "bf16 natively (CUDA; a CPU with AVX512-BF16 or AMX), float32 elsewhere (eaglepipe/core/runtime.py "
+        "states_dtype; pin one so that the dtype does not follow the machine)",
     )
     batch_tokens: int = Field(4096, ge=1, description="tokens per forward pass (rows x longest; length-sorted)")
     shard_tokens: int = Field(32768, ge=1, description="tokens per safetensors shard (the unit of resume)")
@@ -395,8 +395,8 @@ class Train(Section):
         description="the drafter's layer (eaglepipe/drafter/eagle3/model.py, DRAFTERS): llama, the one SGLang and vLLM "
         "load | qwen3, with Qwen3's q_norm/k_norm, vLLM's Eagle3Qwen3ForCausalLM | deepseek_mla, DeepSeek's "
         "multi-head latent attention and a dense MLP, vLLM's Eagle3DeepseekV2ForCausalLM (MLA targets only) | "
-        "auto: the one vLLM serves for the target's family (eaglepipe/target/families.py: qwen3 for Qwen3 and Qwen3-MoE, "
-        "deepseek_mla for DeepseekV3, llama otherwise)",
+        "auto: the one vLLM serves for the target's family (eaglepipe/target/families.py: qwen3 for Qwen3 and "
+        "Qwen3-MoE, deepseek_mla for DeepseekV3, llama otherwise)",
     )
     epochs: int = Field(6, ge=1, description="passes over the training split")
     features: Literal["offline", "online"] = Field(

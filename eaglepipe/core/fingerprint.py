@@ -11,7 +11,7 @@ decides its outputs, beside the module that keeps it (``infer.run.GENERATION_COD
 
 Each top-level definition is hashed on its own and the list is sorted, so a definition moved between the named
 modules, or a module renamed, keeps the key. Code the lists do not name never moves it: another stage's code, the
-command line, record reading and the transport to a server. ``tests/project/test_fingerprints.py`` checks that every
+command line, record reading and the transport to a server. ``tests/core/test_fingerprint.py`` checks that every
 module a stage runs is either named or listed there as deciding nothing of that cache.
 """
 

@@ -249,9 +249,10 @@ class _Lines:
         self.fp, self.number, self.raw = fp, 0, b""
 
     def __iter__(self):
-        for self.number, self.raw in enumerate(self.fp, start=1):
-            if self.raw.strip():
-                yield self.raw
+        for number, raw in enumerate(self.fp, start=1):
+            self.number, self.raw = number, raw
+            if raw.strip():
+                yield raw
 
 
 def scan_jsonl(fp: BinaryIO) -> Iterator[tuple[int, bytes, object]]:

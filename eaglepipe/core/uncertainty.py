@@ -43,7 +43,7 @@ def extrapolate(lo: tuple[list, list], hi: tuple[list, list], goal: tuple[list, 
     r_lo, r_hi, r_goal = (sum(n) / sum(d) for n, d in (lo, hi, goal))
     z_lo, z_hi, z_goal = (influence(*x) for x in (lo, hi, goal))
     slope, gap = (r_hi - r_lo) / doublings, r_goal - r_hi
-    z_slope = [(h - l) / doublings for h, l in zip(z_hi, z_lo)]
+    z_slope = [(high - low) / doublings for high, low in zip(z_hi, z_lo)]
     out = {
         "slope": slope,
         "slope_se": cluster_se(z_slope),

@@ -144,7 +144,7 @@ def stats(splits: dict, counts: Counter) -> dict:
         out["turns"] = {"joined": counts["turns_joined"], "apart": counts["turns_apart"]}
     for name, items in splits.items():
         per_source = defaultdict(lambda: {"samples": 0, "tokens": 0, "trained_tokens": 0})
-        for rid, source, ids, mask in items:
+        for _rid, source, ids, mask in items:
             s = per_source[source]
             s["samples"] += 1
             s["tokens"] += len(ids)

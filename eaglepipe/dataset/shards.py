@@ -78,7 +78,10 @@ def samples(folder, split: str) -> Iterator[tuple[dict, int, dict[str, torch.Ten
     folder = Path(folder)
     for entry in load_index(folder)[split]["shards"]:
         with safe_open(str(folder / entry["file"]), framework="pt") as f:
-            off, names = f.get_tensor("offsets").tolist(), [n for n in f.keys() if n != "offsets"]
+            off, names = (
+                f.get_tensor("offsets").tolist(),
+                [n for n in f.keys() if n != "offsets"],  # noqa: SIM118  safe_open has keys() but is not iterable
+            )
         spans = [(off[r], off[r + 1]) for r in rows_of(entry)]
         for j, rows in enumerate(read_rows(folder / entry["file"], names, spans)):
             yield entry, j, rows

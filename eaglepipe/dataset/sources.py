@@ -95,7 +95,7 @@ class _Gunzip(io.RawIOBase):
     data ends early or is corrupt, the stream ends there and ``error`` says why."""
 
     def __init__(self, path):
-        self.gz, self.error = gzip.open(path, "rb"), None
+        self.gz, self.error = gzip.open(path, "rb"), None  # noqa: SIM115  this stream owns it: close() closes it
 
     def readable(self):
         return True

@@ -193,7 +193,14 @@ def last_epoch(history: list[dict], split: str) -> dict:
 
 @torch.no_grad()
 def evaluate(
-    model, feats, samples, steps, head_draft, batch_tokens, bf16: bool = False, rt: runtime.Runtime = runtime.Runtime()
+    model,
+    feats,
+    samples,
+    steps,
+    head_draft,
+    batch_tokens,
+    bf16: bool = False,
+    rt: runtime.Runtime = runtime.Runtime(),  # noqa: B008  Runtime is frozen: the one-process default is a constant
 ) -> list[dict]:
     """Per-step loss and accuracy over ``samples`` (states from ``feats``; batches dealt round-robin to the ranks),
     each accuracy with its standard error over the samples (``acc_se``, uncertainty.py)."""
@@ -458,7 +465,14 @@ def report(t: Training, seconds: float, rt: runtime.Runtime) -> dict:
     }
 
 
-def run(feats, target_folder, params, checkpoints, keep=None, rt: runtime.Runtime = runtime.Runtime()):
+def run(
+    feats,
+    target_folder,
+    params,
+    checkpoints,
+    keep=None,
+    rt: runtime.Runtime = runtime.Runtime(),  # noqa: B008  Runtime is frozen: the one-process default is a constant
+):
     """Train the drafter on ``feats`` (``features_of``) on ``rt``'s device and rank, resuming from the checkpoint in
     ``checkpoints`` if any. Returns (model on the CPU, report, history), the same on every rank. ``keep``: training
     samples, see ``load_samples``. ``history`` (metrics/train_curves.json's rows): ``{epoch, split, step, loss, acc}``

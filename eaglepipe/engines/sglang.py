@@ -52,6 +52,21 @@ def sampling_params(s: Sampling, record_id: str) -> dict:
 
 def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = None) -> tuple[list, str, dict]:
     """(output_ids, finish_reason, meta_info) of one /generate answer in the records' terms, or BadAnswer."""
+    ids, meta = _answer_parts(body)
+    finish, kind = _finish(meta)
+    count = _completion_tokens(meta, prompt_ids, rid)
+    tail = min(PROMPT_TAIL, len(prompt_ids))
+    if tail >= 2 and ids[:tail] == prompt_ids[-tail:]:
+        raise BadAnswer(f"output_ids start with the prompt's last {tail} ids (sglang #10896/#17240)")
+    if kind == "stop":
+        ids = _with_matched(ids, finish.get("matched"), count, set(sampling.stop_token_ids))
+    if len(ids) != count:
+        raise BadAnswer(f"len(output_ids)={len(ids)} != completion_tokens={count}")
+    return ids, check_ids(ids, kind, sampling), meta
+
+
+def _answer_parts(body) -> tuple[list, dict]:
+    """(output_ids, meta_info) of one answer's JSON, each of the right type."""
     if isinstance(body, list):  # a batch-shaped answer to one request
         if len(body) != 1:
             raise BadAnswer(f"{len(body)} answers for one request")
@@ -65,12 +80,22 @@ def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = N
         raise BadAnswer("output_ids missing or not a list of token ids")
     if not isinstance(meta, dict):
         raise BadAnswer("meta_info missing")
+    return ids, meta
+
+
+def _finish(meta: dict) -> tuple[dict, str]:
+    """(finish_reason, its type) of an answer that ended as stop or length (an abort is retried)."""
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else None
     if kind not in FINISH_TYPES:
         raise BadAnswer(f"unknown finish_reason {finish!r}")
     if kind == "abort":
         raise BadAnswer(f"aborted by the server: {str(finish.get('message'))[:200]}")
+    return finish, kind
+
+
+def _completion_tokens(meta: dict, prompt_ids: list, rid: str | None) -> int:
+    """meta_info's completion_tokens, once its id and prompt_tokens (where given) match what was sent."""
     if rid is not None and meta.get("id") not in (None, rid):
         raise BadAnswer(f"answer is for rid {meta.get('id')!r}, not {rid!r}")
     if meta.get("prompt_tokens") not in (None, len(prompt_ids)):
@@ -78,26 +103,24 @@ def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = N
     count = meta.get("completion_tokens")
     if type(count) is not int:
         raise BadAnswer("meta_info.completion_tokens missing")
-    tail = min(PROMPT_TAIL, len(prompt_ids))
-    if tail >= 2 and ids[:tail] == prompt_ids[-tail:]:
-        raise BadAnswer(f"output_ids start with the prompt's last {tail} ids (sglang #10896/#17240)")
-    stops = set(sampling.stop_token_ids)
-    if kind == "stop":
-        matched = finish.get("matched")
-        if type(matched) is not int:
-            raise BadAnswer(f"stopped on {matched!r}, not on a stop id (no stop strings are sent)")
-        if matched not in stops:
-            raise BadAnswer(f"stopped on id {matched}, which is not one of infer's stop ids {sorted(stops)}")
-        if not ids or ids[-1] != matched:
-            if len(ids) + 1 != count:
-                raise BadAnswer(
-                    f"finish_reason stop on id {matched} but output_ids end with "
-                    f"{ids[-1] if ids else None} and completion_tokens={count}"
-                )
-            ids = ids + [matched]  # a server that leaves the matched id out of output_ids (but counts it)
-    if len(ids) != count:
-        raise BadAnswer(f"len(output_ids)={len(ids)} != completion_tokens={count}")
-    return ids, check_ids(ids, kind, sampling), meta
+    return count
+
+
+def _with_matched(ids: list, matched, count: int, stops: set) -> list:
+    """A stop answer's ids ending with the ``matched`` stop id, put back where the server left it out but counted
+    it."""
+    if type(matched) is not int:
+        raise BadAnswer(f"stopped on {matched!r}, not on a stop id (no stop strings are sent)")
+    if matched not in stops:
+        raise BadAnswer(f"stopped on id {matched}, which is not one of infer's stop ids {sorted(stops)}")
+    if not ids or ids[-1] != matched:
+        if len(ids) + 1 != count:
+            raise BadAnswer(
+                f"finish_reason stop on id {matched} but output_ids end with "
+                f"{ids[-1] if ids else None} and completion_tokens={count}"
+            )
+        ids = ids + [matched]  # a server that leaves the matched id out of output_ids (but counts it)
+    return ids
 
 
 class SGLangEngine(ServerEngine):

@@ -183,7 +183,7 @@ def run(
     model,
     drafter_model,
     params,
-    rt: runtime.Runtime = runtime.Runtime(),
+    rt: runtime.Runtime = runtime.Runtime(),  # noqa: B008  Runtime is frozen: the one-process default is a constant
 ) -> dict:
     """Decode this rank's share of the conversations (the module docstring); return, on every rank, the metrics of
     all: ``benchmarks`` (``report`` per benchmark, in order), ``lossless`` (False lists the ``mismatches``), ``run``

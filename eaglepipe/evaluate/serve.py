@@ -278,16 +278,17 @@ def refusal(folder, target_config: dict, drafter, p: config.Serve) -> str | None
             families.of(target_config).mla and not drafter.mla and cpu_build(p.python),
             f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter beside {folder}: the "
             "target's MLA attention (CPU_MLA) pages its KV cache in blocks of 16 tokens, the drafter's attention "
-            "(CPU_ATTN) in multiples of 32, and vLLM needs one block size for both. Train the MLA drafter (train.drafter: "
-            "deepseek_mla, auto's choice), or run the serve check with a GPU build of vLLM (serve.python)",
+            "(CPU_ATTN) in multiples of 32, and vLLM needs one block size for both. Train the MLA drafter "
+            "(train.drafter: deepseek_mla, auto's choice), or run the serve check with a GPU build of vLLM "
+            "(serve.python)",
         ),
         (
             drafter.mla and p.dtype == "float32" and cpu_build(p.python) and amx(),
-            f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter in float32 on this CPU: on a "
-            "CPU with AMX it loads an MLA drafter with its AMX MLA kernels whatever --attention-backend says (vLLM "
-            "0.32), and those take bf16, fp16 or quantized weights only. Set serve.dtype: bfloat16 (where bfloat16 "
-            "rounds a greedy choice otherwise, its outputs will differ from evaluate's float32), or run the serve "
-            "check with a GPU build of vLLM (serve.python)",
+            f"the CPU build of vLLM ({p.python}) cannot serve the {drafter.drafter} drafter in float32 on this CPU: "
+            "on a CPU with AMX it loads an MLA drafter with its AMX MLA kernels whatever --attention-backend says "
+            "(vLLM 0.32), and those take bf16, fp16 or quantized weights only. Set serve.dtype: bfloat16 (where "
+            "bfloat16 rounds a greedy choice otherwise, its outputs will differ from evaluate's float32), or run the "
+            "serve check with a GPU build of vLLM (serve.python)",
         ),
         (
             (quant.method(folder) or {}).get("quant_method") == "fp8" and p.dtype == "float32",

@@ -197,9 +197,11 @@ def extract_shard(model, samples: list, layers: list[int], batch_tokens: int, dt
     kept = [i for i in range(len(samples)) if i in rows]
     packed = sequences.pack([(samples[i][1], samples[i][2]) for i in kept])
     H, kind = families.text_config(source.config).hidden_size, features.DTYPES[dtype]
-    stack = lambda part, width, kind: (
-        torch.cat([rows[i][part] for i in kept]) if kept else torch.empty((0, width) if width else 0, dtype=kind)
-    )  # noqa: E731
+
+    def stack(part: int, width: int, kind: torch.dtype) -> torch.Tensor:
+        """The kept rows' ``part``, concatenated; with none kept, an empty tensor of ``width`` columns (0: 1-D)."""
+        return torch.cat([rows[i][part] for i in kept]) if kept else torch.empty((0, width) if width else 0, dtype=kind)
+
     tensors = {
         **packed,
         "aux": stack(0, 3 * H, kind),
@@ -255,7 +257,15 @@ def retry_plan(store: Path, seqs: dict, shard_tokens: int) -> list[list[str]]:
     return shards_of(seqs, lambda key: key in failed, shard_tokens)
 
 
-def run(seq_folder, out, model, params, model_fp: str, cache_root, rt: runtime.Runtime = runtime.Runtime()) -> dict:
+def run(
+    seq_folder,
+    out,
+    model,
+    params,
+    model_fp: str,
+    cache_root,
+    rt: runtime.Runtime = runtime.Runtime(),  # noqa: B008  Runtime is frozen: the one-process default is a constant
+) -> dict:
     """Publish the states of every split of ``seq_folder`` into ``out``, computing those the store lacks; return the
     run report (the same on every rank). ``model``: see ``source_of``; ``params``: config.Hidden."""
     model = source_of(model)

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +143,19 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Plan:
+    """What a run asks of the target beyond the prompts: the chat template's arguments, ``samples`` answers per prompt
+    (to its last turn, or to every turn under ``turns: all``) for the prompts within ``limits``, of which at most
+    ``max_failure_rate`` may fail."""
+
+    template_kwargs: dict
+    max_failure_rate: float = 0.0
+    samples: int = 1
+    limits: Limits = Limits()
+    turns: str = "last"
+
+
+@dataclass(frozen=True)
 class Ask:
     """One prompt to answer: its line and record, the turn (0 under ``infer.turns: last``), the samples that share
     these ids (all up to turn 1, one after) and the ids."""
@@ -200,27 +214,25 @@ def run(
     spec: Spec,
     gates: Gates,
     cache: Cache,
-    template_kwargs: dict,
-    max_failure_rate: float = 0.0,
-    samples: int = 1,
-    limits: Limits = Limits(),
-    turns_: str = "last",
+    plan: Plan,
 ) -> tuple[list[Response], dict]:
-    """Generate the ``samples`` answers per prompt (per turn under ``turns_: all``) the cache lacks, checking the
-    gates as records arrive; return (responses, report). Prompts outside ``limits`` are left out (``admit``). Raises
-    GateBreach, or UserError for too many failures, with everything generated kept in the cache."""
+    """Generate the ``plan.samples`` answers per prompt (per turn under ``plan.turns: all``) the cache lacks, checking
+    the gates as records arrive; return (responses, report). Prompts outside ``plan.limits`` are left out (``admit``).
+    Raises GateBreach, or UserError for too many failures, with everything generated kept in the cache."""
+    samples, limits = plan.samples, plan.limits
 
     def ids_of(messages, p):
-        return chat.prompt_ids(tokenizer, messages, p.tools, template_kwargs)
+        return chat.prompt_ids(tokenizer, messages, p.tools, plan.template_kwargs)
 
     def respond(gen: Generation) -> Response:
         return to_response(gen, tokenizer, spec, sampling)
 
     done, cache_counts = cache.load()
     lines = {p.id: line for line, p in enumerate(prompts, start=1)}
-    asks_of = {p.id: turns.asks(p.messages) for p in prompts} if turns_ == "all" else {}
+    asks_of = {p.id: turns.asks(p.messages) for p in prompts} if plan.turns == "all" else {}
     history = {}  # (prompt id, sample) -> the target's answers so far, as assistant messages
     responses, failures, left_out, wanted_all = {}, [], {}, []
+    into = Collect(cache, respond, gates, responses, failures)
     generated, progress, tool_ended = 0, [0, 0.0], 0  # progress: new tokens, seconds generating
     for turn in range(1, max(map(len, asks_of.values())) + 1) if asks_of else [0]:
         if turn <= 1:
@@ -261,7 +273,7 @@ def run(
             cache.folder,
             len(todo),
         )
-        generate(todo, turn, engine, sampling, cache, respond, gates, responses, failures, progress)
+        generate(todo, turn, engine, sampling, into, progress)
         generated += len(todo)
         if asks_of:
             tool_ended += extend_history(
@@ -273,10 +285,10 @@ def run(
                 lambda r: answer_message(tokenizer, r.prompt_ids, r.output_ids, spec, sampling.stop_token_ids),
             )
     gates.check()
-    if len(failures) > max_failure_rate * len(wanted_all):
+    if len(failures) > plan.max_failure_rate * len(wanted_all):
         raise UserError(
             f"{len(failures)} of {len(wanted_all)} answers failed (more than infer.max_failure_rate="
-            f"{max_failure_rate}); see {cache.failures_path}"
+            f"{plan.max_failure_rate}); see {cache.failures_path}"
         )
     ordered = sorted(
         (responses[rid] for rid in wanted_all if rid in responses),
@@ -308,37 +320,37 @@ def reuse(wanted: list, done: dict, cache: Cache, respond, gates: Gates, respons
     return [w for w in wanted if w[2] not in done]
 
 
-def generate(
-    todo: list,
-    turn: int,
-    engine,
-    sampling: Sampling,
-    cache: Cache,
-    respond,
-    gates: Gates,
-    responses: dict,
-    failures: list,
-    progress: list,
-) -> None:
-    """Generate ``todo`` ((ask, sample, record id) each): each answer into the cache, its response into
-    ``responses`` and the gates; each failure into the failures file and ``failures``. ``progress`` = [new tokens,
-    seconds] of the whole run, added to."""
+@dataclass(frozen=True)
+class Collect:
+    """Where ``generate`` puts what arrives: each answer into ``cache`` and its response (``respond``) into
+    ``responses`` and ``gates``; each failure into the cache's failures file and ``failures``."""
+
+    cache: Cache
+    respond: Callable[[Generation], Response]
+    gates: Gates
+    responses: dict
+    failures: list
+
+
+def generate(todo: list, turn: int, engine, sampling: Sampling, into: Collect, progress: list) -> None:
+    """Generate ``todo`` ((ask, sample, record id) each), each answer and failure ``into`` the run's records.
+    ``progress`` = [new tokens, seconds] of the whole run, added to."""
     start, (tokens, seconds) = time.perf_counter(), progress
     desc = f"infer turn {turn}" if turn else "infer"
     with tqdm(total=len(todo), desc=desc, unit="answer", dynamic_ncols=True) as bar:
         for i, out in engine.stream([a.ids for a, _, _ in todo], sampling, [rid for _, _, rid in todo]):
             a, k, rid = todo[i]
             if isinstance(out, Failure):
-                cache.fail(rid, out.reason)
-                failures.append({"id": rid, "reason": out.reason})
+                into.cache.fail(rid, out.reason)
+                into.failures.append({"id": rid, "reason": out.reason})
             else:
                 gen = Generation(rid, a.prompt.source, a.ids, out.output_ids, out.finish_reason, out.meta, k, a.turn)
-                cache.add(gen)
-                responses[rid] = respond(gen)
-                gates.add(responses[rid])
+                into.cache.add(gen)
+                into.responses[rid] = into.respond(gen)
+                into.gates.add(into.responses[rid])
                 tokens += len(out.output_ids)
-                if gates.due():
-                    gates.check()
+                if into.gates.due():
+                    into.gates.check()
             bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / (seconds + time.perf_counter() - start):.1f}")
     progress[:] = [tokens, seconds + time.perf_counter() - start]

@@ -74,7 +74,7 @@ def weights(folder: Path) -> dict[str, tuple[str, str, tuple]]:
     found = {}
     for file in files:
         with safe_open(str(folder / file), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118  safe_open has keys() but is not iterable
                 view = f.get_slice(name)
                 found[name] = (file, view.get_dtype(), tuple(view.get_shape()))
     return found

@@ -212,7 +212,7 @@ def report(cfg: dict, params, samples: int, p, a, seq, speeds: dict) -> list[str
     type=click.Path(path_type=Path),
     help="The measured run's metrics folder (infer.json, hidden.json, timings/).",
 )
-def main(
+def main(  # noqa: PLR0913  click passes one argument per option: the signature is the command line
     target_arg,
     params_path,
     sets,

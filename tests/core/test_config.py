@@ -146,8 +146,8 @@ def test_every_stage_refuses_bad_params_in_one_line_before_loading_anything(stag
     )
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip().splitlines() == [
-        f"Error: {params}: infer.engine = 'vlm': input should be 'hf', 'sglang' or 'vllm'; unknown key evaluate.num_step "
-        "(did you mean num_steps?)"
+        f"Error: {params}: infer.engine = 'vlm': input should be 'hf', 'sglang' or 'vllm'; unknown key "
+        "evaluate.num_step (did you mean num_steps?)"
     ], out.stderr
     assert "models 0" in out.stdout  # refused before any model was built
     assert not (tmp_path / "o").exists()

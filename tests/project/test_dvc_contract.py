@@ -19,7 +19,8 @@ from eaglepipe.core import config
 
 
 def test_deps_list_exactly_the_code_each_stage_runs():
-    """dvc.yaml's code deps are what each stage script imports, transitively (eaglepipe/core/codedeps.py derives them)."""
+    """dvc.yaml's code deps are what each stage script imports, transitively (eaglepipe/core/codedeps.py derives
+    them)."""
     assert deps.differences(ROOT / "dvc.yaml") == {}
 
 
@@ -147,6 +148,7 @@ def make_repro(project: Path, *args) -> str:
 
 
 @pytest.mark.e2e
+@pytest.mark.smoke
 def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     first = make_repro(project)
     plan, _, rest = first.partition("\n\n")
@@ -212,6 +214,61 @@ def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
     assert "Running stage 'infer'" in dry and "Running stage 'prepare'" not in dry
     plan = make_repro(project, "--dry")  # what will run, each with its wall time from the first run
     assert "  infer     to run" in plan and "  prepare " not in plan and "its last run here" in plan
+
+
+# Edits that cannot change a result, one per caching stage's code, and one that changes the arithmetic of the states.
+COSMETIC = {
+    "eaglepipe/infer/run.py": ('"""The cache\'s key.', '"""The key of the cache.'),
+    "eaglepipe/hidden/extract.py": ("sequences fail alone, more than", "sequences fail when run alone, more than"),
+    "eaglepipe/drafter/train.py": (
+        "log = logging.getLogger(__name__)\n",
+        'log = logging.getLogger(__name__)\nlog.info("")\n',
+    ),
+    "eaglepipe/target/model.py": ("import hashlib\n", "import hashlib\nimport math\n"),
+}
+STATES_ARITHMETIC = (
+    "eaglepipe/hidden/layout.py",
+    "return x.to(DTYPES[dtype]), None",
+    "return (x + 0).to(DTYPES[dtype]), None",
+)
+
+
+def cache_folders(project: Path) -> dict[str, set[str]]:
+    return {stage: {p.name for p in (project / ".cache" / stage).iterdir()} for stage in ("infer", "hidden", "train")}
+
+
+def edit(project: Path, path: str, old: str, new: str) -> None:
+    text = (project / path).read_text()
+    assert old in text, (path, old)
+    (project / path).write_text(text.replace(old, new, 1))
+
+
+@pytest.mark.e2e
+def test_caches_move_only_when_results_can(project):
+    """An error message, a log line, a docstring or an import edited in the code of every caching stage: dvc reruns
+    them (their code deps changed) and each gives back its cache whole, nothing generated, computed or trained anew.
+    An edit to the arithmetic of the states: hidden's and train's caches start afresh, infer's answers are kept."""
+    originals = {path: (project / path).read_text() for path in [*COSMETIC, STATES_ARITHMETIC[0]]}
+    try:
+        dvc(project, "repro", "train")
+        before = cache_folders(project)
+        for path, (old, new) in COSMETIC.items():
+            edit(project, path, old, new)
+        assert {"infer", "hidden", "train"} <= set(json.loads(dvc(project, "status", "--json").stdout))
+        dvc(project, "repro", "train")
+        assert cache_folders(project) == before
+        assert json.loads((project / "metrics/infer.json").read_text())["run"]["generated"] == 0
+        assert json.loads((project / "metrics/hidden.json").read_text())["run"]["computed_tokens"] == 0
+
+        edit(project, *STATES_ARITHMETIC)
+        dvc(project, "repro", "train")
+        after = cache_folders(project)
+        assert after["infer"] == before["infer"]
+        assert len(after["hidden"] - before["hidden"]) == 1 and len(after["train"] - before["train"]) == 1
+        assert json.loads((project / "metrics/hidden.json").read_text())["run"]["computed_tokens"] > 0
+    finally:
+        for path, text in originals.items():
+            (project / path).write_text(text)
 
 
 @pytest.mark.e2e

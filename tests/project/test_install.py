@@ -29,8 +29,12 @@ def installed(python: Path) -> dict[str, str]:
     return {norm(p["name"]): p["version"] for p in json.loads(out)}
 
 
-def resolved(python: Path, requirements: Path, tmp_path: Path) -> dict[str, str]:
-    report = tmp_path / f"{requirements.stem}.json"
+def requirement_args(requirements: list[Path]) -> list[str]:
+    return [arg for path in requirements for arg in ("-r", str(path))]
+
+
+def resolved(python: Path, requirements: list[Path], tmp_path: Path) -> dict[str, str]:
+    report = tmp_path / "report.json"
     subprocess.run(
         [
             str(python),
@@ -42,8 +46,7 @@ def resolved(python: Path, requirements: Path, tmp_path: Path) -> dict[str, str]
             "--ignore-installed",
             "--report",
             str(report),
-            "-r",
-            str(requirements),
+            *requirement_args(requirements),
         ],
         check=True,
         capture_output=True,
@@ -52,7 +55,7 @@ def resolved(python: Path, requirements: Path, tmp_path: Path) -> dict[str, str]
     return {norm(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
 
 
-def uv_resolved(venv: Path, requirements: Path) -> dict[str, str]:
+def uv_resolved(venv: Path, requirements: list[Path]) -> dict[str, str]:
     """What the venv's uv would install for ``requirements`` now (its cached index pages refreshed), given the
     find-links folder tools/install.sh gives it (PIP_FIND_LINKS, else pip's configuration)."""
     pip_config = [str(venv / "bin" / "pip"), "config", "get", "global.find-links"]
@@ -70,8 +73,7 @@ def uv_resolved(venv: Path, requirements: Path) -> dict[str, str]:
             "--python",
             str(venv / "bin" / "python"),
             *(["--find-links", links] if links else []),
-            "-r",
-            str(requirements),
+            *requirement_args(requirements),
         ],
         capture_output=True,
         text=True,
@@ -80,8 +82,15 @@ def uv_resolved(venv: Path, requirements: Path) -> dict[str, str]:
     return {norm(name): version for name, version in re.findall(r"^ \+ ([^=\s]+)==(\S+)$", out, re.M)}
 
 
+VENVS = [
+    (".venv", ["requirements.txt", "requirements-test.txt", "requirements-data.txt"]),
+    (".venv-vllm", ["requirements-vllm.txt"]),
+]
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("venv,requirements", [(".venv", "requirements.txt"), (".venv-vllm", "requirements-vllm.txt")])
+@pytest.mark.registry
+@pytest.mark.parametrize("venv,requirements", VENVS)
 def test_the_venv_holds_what_pip_resolves(venv, requirements, tmp_path):
     """The registry moves (a release between make's install and this test changes pip's answer): where the venv
     differs from what pip resolves now, uv asked now must resolve exactly what pip does."""
@@ -91,13 +100,13 @@ def test_the_venv_holds_what_pip_resolves(venv, requirements, tmp_path):
     have = {k: v for k, v in installed(python).items() if k not in EXTRA | {"pip", "setuptools"}}
     want = {
         k: v
-        for k, v in resolved(Path(sys.executable), ROOT / requirements, tmp_path).items()
+        for k, v in resolved(Path(sys.executable), [ROOT / r for r in requirements], tmp_path).items()
         if k not in REMOVED | {"pip", "setuptools"}
     }
     if have != want and (ROOT / venv / "bin" / "uv").exists():
         have = {
             k: v
-            for k, v in uv_resolved(ROOT / venv, ROOT / requirements).items()
+            for k, v in uv_resolved(ROOT / venv, [ROOT / r for r in requirements]).items()
             if k not in EXTRA | REMOVED | {"pip", "setuptools"}
         }
     assert have == want

@@ -566,7 +566,7 @@ def test_each_stage_refuses_it_in_seconds_before_loading_anything(tmp_path):
         )
         for stage in ("hidden", "train", "evaluate")
     }
-    for stage, proc in procs.items():
+    for proc in procs.values():
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 1, err
         assert err.strip().splitlines() == [
@@ -626,7 +626,7 @@ def test_a_launched_vllm_gets_the_flags_its_model_needs(tmp_path, monkeypatch, t
     build_target(tmp_path / "kimi", "kimi_k25", tokenizer)
     mla, f32 = str(tmp_path / "mla"), ["--enforce-eager", "--dtype", "float32"]
     for amx in (True, False):
-        monkeypatch.setattr(vllm, "amx", lambda: amx)
+        monkeypatch.setattr(vllm, "amx", lambda amx=amx: amx)
         want = ["--attention-backend", "CPU_MLA"] if amx else []
         assert vllm.model_flags(mla, f32, cpu=True) == vllm.model_flags(mla, ["--dtype=float32"], cpu=True) == want
         assert vllm.model_flags(mla, f32, cpu=False) == []

@@ -147,7 +147,8 @@ HARMONY_TAIL = "<|start|>user<|message|>What is 2 + 2?<|end|><|start|>assistant"
         ),
         # "Receiving tool calls": the call stays whole in content for the tool-call parser
         (
-            "<|channel|>analysis<|message|>Need to use function get_weather.<|end|><|start|>assistant<|channel|>commentary "
+            "<|channel|>analysis<|message|>Need to use function get_weather.<|end|>"
+            "<|start|>assistant<|channel|>commentary "
             'to=functions.get_weather <|constrain|>json<|message|>{"location":"San Francisco"}<|call|>',
             HARMONY_TAIL,
             (
@@ -159,7 +160,8 @@ HARMONY_TAIL = "<|start|>user<|message|>What is 2 + 2?<|end|><|start|>assistant"
         ),
         # the recipient in the role part of the header, and a preamble on the commentary channel
         (
-            "<|channel|>analysis<|message|>plan<|end|><|start|>assistant<|channel|>commentary<|message|>Plan: look it up"
+            "<|channel|>analysis<|message|>plan<|end|>"
+            "<|start|>assistant<|channel|>commentary<|message|>Plan: look it up"
             "<|end|><|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>{}<|call|>",
             HARMONY_TAIL,
             (
@@ -178,7 +180,8 @@ HARMONY_TAIL = "<|start|>user<|message|>What is 2 + 2?<|end|><|start|>assistant"
         ),
         # several analysis messages (a built-in tool call on the analysis channel is not reasoning)
         (
-            "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis to=python<|message|>1+1<|call|>",
+            "<|channel|>analysis<|message|>a<|end|>"
+            "<|start|>assistant<|channel|>analysis to=python<|message|>1+1<|call|>",
             HARMONY_TAIL,
             ("a", "<|start|>assistant<|channel|>analysis to=python<|message|>1+1<|call|>", True),
         ),

@@ -86,7 +86,9 @@ def prompts(n, tools_every=4, source="glaive"):
 def run(ps, engine, tok, folder, cache_dir, spec, template_kwargs=None, max_new_tokens=256):
     sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(target.stop_ids(folder, tok)))
     gates = Gates(GATES, spec.expects_reasoning, derive.markup(tok))
-    return infer.run(ps, engine, tok, sampling, spec, gates, infer.Cache(Path(cache_dir)), template_kwargs or {})
+    return infer.run(
+        ps, engine, tok, sampling, spec, gates, infer.Cache(Path(cache_dir)), infer.Plan(template_kwargs or {})
+    )
 
 
 def test_1_seed_run_replayed_every_record_keeps_its_reasoning(tok, folder, tmp_path):
@@ -479,7 +481,7 @@ def test_2_e2e_reasoning_dropped_over_http_fails_its_gate_within_the_warmup(
     by_id = {p.id: p for p in E2E_PROMPTS}
     for k in kept:  # the generated records stay in the cache: the model's answers, without any thinking
         assert k["id"] in by_id and k["output_ids"] == answers[k["id"]] and k["finish_reason"] == "stop"
-        assert not {t for t in k["output_ids"]} & set(tok.convert_tokens_to_ids(["<think>", "</think>"]))
+        assert not set(k["output_ids"]) & set(tok.convert_tokens_to_ids(["<think>", "</think>"]))
     # the compute spent: the server answered the warm-up and at most what was in flight when the gate tripped
     deadline = time.monotonic() + 60
     while stats(server)["inflight"] and time.monotonic() < deadline:
@@ -523,7 +525,14 @@ def test_every_turn_of_a_reasoning_model_under_a_template_that_drops_history_rea
     sampling = Sampling(max_new_tokens=256, stop_token_ids=tuple(target.stop_ids(folder, tok)))
     gates = Gates(config.Gates(warmup=100, every=100, max_truncated=1.0, max_empty=1.0), True, derive.markup(tok))
     responses, report = infer.run(
-        ps, ScriptedEngine(tok, script), tok, sampling, spec, gates, infer.Cache(tmp_path / "cache"), {}, turns_="all"
+        ps,
+        ScriptedEngine(tok, script),
+        tok,
+        sampling,
+        spec,
+        gates,
+        infer.Cache(tmp_path / "cache"),
+        infer.Plan({}, turns="all"),
     )
     assert [r.id for r in responses] == [
         f"{ps[0].id}@1",
