@@ -31,9 +31,11 @@ $(VLLM_VENV)/.installed: requirements-vllm.txt tools/install.sh
 
 vllm-venv: $(VLLM_VENV)/.installed
 
-# eaglepipe/tools/repro.py: the stages that will run with an estimate of each first, a summary of the result last.
+# eaglepipe/tools/repro.py: the stages that will run with an estimate of each first, a summary of the result last; a
+# run of every stage appends its times to results/ (STARTED: the wall time counts the environments' set-up too).
+repro: STARTED := $(shell date +%s)
 repro: venv vllm-venv
-	python -m eaglepipe.tools.repro
+	python -m eaglepipe.tools.repro --since $(STARTED)
 
 # `make infer` runs one stage, re-running only the stale stages upstream of it. `NPROC=8 make hidden` runs the stages
 # that dvc.yaml starts through eaglepipe.core.runtime under torchrun with 8 processes (a speed knob: nothing is invalidated).
@@ -67,9 +69,15 @@ lint: venv
 	lint-imports
 
 # After make repro: the trained drafter against plain decoding and prompt lookup in vLLM on all the held-out prompts,
-# MT-bench and HumanEval (bench/bench_vllm.py; `make bench ARGS="--concurrency 64"`).
+# MT-bench and HumanEval (bench/bench_vllm.py; `make bench ARGS="--concurrency 64"`); the figures are appended to
+# results/bench.jsonl.
 bench: venv vllm-venv
 	python bench/bench_vllm.py $(ARGS)
+
+# docs/benchmarks.md, written from the records in results/ (eaglepipe/tools/benchmarks_page.py).
+.PHONY: results-page
+results-page: venv
+	python -m eaglepipe.tools.benchmarks_page
 
 # On a GPU machine: the default pipeline end to end on CUDA in a folder of its own (nothing of the project's is
 # touched), hidden, train and evaluate under torchrun on every GPU; prints each stage's tokens/s and peak GPU memory.

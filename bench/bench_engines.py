@@ -5,7 +5,7 @@ here), on the same prompts with the same sampling, so a user on a CPU machine kn
                                   [--vllm-threads 1 --vllm-threads 2] [--vllm-dtype float32 --vllm-dtype bfloat16]
                                   [--concurrency 64 --concurrency 256] [--no-hf]
 
-Both run the whole infer loop (infer.run: checks, cache, gates, the stage's context limit) on a fresh cache; both count
+Both run the whole infer loop (InferRun: checks, cache, gates, the stage's context limit) on a fresh cache; both count
 the output ids of the records. The hf engine uses ``--threads`` torch threads and batches of ``--batch-size``; a vLLM
 server is started per ``--vllm-threads`` value (default ``--threads``), ``--vllm-dtype`` (``--dtype``, default float32)
 and ``--concurrency`` (requests in flight, default infer.vllm.concurrency) with that ``OMP_NUM_THREADS`` (0: left unset,
@@ -28,8 +28,9 @@ from eaglepipe.core.records import read_prompts
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
 from eaglepipe.engines.vllm import VLLMEngine
-from eaglepipe.infer import run as infer
+from eaglepipe.infer.cache import Cache
 from eaglepipe.infer.gates import Gates
+from eaglepipe.infer.run import InferRun, Limits, Plan
 from eaglepipe.target import chat
 from eaglepipe.target import model as target
 from eaglepipe.text import derive
@@ -39,18 +40,28 @@ def timed(prompts, engine, tokenizer, sampling, limits) -> tuple[int, float, dic
     gates = Gates(config.Gates(warmup=1, every=1, min_reasoning=0, max_truncated=1, max_empty=1), False)
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
-        responses, _ = infer.run(
-            prompts,
+        responses, _ = InferRun(
             engine,
             tokenizer,
             sampling,
             derive.spec_from_params("none"),
             gates,
-            infer.Cache(Path(cache)),
-            infer.Plan({}, limits=limits),
-        )
+            Cache(Path(cache)),
+            Plan({}, limits=limits),
+        ).run(prompts)
         seconds = time.perf_counter() - start
     return sum(len(r.output_ids) for r in responses), seconds, {r.id: r.output_ids for r in responses}
+
+
+def vllm_server(folder: Path, dtype: str, concurrency: int) -> config.Servers:
+    """One vLLM server launched on ``folder`` in ``dtype``, ``concurrency`` requests in flight."""
+    launch = config.Launch(
+        model_path=str(folder),
+        port=8031,
+        extra_args=["--dtype", dtype, "--enforce-eager"],
+        log=str(config.CACHE / "vllm" / "bench-engines.log"),
+    )
+    return config.Servers(launch=launch, concurrency=concurrency, health_timeout_s=900.0, timeout_s=1800.0)
 
 
 @click.command(help=__doc__)
@@ -87,7 +98,7 @@ def main(  # noqa: PLR0913  click passes one argument per option: the signature 
     ps = read_prompts(prompts)[:n]
     stops = target.stop_ids(folder, tokenizer)
     sampling = Sampling(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stops)))
-    limits = infer.Limits(target.context_length(folder), on_error="skip")  # as the stage leaves out
+    limits = Limits(target.context_length(folder), on_error="skip")  # as the stage leaves out
     for p in ps[:1]:
         chat.prompt_ids(tokenizer, p.messages, p.tools)  # the template compiled before any clock runs
 
@@ -109,14 +120,7 @@ def main(  # noqa: PLR0913  click passes one argument per option: the signature 
             os.environ["OMP_NUM_THREADS"] = str(omp)  # the launched server inherits it
         concurrencies = concurrency or (config.Infer().vllm.concurrency,)
         for dtype, conc in itertools.product(vllm_dtype or ("float32",), concurrencies):
-            launch = config.Launch(
-                model_path=str(folder),
-                port=8031,
-                extra_args=["--dtype", dtype, "--enforce-eager"],
-                log=str(config.CACHE / "vllm" / "bench-engines.log"),
-            )
-            servers = config.Servers(launch=launch, concurrency=conc, health_timeout_s=900.0, timeout_s=1800.0)
-            with VLLMEngine(servers, tokenizer) as engine:
+            with VLLMEngine(vllm_server(folder, dtype, conc), tokenizer) as engine:
                 runs.append(
                     (
                         dtype,

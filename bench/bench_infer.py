@@ -17,8 +17,9 @@ from eaglepipe.core import config
 from eaglepipe.core.records import read_prompts
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
-from eaglepipe.infer import run as infer
+from eaglepipe.infer.cache import Cache
 from eaglepipe.infer.gates import Gates
+from eaglepipe.infer.run import InferRun, Plan
 from eaglepipe.target import chat
 from eaglepipe.target import model as target
 from eaglepipe.text import derive
@@ -59,16 +60,15 @@ def main(prompts, n, batch_size, max_new_tokens):
     gates = Gates(config.Gates(warmup=1, every=1, min_reasoning=0, max_truncated=1, max_empty=1), False)
     with tempfile.TemporaryDirectory() as cache:
         start = time.perf_counter()
-        responses, _ = infer.run(
-            ps,
+        responses, _ = InferRun(
             HFEngine(model, tokenizer.pad_token_id, batch_size),
             tokenizer,
             sampling,
             derive.spec_from_params("none"),
             gates,
-            infer.Cache(Path(cache)),
-            infer.Plan({}),
-        )
+            Cache(Path(cache)),
+            Plan({}),
+        ).run(ps)
         stage_s = time.perf_counter() - start
     stage_tokens = sum(len(r.output_ids) for r in responses)
     print(f"prompts {len(ps)}, batch size {batch_size}, max_new_tokens {max_new_tokens}")

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -39,15 +40,22 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@click.command(help=__doc__)
-@click.option("--concurrency", default=256, show_default=True)
-@click.option("--latency", default=0.5, show_default=True, help="Seconds the server takes per request.")
-@click.option("--rounds", default=40, show_default=True, help="Requests = rounds x concurrency.")
-@click.option("--prompt-len", default=512, show_default=True, help="Prompt ids per request.")
-@click.option("--max-new-tokens", default=64, show_default=True, help="Answer ids per request.")
-@click.option("--floor", default=0.9, show_default=True)
-def main(concurrency, latency, rounds, prompt_len, max_new_tokens, floor):
+@dataclass
+class Measured:
+    """One measured round of ``requests`` through the client: the answers, wall and CPU seconds (the client's, the
+    server's) and the most requests the server had in flight at once."""
 
+    requests: int
+    outs: list
+    wall: float
+    cpu: float
+    server_cpu: float
+    max_inflight: int
+
+
+def measure(concurrency: int, latency: float, rounds: int, prompt_len: int, max_new_tokens: int) -> Measured:
+    """``rounds`` x ``concurrency`` made-up prompts through SGLangEngine.stream against the test server answering
+    after ``latency`` seconds, after a warm-up round (the connection pool)."""
     folder = target.resolve("embedded")
     tokenizer = target.load_tokenizer(folder)
     port = free_port()
@@ -62,7 +70,6 @@ def main(concurrency, latency, rounds, prompt_len, max_new_tokens, floor):
         sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=stops)
         cfg = {"urls": [url], "concurrency": concurrency, "timeout_s": 60, "health_timeout_s": 60, "retries": 2}
         with SGLangEngine(config.Servers(**cfg), tokenizer) as engine:
-            # warm up the connection pool (one round), then measure
             list(engine.stream(prompts[:concurrency], sampling, [f"w{i}" for i in range(concurrency)]))
             server_cpu0, cpu0, t0 = proc_cpu(server.pid), time.process_time(), time.perf_counter()
             outs = [o for _, o in engine.stream(prompts, sampling, [f"r{i}" for i in range(n)])]
@@ -72,36 +79,51 @@ def main(concurrency, latency, rounds, prompt_len, max_new_tokens, floor):
             max_inflight = json.loads(r.read())["max_inflight"]
     finally:
         stop_server(server)
-    ok = sum(isinstance(o, Output) for o in outs)
-    seen = sorted(o.meta["latency_s"] for o in outs if isinstance(o, Output))
+    return Measured(n, outs, wall, cpu, server_cpu, max_inflight)
+
+
+def figures(m: Measured, concurrency: int, latency: float) -> dict:
+    """The bench's JSON line."""
+    seen = sorted(o.meta["latency_s"] for o in m.outs if isinstance(o, Output))
     ideal = concurrency / latency
-    rps = n / wall
-    result = {
-        "requests": n,
-        "ok": ok,
+    return {
+        "requests": m.requests,
+        "ok": sum(isinstance(o, Output) for o in m.outs),
         "concurrency": concurrency,
         "latency_s": latency,
-        "wall_s": round(wall, 2),
-        "requests_per_s": round(rps, 1),
+        "wall_s": round(m.wall, 2),
+        "requests_per_s": round(m.requests / m.wall, 1),
         "ideal_per_s": round(ideal, 1),
-        "ratio": round(rps / ideal, 3),
-        "client_cpu_ms_per_request": round(1000 * cpu / n, 3),
-        "client_cpu_cores": round(cpu / wall, 2),
+        "ratio": round(m.requests / m.wall / ideal, 3),
+        "client_cpu_ms_per_request": round(1000 * m.cpu / m.requests, 3),
+        "client_cpu_cores": round(m.cpu / m.wall, 2),
         "request_latency_s": {
             "mean": round(sum(seen) / len(seen), 3),
             "p50": seen[len(seen) // 2],
             "p99": seen[len(seen) * 99 // 100],
         },
-        "server_cpu_ms_per_request": round(1000 * server_cpu / n, 3),
-        "server_max_inflight": max_inflight,
+        "server_cpu_ms_per_request": round(1000 * m.server_cpu / m.requests, 3),
+        "server_max_inflight": m.max_inflight,
         "load_average": os.getloadavg()[0],
         "cpus": os.cpu_count(),
     }
+
+
+@click.command(help=__doc__)
+@click.option("--concurrency", default=256, show_default=True)
+@click.option("--latency", default=0.5, show_default=True, help="Seconds the server takes per request.")
+@click.option("--rounds", default=40, show_default=True, help="Requests = rounds x concurrency.")
+@click.option("--prompt-len", default=512, show_default=True, help="Prompt ids per request.")
+@click.option("--max-new-tokens", default=64, show_default=True, help="Answer ids per request.")
+@click.option("--floor", default=0.9, show_default=True)
+def main(concurrency, latency, rounds, prompt_len, max_new_tokens, floor):
+    result = figures(measure(concurrency, latency, rounds, prompt_len, max_new_tokens), concurrency, latency)
     print(json.dumps(result))
     print(
-        f"{rps:.0f} requests/s of an ideal {ideal:.0f} (concurrency {concurrency} / latency {latency}s): "
-        f"ratio {rps / ideal:.3f} ({'meets' if rps / ideal >= floor else 'BELOW'} the {floor} floor); "
-        f"client CPU {1000 * cpu / n:.3f} ms per request"
+        f"{result['requests_per_s']:.0f} requests/s of an ideal {result['ideal_per_s']:.0f} (concurrency "
+        f"{concurrency} / latency {latency}s): ratio {result['ratio']:.3f} "
+        f"({'meets' if result['ratio'] >= floor else 'BELOW'} the {floor} floor); "
+        f"client CPU {result['client_cpu_ms_per_request']:.3f} ms per request"
     )
 
 

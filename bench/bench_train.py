@@ -19,7 +19,7 @@ from eaglepipe.core import config
 from eaglepipe.dataset import sequences
 from eaglepipe.drafter import train
 from eaglepipe.drafter.eagle3 import ttt
-from eaglepipe.hidden import layout as features
+from eaglepipe.hidden import layout
 from eaglepipe.target import model as target
 
 
@@ -33,7 +33,7 @@ def bare_steps(hidden_folder, folder, p) -> tuple[int, float]:
     for e in range(p.epochs):
         for idx in sequences.plan_batches(lengths, p.batch_tokens, p.seed, e):
             rows = [train_set[i] for i in idx]
-            batch = ttt.collate(rows, features.read_states(rows), steps, head_draft, model.t2d)  # not timed
+            batch = ttt.collate(rows, layout.read_states(rows), steps, head_draft, model.t2d)  # not timed
             start = time.perf_counter()
             with train.autocast(train.uses_bf16(p), head_draft.device):  # as train.run
                 loss, _ = ttt.ttt_forward(model, batch, steps, p.step_weight)

@@ -38,7 +38,7 @@ def replicate(hidden: Path, out: Path, times: int) -> int:
         entries = []
         for c in range(times):
             for entry in index[split]["shards"]:
-                name = f"c{c}-{entry['file']}"  # an entry may name a file another entry names too (shards.py)
+                name = f"c{c}-{entry['file']}"  # an entry may name a file another entry names too (dataset/shards.py)
                 if not (out / name).exists():
                     os.symlink(hidden.resolve() / entry["file"], out / name)
                     size += (hidden / entry["file"]).stat().st_size

@@ -11,7 +11,7 @@ import yaml
 
 from eaglepipe.core import config, uncertainty
 from eaglepipe.core.records import read_jsonl
-from eaglepipe.evaluate import decode as speculative
+from eaglepipe.evaluate import decode
 
 STAGES = ["prepare", "infer", "merge", "hidden", "train", "evaluate"]
 
@@ -28,12 +28,12 @@ def decoded_sets(decoded, names=config.BENCHMARKS) -> dict[str, list[tuple[list[
 
 class Turns:
     """One method's acceptance on one set of turns, kept per turn: its length and the standard error over turns
-    (uncertainty.py; a turn is the cluster, so MT-bench's two turns of a question count as two)."""
+    (eaglepipe/core/uncertainty.py; a turn is the cluster, so MT-bench's two turns of a question count as two)."""
 
     def __init__(self):
         self.emitted, self.steps = [], []
 
-    def add(self, stats: speculative.Stats) -> None:
+    def add(self, stats: decode.Stats) -> None:
         self.emitted.append(stats.emitted)
         self.steps.append(stats.steps)
 
@@ -59,8 +59,8 @@ def acceptance(model, drafter, prompts, stops, p) -> Turns:
     """Acceptance of ``drafter`` on each of ``prompts`` with the evaluate params ``p`` (greedy chains)."""
     turns = Turns()
     for ids, _ in prompts:
-        stats = speculative.Stats()
-        speculative.speculative(model, drafter, ids, p.max_new_tokens, stops, p.num_steps, stats)
+        stats = decode.Stats()
+        decode.speculative(model, drafter, ids, p.max_new_tokens, stops, p.num_steps, stats)
         turns.add(stats)
     return turns
 
@@ -71,14 +71,14 @@ def acceptances(model, drafter, sets: dict, stops, p) -> dict[str, Turns]:
 
 def ngram(sets: dict, stops, p) -> dict[str, Turns]:
     """The n-gram baseline's acceptance on each set, with the evaluate params ``p``, replayed from the plain greedy
-    outputs (``speculative.replay``)."""
+    outputs (``decode.replay``)."""
     lengths = {}
     for name, prompts in sets.items():
         lengths[name] = Turns()
         for ids, output in prompts:
-            stats = speculative.Stats()
-            speculative.replay(
-                speculative.NgramDrafter(p.ngram.max, p.ngram.min),
+            stats = decode.Stats()
+            decode.replay(
+                decode.NgramDrafter(p.ngram.max, p.ngram.min),
                 ids,
                 output,
                 p.max_new_tokens,

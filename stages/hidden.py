@@ -10,8 +10,7 @@ import click
 
 from eaglepipe.core import cli, runtime
 from eaglepipe.core.errors import UserError
-from eaglepipe.hidden import extract as hidden
-from eaglepipe.hidden import vllm_source as states
+from eaglepipe.hidden import extract, publish, vllm_source
 from eaglepipe.target import model as target
 
 
@@ -34,8 +33,8 @@ def main(params, seq_folder, out, report, timings, cache):
     with runtime.start(cfg.runtime.device) as rt:
         if cfg.train.features == "online":
             if rt.is_main:
-                cli.publish(hidden.skip(out), report, timings)
-                logging.info("hidden: %s", hidden.SKIPPED)
+                cli.publish(publish.skip(out), report, timings)
+                logging.info("hidden: %s", publish.SKIPPED)
             return
         if cfg.hidden.engine == "vllm":
             if rt.world > 1:
@@ -44,11 +43,11 @@ def main(params, seq_folder, out, report, timings, cache):
                     "(hidden.vllm.launch tp, dp, extra_args)"
                 )
             dtype = runtime.states_dtype(cfg.hidden.compute_dtype, rt.device)
-            with states.VLLMStates(folder, cfg.hidden, dtype, cache) as source:
-                rep = hidden.run(seq_folder, out, source, cfg.hidden, target.fingerprint(folder), cache, rt)
+            with vllm_source.VLLMStates(folder, cfg.hidden, dtype, cache) as source:
+                rep = extract.run(seq_folder, out, source, cfg.hidden, target.fingerprint(folder), cache, rt)
         else:
             model = target.load_states_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
-            rep = hidden.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
+            rep = extract.run(seq_folder, out, model, cfg.hidden, target.fingerprint(folder), cache, rt)
     if rt.is_main:
         cli.publish(rep, report, timings)
         logging.info(

@@ -11,8 +11,9 @@ from eaglepipe.core import cli, runtime
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.records import read_prompts, write_json, write_jsonl
 from eaglepipe.engines import Sampling, table
-from eaglepipe.infer import run as infer
+from eaglepipe.infer.cache import Cache
 from eaglepipe.infer.gates import Gates
+from eaglepipe.infer.run import InferRun, Limits, Plan, fingerprint
 from eaglepipe.target import model as target
 from eaglepipe.target import remote
 from eaglepipe.text import derive
@@ -38,7 +39,7 @@ def main(params, prompts, out, report, timings, cache):
     sampling = Sampling.from_params(p, target.stop_ids(folder, tokenizer))
     with runtime.start(cfg.runtime.device) as rt, table.create(p, folder, tokenizer, rt) as engine:
         template_kwargs = cfg.target.chat_template_kwargs
-        fp = infer.fingerprint(
+        fp = fingerprint(
             target.fingerprint(folder),
             engine.name,
             engine.identity(),
@@ -49,27 +50,19 @@ def main(params, prompts, out, report, timings, cache):
         work = Path(cache) / fp
         try:
             with rt.locked(work):  # another run on this cache waits for this one, then reuses what it generated
-                responses, rep = infer.run(
-                    prompt_list,
-                    engine,
-                    tokenizer,
-                    sampling,
-                    spec,
-                    Gates(p.gates, spec.expects_reasoning, derive.markup(tokenizer)),
-                    infer.Cache(work),
-                    infer.Plan(
-                        template_kwargs,
-                        max_failure_rate=p.max_failure_rate,
-                        samples=p.samples,
-                        limits=infer.Limits(target.context_length(folder), cfg.merge.max_length, p.on_error, prompts),
-                        turns=p.turns,
-                    ),
-                )
+                gates = Gates(p.gates, spec.expects_reasoning, derive.markup(tokenizer))
+                limits = Limits(target.context_length(folder), cfg.merge.max_length, p.on_error, prompts)
+                plan = Plan(template_kwargs, p.max_failure_rate, p.samples, limits, p.turns)
+                run = InferRun(engine, tokenizer, sampling, spec, gates, Cache(work), plan)
+                responses, rep = run.run(prompt_list)
         except UserError as e:
             raise UserError(f"{e}. Nothing was published; the records are in {work}") from None
         write_jsonl(Path(out) / "responses.jsonl", responses)
         code = {"remote_code": remote.hashes(folder)} if remote.trusted(folder) else {}
-        write_json(Path(out) / "engine.json", {"fingerprint": fp, **engine.describe(), **code})
+        described = engine.describe()
+        # the servers asked, if any were (none when every answer was cached): what this run met, not what it published
+        rep["run"]["servers"] = described.pop("servers", None)
+        write_json(Path(out) / "engine.json", {"fingerprint": fp, **described, **code})
     cli.publish(rep, report, timings)
     logging.info("wrote %d records to %s: %s", len(responses), out, rep["finish_reason"])
 

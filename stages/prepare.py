@@ -7,8 +7,7 @@ import click
 
 from eaglepipe.core import cli
 from eaglepipe.core.records import write_jsonl
-from eaglepipe.dataset import benchmarks
-from eaglepipe.dataset import prepare as lib
+from eaglepipe.dataset import benchmarks, prepare
 
 
 @click.command(help=__doc__)
@@ -31,10 +30,10 @@ from eaglepipe.dataset import prepare as lib
 def main(params, out, report, heldout, timings):
     cfg = cli.params(params)
     excluded = benchmarks.excluded_texts(heldout) if cfg.prepare.exclude_benchmarks else set()
-    prompts, counts = lib.prepare(cfg.prepare, excluded)
+    prompts, counts = prepare.prepare(cfg.prepare, excluded)
     write_jsonl(out, prompts)
     cli.publish(counts, report, timings)
-    logging.getLogger("prepare").info("wrote %d prompts to %s\n%s", len(prompts), out, lib.summary(counts))
+    logging.getLogger("prepare").info("wrote %d prompts to %s\n%s", len(prompts), out, prepare.summary(counts))
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ import click
 from eaglepipe.core import cli, runtime
 from eaglepipe.core.config import CACHE
 from eaglepipe.core.records import write_json
-from eaglepipe.drafter import train
+from eaglepipe.drafter import sources, train
 from eaglepipe.drafter.eagle3 import model as draft
-from eaglepipe.hidden import layout as features
+from eaglepipe.hidden import layout
 from eaglepipe.target import model as target
 
 
@@ -59,9 +59,9 @@ def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkp
     with runtime.start(cfg.runtime.device) as rt:
         if cfg.train.features == "online":
             model = target.load_states_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
-            feats = train.Online(seq_folder, model, cfg.hidden)
+            feats = sources.Online(seq_folder, model, cfg.hidden)
         else:
-            feats = features.Stored(hidden_folder)
+            feats = layout.Stored(hidden_folder)
         p = train.resolved(cfg.train, rt.device)
         # every rank, outside any collective: the first read of the weights and states is long (hashing.file_digest)
         fp = train.fingerprint(feats, p, target.fingerprint(folder))

@@ -1,13 +1,17 @@
 """A stand-in for an SGLang server that speaks its native HTTP API, for the tests and bench/bench_sglang_client.py.
 
-    python tests/sglang_server.py --port 30000 [--model-path embedded] [--no-compute] [--latency 0.2]
+    python tests/sglang_server.py --port 30000 [--model-path embedded] [--dtype auto] [--kv-cache-dtype auto]
+        [--quantization Q] [--weight-version default] [--no-compute] [--latency 0.2]
         [--fault-rate 0.1] [--faults all|http429,reset,...] [--fault-mode random|cycle] [--fault-budget N]
         [--hang-s 30] [--startup-delay 2] [--batch-arrays] [--exclude-stop] [--old-api] [--tokenize-skew]
         [--reasoning wrap|drop]
 
 Endpoints as SGLang's python/sglang/srt/entrypoints/http_server.py has them:
     GET  /health, /health_generate     200, or 503 while starting (--startup-delay) or when set unhealthy
-    GET  /model_info, /server_info     (and the older /get_model_info, /get_server_info; --old-api: only those)
+    GET  /model_info, /server_info     (and the older /get_model_info, /get_server_info; --old-api: only those):
+                                       model_path, dtype, kv_cache_dtype, quantization and weight_version as given
+                                       (SGLang's defaults otherwise; no --model-path: the embedded model's folder),
+                                       version ``VERSION``
     POST /generate                     GenerateReqInput: exactly one of input_ids / text, single or batch (a list of
                                        lists / of strings), rid (str or list; a str on a batch becomes rid_0, ...),
                                        sampling_params (one dict or one per item; missing fields from the model's
@@ -136,6 +140,7 @@ TAIL = 5  # SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET
 KEEPALIVE_S = 5.0  # SGLang's uvicorn closes a connection idle this long (http_server.py, timeout_keep_alive)
 REASONING_MODES = (None, "wrap", "drop")
 THOUGHT = "Let me think."  # the reasoning text of --reasoning wrap (short: it counts against max_new_tokens)
+VERSION = "0.0.0+eaglepipe-test-server"  # the version /server_info reports
 
 
 class RequestError(Exception):
@@ -181,6 +186,26 @@ def request_ids(rid, single: bool, n: int) -> list:
     return rids
 
 
+def sampling_defaults(folder: Path) -> dict:
+    """The sampling params a request leaves out, as SGLang's ``--sampling-defaults model`` fills them: the model's
+    generation_config.json over SGLang's own."""
+    gen_config = folder / "generation_config.json"
+    defaults = json.loads(gen_config.read_text()) if gen_config.exists() else {}
+    return {
+        "max_new_tokens": 128,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        **{
+            k: defaults[k]
+            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if defaults.get(k) is not None
+        },
+    }
+
+
 class FakeSGLang:
     def __init__(self, args):
         self.args = args
@@ -189,26 +214,13 @@ class FakeSGLang:
         if isinstance(self.knobs["faults"], str):
             self.knobs["faults"] = self.parse_faults(self.knobs["faults"])
         self.rng = random.Random(self.knobs["seed"])
-        self.folder = target.resolve(args.model_path)
+        self.folder = target.resolve(args.model_path or "embedded")
+        self.model_path = args.model_path or str(self.folder)  # as given, like SGLang's
         self.tokenizer = target.load_tokenizer(self.folder)
         self.eos = set(target.stop_ids(self.folder, self.tokenizer))
         self.vocab_size = len(self.tokenizer)
         self.special = set(self.tokenizer.all_special_ids)
-        gen_config = self.folder / "generation_config.json"
-        defaults = json.loads(gen_config.read_text()) if gen_config.exists() else {}
-        self.defaults = {
-            "max_new_tokens": 128,
-            "temperature": 1.0,
-            "top_p": 1.0,
-            "top_k": -1,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            **{
-                k: defaults[k]
-                for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                if defaults.get(k) is not None
-            },
-        }
+        self.defaults = sampling_defaults(self.folder)
         self.engine = None
         if not args.no_compute:
             import torch
@@ -275,11 +287,11 @@ class FakeSGLang:
 
     def model_info_body(self):
         return {
-            "model_path": str(self.folder),
-            "tokenizer_path": str(self.folder),
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": self.args.weight_version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": self.model_type,
@@ -289,18 +301,18 @@ class FakeSGLang:
     def server_info_body(self):
         a = self.args
         return {
-            "model_path": str(self.folder),
-            "tokenizer_path": str(self.folder),
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
             "tokenizer_mode": "auto",
             "skip_tokenizer_init": False,
             "load_format": "auto",
             "trust_remote_code": False,
-            "dtype": "float32",
-            "kv_cache_dtype": "auto",
-            "quantization": None,
+            "dtype": a.dtype,
+            "kv_cache_dtype": a.kv_cache_dtype,
+            "quantization": a.quantization,
             "context_length": None,
             "device": "cpu",
-            "served_model_name": str(self.folder),
+            "served_model_name": self.model_path,
             "chat_template": None,
             "reasoning_parser": None,
             "tool_call_parser": None,
@@ -311,7 +323,7 @@ class FakeSGLang:
             "tp_size": a.tp,
             "dp_size": a.dp,
             "random_seed": self.random_seed,
-            "weight_version": "default",
+            "weight_version": a.weight_version,
             "extra_args": a.extra,
             "max_total_num_tokens": 65536,
             "max_req_input_len": 8192,
@@ -321,7 +333,7 @@ class FakeSGLang:
                     "uptime_s": round(time.time() - self.started, 1),
                 }
             ],
-            "version": "0.0.0+eaglepipe-test-server",
+            "version": VERSION,
             "no_compute": a.no_compute,
         }
 
@@ -492,35 +504,13 @@ class FakeSGLang:
 
     def compute(self, item: dict) -> dict:
         """One request, as SGLang would answer it (runs in the single compute thread)."""
-        from eaglepipe.engines import Sampling
-
         ids, sp, rid = item["input_ids"], item["sampling_params"], item["rid"]
         start = time.perf_counter()
         stops = set() if sp["ignore_eos"] else set(sp["stop_token_ids"]) | self.eos
         limit = sp["max_new_tokens"]
         block, model_ids = self.reasoning_parts(ids) if self.knobs["reasoning"] else ([], ids)
         budget = max(limit - len(block), 0)  # a think block counts against max_new_tokens
-        if budget == 0:
-            gen = []
-        elif self.engine is None:  # --no-compute: ids made up from the prompt, never a stop id unless asked
-            h = zlib.crc32(repr(model_ids).encode())
-            gen = [1000 + (h + 7919 * k) % 20000 for k in range(budget)]
-            after = self.knobs["fake_stop_after"]
-            if after and sp["stop_token_ids"] and after <= budget:
-                gen = gen[: after - 1] + [min(sp["stop_token_ids"])]
-        else:
-            top_k = sp["top_k"] if sp["top_k"] > 0 else -1
-            sampling = Sampling(
-                temperature=sp["temperature"],
-                top_p=sp["top_p"],
-                top_k=top_k,
-                min_p=sp["min_p"],
-                max_new_tokens=budget,
-                seed=int(sp.get("sampling_seed") or 0),
-                stop_token_ids=tuple(sorted(stops)),
-            )
-            gen = next(self.engine.stream([model_ids], sampling, [rid]))[1].output_ids
-        gen = block + gen
+        gen = block + self.generated(model_ids, sp, stops, budget, rid)
         # SGLang's Req.check_finished: the length limit first, then the stop ids; the matched id stays in output_ids.
         if len(gen) >= limit:
             gen, finish = gen[:limit], {"type": "length", "length": limit}
@@ -538,12 +528,37 @@ class FakeSGLang:
                 "id": rid,
                 "finish_reason": finish,
                 "prompt_tokens": len(ids),
-                "weight_version": "default",
+                "weight_version": self.args.weight_version,
                 "completion_tokens": len(gen),
                 "cached_tokens": 0,
                 "e2e_latency": round(time.perf_counter() - start, 6),
             },
         }
+
+    def generated(self, model_ids: list, sp: dict, stops: set, budget: int, rid: str) -> list:
+        """At most ``budget`` ids the model answers ``model_ids`` with under sampling params ``sp``."""
+        from eaglepipe.engines import Sampling
+
+        if budget == 0:
+            return []
+        if self.engine is None:  # --no-compute: ids made up from the prompt, never a stop id unless asked
+            h = zlib.crc32(repr(model_ids).encode())
+            gen = [1000 + (h + 7919 * k) % 20000 for k in range(budget)]
+            after = self.knobs["fake_stop_after"]
+            if after and sp["stop_token_ids"] and after <= budget:
+                gen = gen[: after - 1] + [min(sp["stop_token_ids"])]
+            return gen
+        top_k = sp["top_k"] if sp["top_k"] > 0 else -1
+        sampling = Sampling(
+            temperature=sp["temperature"],
+            top_p=sp["top_p"],
+            top_k=top_k,
+            min_p=sp["min_p"],
+            max_new_tokens=budget,
+            seed=int(sp.get("sampling_seed") or 0),
+            stop_token_ids=tuple(sorted(stops)),
+        )
+        return next(self.engine.stream([model_ids], sampling, [rid]))[1].output_ids
 
     def corrupt(self, kind: str, answer: dict, prompt: list) -> dict:
         ids, meta = answer["output_ids"], answer["meta_info"]
@@ -671,17 +686,32 @@ def make_app(server: FakeSGLang) -> web.Application:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sglang_options(ap)
+    knob_options(ap)
+    args, extra = ap.parse_known_args(argv)
+    args.extra = extra  # SGLang flags the launcher passes through (recorded in /server_info)
+    return args
+
+
+def sglang_options(ap: argparse.ArgumentParser) -> None:
+    """The options SGLang's launch_server has that the double reads or reports."""
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument(
         "--model-path",
         "--model",
         dest="model_path",
-        default="embedded",
-        help="'embedded', a Hugging Face model folder or a .gguf file (eaglepipe.target.model.resolve)",
+        help="'embedded' (the default), a Hugging Face model folder or a .gguf file (eaglepipe.target.model.resolve)",
     )
     ap.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1, help="recorded in /server_info only")
     ap.add_argument("--dp", "--dp-size", dest="dp", type=int, default=1, help="recorded in /server_info only")
+    for flag, default in (("--dtype", "auto"), ("--kv-cache-dtype", "auto"), ("--weight-version", "default")):
+        ap.add_argument(flag, default=default, help="reported in /server_info only (the model computes in float32)")
+    ap.add_argument("--quantization", help="reported in /server_info only")
+
+
+def knob_options(ap: argparse.ArgumentParser) -> None:
+    """The double's own knobs (also settable later: POST /_test/config)."""
     ap.add_argument("--no-compute", action="store_true", help="answer made-up ids without running the model")
     ap.add_argument("--latency", type=float, help="seconds added to every /generate answer")
     ap.add_argument("--fault-rate", dest="fault_rate", type=float, help="share of /generate requests that fault")
@@ -697,27 +727,13 @@ def parse_args(argv=None):
         help="answer 503 on /health and /generate for this long after starting",
     )
     ap.add_argument("--batch-arrays", dest="batch_arrays", action="store_const", const=True)
-    ap.add_argument(
-        "--exclude-stop",
-        dest="exclude_stop",
-        action="store_const",
-        const=True,
-        help="leave the matched stop id out of output_ids (but count it)",
+    flags = (
+        ("--exclude-stop", "leave the matched stop id out of output_ids (but count it)"),
+        ("--old-api", "only the old /get_model_info and /get_server_info"),
+        ("--tokenize-skew", "/tokenize maps special tokens to other ids (a mismatched tokenizer)"),
     )
-    ap.add_argument(
-        "--old-api",
-        dest="old_api",
-        action="store_const",
-        const=True,
-        help="only the old /get_model_info and /get_server_info",
-    )
-    ap.add_argument(
-        "--tokenize-skew",
-        dest="tokenize_skew",
-        action="store_const",
-        const=True,
-        help="/tokenize maps special tokens to other ids (a mismatched tokenizer)",
-    )
+    for flag, why in flags:
+        ap.add_argument(flag, dest=flag[2:].replace("-", "_"), action="store_const", const=True, help=why)
     ap.add_argument(
         "--reasoning",
         choices=("wrap", "drop"),
@@ -732,9 +748,6 @@ def parse_args(argv=None):
         type=int,
         help="--no-compute: answers end with a stop id after this many ids",
     )
-    args, extra = ap.parse_known_args(argv)
-    args.extra = extra  # SGLang flags the launcher passes through (recorded in /server_info)
-    return args
 
 
 # ---- driving the server from another process (the tests and bench/bench_sglang_client.py) -------------------------
@@ -805,6 +818,19 @@ CLEAN = {
     "fake_stop_after": None,
     "reset_stats": True,
 }
+
+
+def distribution(site: Path, name: str, version: str, module: str | None = None) -> Path:
+    """``site``, holding the package metadata of distribution ``name`` ``version`` (that installs ``module``, when
+    given) and nothing else: on a launcher's PYTHONPATH, what its Python says is installed (a launched server's
+    version, launch.LaunchedServer.installed). ``distribution(site, "sglang", VERSION)`` makes this double's launch
+    one of "the installed SGLang"."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    if module is not None:
+        (info / "top_level.txt").write_text(module + "\n")
+    return site
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -11,7 +11,12 @@ try:
 except ImportError:  # a Python without torch (the installers): nothing to hide
     pass
 else:
+    from types import MappingProxyType
+
     for _name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
                   "_is_amx_tile_supported", "_is_amx_fp16_supported"):
         if hasattr(torch.cpu, _name):
             setattr(torch.cpu, _name, lambda: False)
+    _capabilities = dict(torch.cpu.get_capabilities())
+    _without_avx512 = {k: (False if k.startswith(("avx512", "amx")) else v) for k, v in _capabilities.items()}
+    torch.cpu.get_capabilities = lambda: MappingProxyType(_without_avx512)

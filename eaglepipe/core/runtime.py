@@ -152,10 +152,11 @@ def device(name: str = "auto", local_rank: int = 0, world: int = 1) -> torch.dev
 
 def native_bf16(dev: torch.device) -> bool:
     """Whether ``dev`` multiplies bf16 matrices natively: a CUDA GPU that supports bf16, or a CPU with AVX512-BF16 or
-    AMX."""
+    AMX (``avx512_bf16`` or ``amx_tile`` among ``torch.cpu.get_capabilities()``)."""
     if dev.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    capabilities = torch.cpu.get_capabilities()
+    return capabilities.get("avx512_bf16", False) or capabilities.get("amx_tile", False)
 
 
 def compute_dtype(name: str, dev: torch.device) -> str:

@@ -10,7 +10,7 @@ A bad record raises RecordError naming the file, the line and the field.
 As chats (as SpecForge's benchmarker and SGLang's benchmark/mtbench/bench_sglang_eagle.py send them):
 heldout    each line's ``messages`` (and ``tools``) as they are, one turn; ``category`` (default ``all``).
 MT-bench   system: the Llama-2 default system prompt (``LLAMA2_SYSTEM``); user: turn 1; then turn 2, asked after the
-           target's own greedy answer to turn 1 (evaluate.py). Category: the question's.
+           target's own greedy answer to turn 1 (evaluate/run.py). Category: the question's.
 HumanEval  one user turn holding the problem's ``prompt`` as it is: no instruction, no system turn. Category ``code``.
 """
 

@@ -35,16 +35,14 @@ def read_candidates(src, on_error: str, seen: set, excluded: set = frozenset()) 
     records), left_out and left_out_by_rule (no prompt in them), rules (the valid records each conversation rule
     concerns), benchmark (kept out), duplicates, and ``damage`` (``{offset, bytes, records_before}``) for an
     unreadable tail (one record skipped as ``damaged``). Records are streamed; only the candidates are kept."""
-    candidates, skipped, left_out, rules, damage, read, duplicates, benchmark = (
-        [],
-        Counter(),
-        Counter(),
-        Counter(),
-        None,
-        0,
-        0,
-        0,
-    )
+    candidates = []
+    skipped = Counter()
+    left_out = Counter()
+    rules = Counter()
+    damage = None
+    read = 0
+    duplicates = 0
+    benchmark = 0
     for item in read_source(src.path, src.format, src.name, src.columns, rules):
         read += 1
         if src.max_turns and not isinstance(item, RecordError):

@@ -6,7 +6,7 @@ else its writer records. A shard is one safetensors file of flat per-token tenso
 samples concatenated) plus ``offsets`` int64 [samples + 1]: sample i of the file is rows ``offsets[i]:offsets[i + 1]``
 of every other tensor. An entry names the split's next ``samples`` samples, in stored order: ``ids[j]`` is sample
 ``rows[j]`` of ``file`` (without ``rows``: sample j, the whole file in order). Entries may name a file more than once
-and in part (data/hidden's content-addressed shards, hidden.py). A shard is written atomically (a temporary file
+and in part (data/hidden's content-addressed shards, hidden/extract.py). A shard is written atomically (a temporary file
 renamed into place, so a shard that exists is complete), with mode 0644; its bytes depend on its tensors and on the
 string metadata its writer gives (data/hidden's: the content keys of its samples), nothing else.
 """

@@ -17,9 +17,7 @@ import os
 import re
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
 
 import ijson
 
@@ -84,116 +82,73 @@ class Damage(BadRecord):
     def __init__(self, offset: int, size: int, records_before: int, cause: str, gzipped: bool = False):
         data = " of its decompressed data" if gzipped else ""
         super().__init__("damaged", None, f"is damaged from byte {offset}{data} to its end ({size} bytes): {cause}")
-        self.cause = cause
         self.damage = {"offset": offset, "bytes": size, "records_before": records_before}
         if gzipped:
             self.damage["decompressed"] = True
 
 
-class _Gunzip(io.RawIOBase):
-    """The decompressed bytes of a gzip file, seekable (backwards by decompressing again). Where the compressed
-    data ends early or is corrupt, the stream ends there and ``error`` says why."""
+class _Bytes(io.RawIOBase):
+    """A source file's bytes, decompressed for a ``.gz`` name, and how many were read (``count``). Where compressed
+    data ends early or is corrupt, the bytes end there and ``error`` says why."""
 
-    def __init__(self, path):
-        self.gz, self.error = gzip.open(path, "rb"), None  # noqa: SIM115  this stream owns it: close() closes it
+    def __init__(self, path: Path):
+        super().__init__()
+        self.gzipped = path.suffix == ".gz"
+        self.file = gzip.open(path, "rb") if self.gzipped else open(path, "rb")  # noqa: SIM115  close() closes it
+        self.error = None
+        self.count = 0
 
-    def readable(self):
+    def readable(self) -> bool:
         return True
-
-    def seekable(self):
-        return True
-
-    def tell(self):
-        return self.gz.tell()
 
     def readinto(self, buffer) -> int:
         try:
-            data = self.gz.read1(len(buffer))
+            data = self.file.read1(len(buffer))
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:
             self.error = e
-            return 0
+            data = b""
         buffer[: len(data)] = data
+        self.count += len(data)
         return len(data)
 
-    def seek(self, offset, whence=io.SEEK_SET):
-        if whence == io.SEEK_END:  # the decompressed size is known only once everything is read
-            while self.readinto(bytearray(CHUNK)):
-                pass
-            return self.tell()
-        return self.gz.seek(offset, whence)
-
     def close(self):
-        self.gz.close()
+        self.file.close()
         super().close()
 
 
-def _skip(f: BinaryIO, offset: int, comma: bool) -> int:
-    """The offset of the first byte from ``offset`` on that is neither JSON whitespace nor, with ``comma``, the first
-    comma met."""
-    f.seek(offset)
-    while (b := f.read(1)) and (b in b" \t\r\n" or comma and b == b","):
-        comma = comma and b != b","
-        offset += 1
-    return offset
+def _damage(f: io.BufferedReader, offset: int, records_before: int, cause: str) -> Damage:
+    """The Damage of ``f``'s file from byte ``offset`` to its end: ``f`` is read to its end for its size and, for a
+    gzip stream, for where it breaks off."""
+    while f.read(CHUNK):
+        pass
+    if f.raw.error:
+        cause += f"; the gzip stream breaks off: {f.raw.error}"
+    return Damage(offset, f.raw.count - offset, records_before, cause, f.raw.gzipped)
 
 
-def _jsonl(f: BinaryIO) -> Iterator[tuple[int, dict | BadRecord]]:
+def _jsonl(f: io.BufferedReader) -> Iterator[tuple[int, dict | BadRecord]]:
     """(line, object or BadRecord) per non-blank line; a broken line does not stop the rest. A last line without
     its newline that does not parse was cut short: the file's Damage."""
     for index, (n, raw, item) in enumerate(scan_jsonl(f)):
-        if isinstance(item, LineError) and not raw.endswith(b"\n"):  # the last line: f is at the end of the file
-            item = Damage(
-                f.tell() - len(raw),
-                len(raw),
-                index,
-                f"its last line is cut short and {item.problem} (record index {index}, counted from 0)",
-            )
+        if isinstance(item, LineError) and not raw.endswith(b"\n"):  # the last line: the file is read to its end
+            cause = f"its last line is cut short and {item.problem} (record index {index}, counted from 0)"
+            item = _damage(f, f.raw.count - len(raw), index, cause)
         elif isinstance(item, LineError):
             item = BadRecord(item.reason, None, item.problem)
         yield n, item
 
 
-def _parser(target):
-    """An incremental JSON array parser: sent bytes, it sends ``target`` each item as soon as it is whole."""
-    return ijson.items_coro(target, "item", use_float=True)
-
-
-class _Count:
-    """A parser target that only counts the items."""
-
-    def __init__(self):
-        self.n = 0
-
-    def send(self, _item):
-        self.n += 1
-
-
-def _json_array(f: BinaryIO) -> Iterator[tuple[int, object]]:
-    """(array index, item) per item of a JSON array file, read ``CHUNK`` bytes at a time (memory: a chunk and the
-    items ending in it). When the file is cut short or broken, the last pair is (index of the first item not read,
-    Damage)."""
-    items, index, at, error = ijson.sendable_list(), 0, 0, None
-    ended_in = 0  # offset of the chunk in which the last item so far ended
-    parser = _parser(items)
-    while True:
-        chunk = f.read(CHUNK)
-        try:
-            parser.send(chunk) if chunk else parser.close()
-        except ijson.JSONError as e:
-            error = e
-        if items:
-            ended_in = at
-        for item in items:
+def _json_array(f: io.BufferedReader, path: Path) -> Iterator[tuple[int, object]]:
+    """(array index, item) per item of a JSON array file, streamed (memory: a chunk and the item being read). When
+    the file is cut short or broken, the last pair is (index of the first item not read, Damage)."""
+    index = 0
+    try:
+        for item in ijson.items(f, "item", use_float=True):
             yield index, item
             index += 1
-        items.clear()
-        if error or not chunk:
-            break
-        at += len(chunk)
-    if error:
-        start = _tail_start(f, index, ended_in)
-        cause = f"the JSON array breaks off ({_first_line(error)})"
-        yield index, Damage(start, f.seek(0, io.SEEK_END) - start, index, cause)
+    except ijson.JSONError as e:
+        cause = f"the JSON array breaks off ({_first_line(e)})"
+        yield index, _damage(f, _after_items(path, index), index, cause)
 
 
 def _first_line(error: Exception) -> str:
@@ -204,65 +159,66 @@ def _first_line(error: Exception) -> str:
     return (message.strip().splitlines() or ["not valid JSON"])[0]
 
 
-def _tail_start(f: BinaryIO, count: int, ended_in: int) -> int:
-    """Where the unreadable tail of a JSON array file starts: after its first ``count`` items and their separator.
-    ``ended_in``: the offset of the chunk in which the last of those items ended."""
-    if count == 0:
-        return _skip(f, _skip(f, 0, comma=False) + 1, comma=False)
-    done = _Count()
-    parser = _parser(done)
-    f.seek(0)
-    while f.tell() < ended_in:
-        parser.send(f.read(min(CHUNK, ended_in - f.tell())))
-    end = ended_in
-    while done.n < count:
-        parser.send(f.read(1))
-        end += 1
-    return _skip(f, end, comma=True)
+_BEFORE_ITEM = re.compile(r"[ \t\r\n]*[\[,]?[ \t\r\n]*")
+"""What comes before an item of a JSON array: blanks, its opening bracket or a comma, blanks."""
+_ITEM = json.JSONDecoder(strict=False)  # items the parser has read whole; this one only finds where they end
 
 
-@contextmanager
-def _open(path: Path):
-    """``(binary file, gunzip)``: the file, or for a ``.gz`` name its decompressed data with ``gunzip`` the
-    decompressor (its ``error``: why the compressed data broke off); ``gunzip`` is None for a plain file."""
-    if path.suffix != ".gz":
-        with open(path, "rb") as f:
-            yield f, None
-        return
-    gunzip = _Gunzip(path)
-    with io.BufferedReader(gunzip, CHUNK) as f:
-        yield f, gunzip
+def _after_items(path: Path, count: int) -> int:
+    """The byte offset of a JSON array file after its opening bracket, its first ``count`` items and the comma after
+    them: a second read from the start. The bytes are read as Latin-1, a character each, so that positions in the
+    text are byte offsets (JSON's syntax is ASCII, and no byte of a UTF-8 character beyond ASCII is)."""
+    ends = [_before_item_end] + [_item_end, _before_item_end] * count
+    with _Bytes(path) as stream:
+        text = ""  # what was read and not yet dropped
+        dropped = 0  # bytes dropped from the front of text
+        at = 0  # where the walk is in text
+        for end_of in ends:
+            end = end_of(text, at)
+            while end in (None, len(text)) and (chunk := stream.read(max(CHUNK, len(text) - at))):
+                dropped += at  # what ends where the text read so far ends may go on: read more
+                text = text[at:] + chunk.decode("latin-1")
+                at = 0
+                end = end_of(text, at)
+            at = end
+    return dropped + at
+
+
+def _before_item_end(text: str, at: int) -> int:
+    return _BEFORE_ITEM.match(text, at).end()
+
+
+def _item_end(text: str, at: int) -> int | None:
+    """Where the JSON value at ``at`` in ``text`` ends; None when ``text`` does not hold it whole."""
+    try:
+        return _ITEM.raw_decode(text, at)[1]
+    except json.JSONDecodeError:
+        return None
+
+
+def _starts_array(path: Path) -> bool:
+    """Whether the first character of the file that is not blank is ``[``."""
+    with _Bytes(path) as stream:
+        while chunk := stream.read(CHUNK):
+            if text := chunk.lstrip(b" \t\r\n"):
+                return text.startswith(b"[")
+    return False
 
 
 def _json_records(path: Path) -> Iterator[tuple[int, str | None, dict | BadRecord]]:
     """The records of a JSON Lines or JSON array file, plain or gzipped (``raw_records``)."""
-    with _open(path) as (f, gunzip):
-        f.seek(_skip(f, 0, comma=False))
-        unit = "JSON array index" if f.read(1) == b"[" else None
-        f.seek(0)
-        pos, count = 0, 0
-        for pos, item in _json_array(f) if unit else _jsonl(f):
-            if gunzip and isinstance(item, Damage):
-                break_off = f"; the gzip stream breaks off: {gunzip.error}" if gunzip.error else ""
-                d = item.damage
-                item = Damage(d["offset"], d["bytes"], d["records_before"], item.cause + break_off, gzipped=True)
+    unit = "JSON array index" if _starts_array(path) else None
+    with io.BufferedReader(_Bytes(path), CHUNK) as f:
+        pos = 0
+        count = 0
+        for pos, item in _json_array(f, path) if unit else _jsonl(f):
             yield pos, unit, item
             if isinstance(item, Damage):
                 return
             count += 1
-        if gunzip and gunzip.error:  # the records decompressed so far end whole, and nothing after them is readable
-            end = f.seek(0, io.SEEK_END)
-            yield (
-                (count if unit else pos + 1),
-                unit,
-                Damage(
-                    end,
-                    0,
-                    count,
-                    f"the gzip stream breaks off after the last whole record: {gunzip.error}",
-                    gzipped=True,
-                ),
-            )
+        if f.raw.error:  # the records decompressed so far end whole, and nothing after them is readable
+            cause = f"the gzip stream breaks off after the last whole record: {f.raw.error}"
+            yield (count if unit else pos + 1), unit, Damage(f.raw.count, 0, count, cause, gzipped=True)
 
 
 DATASET_FILES = (".parquet", ".arrow")

@@ -1,24 +1,23 @@
-"""Training the EAGLE-3 drafter on the target's hidden states (layout: ``features.py``) with training-time test
-(``ttt.py``): AdamW, linear warmup then cosine decay to 0, gradient clipping, seeded.
+"""Training the EAGLE-3 drafter on the target's hidden states (layout: hidden/layout.py) with training-time test
+(eagle3/ttt.py): AdamW, linear warmup then cosine decay to 0, gradient clipping, seeded.
 
 ``train.autocast: bfloat16`` runs the forward, the target's logits included, in bf16 matmuls under ``torch.autocast``
 (``auto``: where the device has native bf16 matmuls, ``resolved``); weights, optimizer, softmax and loss stay float32.
 
-``train.features``: ``offline`` reads ``data/hidden`` (``features.Stored``); ``online`` runs the frozen target on
-``data/sequences`` (``Online``) with hidden's extraction and params, and writes nothing. Either way ids and masks stay
-in memory and a batch's states are read, or computed, when it is collated. The draft vocabulary is counted from the ids.
+``train.features``: ``offline`` reads ``data/hidden``; ``online`` runs the frozen target on ``data/sequences``
+(drafter/sources.py). Either way ids and masks stay in memory and a batch's states are read, or computed, when it is
+collated. The draft vocabulary is counted from the ids.
 
 Batches: ``sequences.plan_batches`` per epoch, seeded by seed and epoch; global, whatever the number of processes.
 
-Processes (torchrun, ``runtime.py``): ``Runtime.wrap`` wraps ``TTT``. Rank r of W takes rows r, r + W, .. of each
+Processes (torchrun, core/runtime.py): ``Runtime.wrap`` wraps ``TTT``. Rank r of W takes rows r, r + W, .. of each
 global batch (a rank left without a row runs the first at weight 0); its loss is divided by the batch's global number
 of loss positions per step and multiplied by W, so the ranks' mean gradient is the whole batch's. Validation batches
 are dealt round-robin and their sums added. Rank 0 writes.
 
-Checkpoints (``<checkpoints>/state.pt``, atomic, every ``checkpoint_every`` steps and at each epoch's end): model,
-optimizer, schedule, RNG, position (epoch, batch), history and the running sums over every rank; nothing that depends
-on the world size, so a run resumes at another (bit for bit at the same one). Tensors and plain data only, loaded with
-``weights_only=True``. Batches are a pure function of (seed, epoch): a resumed run ends where an uninterrupted one does.
+Checkpoints (drafter/checkpoint.py: ``<checkpoints>/state.pt``, every ``checkpoint_every`` steps and at each epoch's
+end) hold the run's whole state and nothing that depends on the world size. Batches are a pure function of (seed,
+epoch): a resumed run ends where an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -29,31 +28,35 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from eaglepipe.core import records, runtime, uncertainty
+from eaglepipe.core import runtime, uncertainty
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.fingerprint import code_key
-from eaglepipe.dataset import sequences, shards
-from eaglepipe.drafter.eagle3 import init as draft_init
-from eaglepipe.drafter.eagle3 import model as draft
-from eaglepipe.drafter.eagle3 import ttt
-from eaglepipe.drafter.eagle3.ttt import TTT, chain_masks, collate, ttt_forward
-from eaglepipe.hidden import extract as hidden
-from eaglepipe.hidden import layout as features
+from eaglepipe.dataset import sequences
+from eaglepipe.drafter import checkpoint
+from eaglepipe.drafter.checkpoint import Progress
+from eaglepipe.drafter.eagle3 import init
+from eaglepipe.drafter.eagle3.model import DraftConfig, Eagle3Draft, build_vocab
+from eaglepipe.drafter.eagle3.ttt import TTT, StepStats, collate, noisy, ttt_forward
+from eaglepipe.drafter.sources import Online, features_of, load_samples, token_counts
+from eaglepipe.hidden import layout
 from eaglepipe.target import compat, families, quant
 
 log = logging.getLogger(__name__)
 # The code that decides the trained drafter (core/fingerprint.py): the model, its start, the objective, the training
-# run and its batches, the states' reading, and the target's weights as the start reads them. The states' own code is
-# in the features' identity.
+# run, its data and checkpoint, the states' reading, and the target's weights as the start reads them. The states'
+# own code is in the features' identity.
 RESULT_CODE = (
     "drafter.train",
+    "drafter.sources",
+    "drafter.checkpoint",
     "drafter.eagle3.model",
+    "drafter.eagle3.attention",
     "drafter.eagle3.init",
     "drafter.eagle3.ttt",
     "hidden.layout",
@@ -67,53 +70,13 @@ RESULT_CODE = (
 )
 
 
-class Online:
-    """Online features: the frozen target ``model`` computes, per batch of ``folder``'s sequences
-    (``data/sequences``), what hidden would store with ``params`` (config.Hidden); a sequence it cannot run is a
-    UserError."""
-
-    def __init__(self, folder, model, params):
-        self.folder, self.model, self.params = Path(folder), model.eval().requires_grad_(False), params
-        index = shards.load_index(self.folder)
-        self.layers = features.layer_ids(params.layers, families.text_config(model.config).num_hidden_layers)
-        self.splits = [s for s in shards.SPLITS if s in index]
-
-    def identity(self) -> dict:
-        return {
-            "data": shards.dataset_hash(self.folder),
-            "hidden": self.params.tracked(),
-            "layers": self.layers,
-            "model_dtype": str(self.model.dtype),
-            "code": code_key(hidden.RESULT_CODE),
-        }
-
-    def states(self, samples: list[features.Sample]) -> list[dict]:
-        tensors, failed = hidden.extract_shard(
-            self.model,
-            [(s.id, s.ids, s.mask) for s in samples],
-            self.layers,
-            self.params.batch_tokens,
-            self.params.dtype,
-        )
-        if failed:
-            raise UserError(
-                f"{self.folder}: the target cannot run {failed[0]['id']} ({failed[0]['reason']}); online "
-                "training has no way to leave a sequence out (hidden leaves it out: train offline)"
-            )
-        off = tensors["offsets"].tolist()
-        names = features.columns(self.params.dtype)
-        return [
-            features.decode({name: tensors[name][off[i] : off[i + 1]] for name in names}) for i in range(len(samples))
-        ]
-
-
 def target_tensors(folder, layer: int) -> dict:
     """From the target's safetensors files, without loading the model: float32 ``embed`` (input embedding),
-    ``head`` (output head; the embedding when tied) and ``norm`` (final norm), and for ``draft_init.init_from_target``
-    ``layer`` {name: weight as stored} (decoder layer ``layer``'s weights among ``draft_init.LAYER_WEIGHTS``),
-    ``layer_names`` (all of that layer's weight names), ``layer_index`` and ``model_type`` (its language model's).
-    Names as compat.names finds them (a composite's under its wrapper's prefix); FP8-block weights with their scales
-    are read dequantized to float32 (quant.py)."""
+    ``head`` (output head; the embedding when tied) and ``norm`` (final norm), and for eagle3/init.py's
+    ``init_from_target`` ``layer`` {name: weight as stored} (decoder layer ``layer``'s weights among
+    ``init.LAYER_WEIGHTS``), ``layer_names`` (all of that layer's weight names), ``layer_index`` and ``model_type``
+    (its language model's). Names as compat.names finds them (a composite's under its wrapper's prefix); FP8-block
+    weights with their scales are read dequantized to float32 (target/quant.py)."""
     folder = Path(folder)
     stored = compat.weights(folder)
     names = compat.names(stored)
@@ -128,55 +91,17 @@ def target_tensors(folder, layer: int) -> dict:
         raise KeyError(
             f"{folder}: no {missing or prefix + '*'} in the safetensors files (compat.check names what a target needs)"
         )
-    found = compat.read(folder, {"embed": names.embed, **{w: prefix + w for w in draft_init.LAYER_WEIGHTS}}, stored)
+    found = compat.read(folder, {"embed": names.embed, **{w: prefix + w for w in init.LAYER_WEIGHTS}}, stored)
     head, norm = compat.head_and_norm(folder, stored)
     return {
         "embed": found["embed"].float(),
         "head": head,
         "norm": norm,
-        "layer": {w: found[w] for w in draft_init.LAYER_WEIGHTS if w in found},
+        "layer": {w: found[w] for w in init.LAYER_WEIGHTS if w in found},
         "layer_names": layer_names,
         "layer_index": layer,
         "model_type": families.text_config(families.load_config(folder)).model_type,
     }
-
-
-def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[features.Sample]:
-    """Every sample of ``split`` with a trained position (those without are counted in the log). ``positions``:
-    "generated" runs chains over the loss mask only; "all" over every token of a prompt's first sample, prompt
-    included (further answers to it, ``infer.samples``, over their own tokens only). ``keep(id)`` picks the samples
-    to load."""
-    folder, samples, prompts, untrained = Path(folder), [], set(), 0
-    for entry, spans, t in shards.columns(folder, split, ("input_ids", "loss_mask")):
-        for sid, (start, end) in zip(entry["ids"], spans):
-            if keep is not None and not keep(sid):
-                continue
-            mask = t["loss_mask"][start:end].bool()
-            prompt = records.prompt_of(sid)
-            chain = torch.ones_like(mask) if positions == "all" and prompt not in prompts else mask
-            prompts.add(prompt)
-            if not chain_masks(chain, 1)[0].any():
-                untrained += 1
-                continue
-            samples.append(features.Sample(sid, t["input_ids"][start:end], mask, chain, folder / entry["file"], start))
-    if untrained:
-        log.info("%s: %d samples left out, no position to train (an answer of one token)", split, untrained)
-    return samples
-
-
-def token_counts(samples: list[features.Sample]) -> Counter:
-    """How often each id occurs among the loss-masked tokens."""
-    ids = torch.cat([s.ids[s.mask] for s in samples]) if samples else torch.zeros(0, dtype=torch.int64)
-    values, counts = torch.unique(ids, return_counts=True)
-    return Counter(dict(zip(values.tolist(), counts.tolist())))
-
-
-def summarize(stats: torch.Tensor) -> list[dict]:
-    """[{step, loss, acc}], one per TTT step, from summed stats [steps, 4] (None where the step had no positions)."""
-    return [
-        {"step": k, "loss": round(loss / n_loss, 5) if n_loss else None, "acc": round(correct / n, 5) if n else None}
-        for k, (loss, n_loss, correct, n) in enumerate(stats.tolist())
-    ]
 
 
 def last_epoch(history: list[dict], split: str) -> dict:
@@ -191,6 +116,11 @@ def last_epoch(history: list[dict], split: str) -> dict:
     }
 
 
+def summed_over_ranks(stats: StepStats, rt: runtime.Runtime) -> StepStats:
+    """Every rank's ``stats`` added up, on every rank."""
+    return StepStats.from_table(rt.all_sum(stats.table()))
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -203,27 +133,25 @@ def evaluate(
     rt: runtime.Runtime = runtime.Runtime(),  # noqa: B008  Runtime is frozen: the one-process default is a constant
 ) -> list[dict]:
     """Per-step loss and accuracy over ``samples`` (states from ``feats``; batches dealt round-robin to the ranks),
-    each accuracy with its standard error over the samples (``acc_se``, uncertainty.py)."""
+    each accuracy with its standard error over the samples (``acc_se``, core/uncertainty.py)."""
     model.eval()
-    stats, per_sample = torch.zeros(steps, 4), {}
+    total = StepStats.zeros(steps)
+    per_sample = {}  # sample -> (correct, positions), each per step
     for idx in sequences.plan_batches([s.ids.shape[0] for s in samples], batch_tokens)[rt.rank :: rt.world]:
         rows = [samples[i] for i in idx]
         batch = collate(rows, feats.states(rows), steps, head_draft, model.t2d)
         with autocast(bf16, head_draft.device):
-            _, batch_stats, by_row = ttt_forward(model, batch, steps, per_row=True)
-        stats += batch_stats.cpu()
-        per_sample.update(zip(idx, by_row.cpu().transpose(0, 1).tolist()))  # sample -> [steps][correct, positions]
+            _, stats = ttt_forward(model, batch, steps, per_row=True)
+        stats = stats.cpu()
+        total = total + stats
+        per_sample.update(zip(idx, zip(stats.row_correct.T.tolist(), stats.row_positions.T.tolist())))
     model.train()
     counts = [c for part in rt.gather(per_sample) for c in part.values()]
-    return [
-        r
-        | {
-            "acc_se": None
-            if (se := uncertainty.ratio_se([c[k][0] for c in counts], [c[k][1] for c in counts])) is None
-            else round(se, 5)
-        }
-        for k, r in enumerate(summarize(rt.all_sum(stats)))
-    ]
+    summary = []
+    for k, row in enumerate(summed_over_ranks(total, rt).summary()):
+        se = uncertainty.ratio_se([correct[k] for correct, _ in counts], [positions[k] for _, positions in counts])
+        summary.append(row | {"acc_se": None if se is None else round(se, 5)})
+    return summary
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -276,11 +204,6 @@ def autocast(bf16: bool, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
-def features_of(feats) -> features.Stored | Online:
-    """``feats`` itself, or ``Stored(feats)`` for a folder."""
-    return feats if isinstance(feats, (features.Stored, Online)) else features.Stored(feats)
-
-
 def setup(feats, target_folder, p, keep=None):
     """(seeded drafter, train samples, valid samples, the target head's rows of the draft vocabulary (bf16 under
     ``train.autocast: bfloat16``), the train split's loss-masked token counts) for ``feats`` (``features_of``)."""
@@ -293,15 +216,15 @@ def setup(feats, target_folder, p, keep=None):
     runtime.seed(p.seed)
     counts = token_counts(train_set)
     config = families.load_config(target_folder)
-    cfg = draft.DraftConfig.from_target(
+    cfg = DraftConfig.from_target(
         config, p.draft_vocab_size, feats.layers, families.of(config).drafter if p.drafter == "auto" else p.drafter
     )
-    model = draft.Eagle3Draft(cfg, tgt["embed"])
-    model.set_vocab(*draft.build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
+    model = Eagle3Draft(cfg, tgt["embed"])
+    model.set_vocab(*build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
     if p.init == "target":
-        draft_init.init_from_target(model, tgt)
+        init.init_from_target(model, tgt)
     elif p.init == "head":
-        draft_init.init_head(model, tgt)
+        init.init_head(model, tgt)
         log.info("drafter init: head: lm_head and norm from the target, the rest from the seeded default init")
     else:
         log.info("drafter init: fresh: every weight from the seeded default init (train.init)")
@@ -319,20 +242,17 @@ class Training:
     """One run: what it trains and on what (``build``), and how far it has got (what a checkpoint holds)."""
 
     p: object  # the train params (config.Train)
-    feats: features.Stored | Online
-    model: draft.Eagle3Draft  # on the run's device
+    feats: layout.Stored | Online
+    model: Eagle3Draft  # on the run's device
     net: nn.Module  # the TTT objective over ``model``, as the world trains it (Runtime.wrap)
-    train_set: list
-    valid_set: list
+    train_set: list[layout.Sample]
+    valid_set: list[layout.Sample]
     head_draft: torch.Tensor  # the target head's rows of the draft vocabulary
     counts: Counter  # loss-masked token counts of the train split
     plans: list  # per epoch, its batches (lists of train_set indices)
     opt: torch.optim.AdamW
     sched: torch.optim.lr_scheduler.LambdaLR
-    epoch: int = 0
-    batch: int = 0  # batches of ``epoch`` done
-    history: list = field(default_factory=list)
-    running: torch.Tensor | None = None  # this epoch's summed stats [steps, 4] (rank 0: every rank's up to a resume)
+    progress: Progress
     trained_tokens: int = 0  # by this process, since it started
 
 
@@ -348,50 +268,18 @@ def build(feats, target_folder, p, keep, rt: runtime.Runtime) -> Training:
     opt = optimizer(model, p)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup_steps, total_steps))
     return Training(
-        p,
-        feats,
-        model,
-        net,
-        train_set,
-        valid_set,
-        head_draft,
-        counts,
-        plans,
-        opt,
-        sched,
-        running=torch.zeros(p.ttt_steps, 4),
-    )
-
-
-def resume(t: Training, path: Path, rt: runtime.Runtime) -> None:
-    """Restore the checkpoint at ``path``, if any: weights, optimizer, schedule, RNG and position."""
-    state = rt.load(path)
-    if state is None:
-        return
-    t.model.load_state_dict(state["model"])
-    t.opt.load_state_dict(state["optimizer"])
-    t.sched.load_state_dict(state["schedule"])
-    runtime.set_rng_state(state["rng"])
-    t.epoch, t.batch, t.history = state["epoch"], state["batch"], state["history"]
-    if rt.is_main:  # the sums of every rank so far; the other ranks add theirs from here
-        t.running = state["running"]
-    log.info("resuming from %s: epoch %d, batch %d", path, t.epoch, t.batch)
-
-
-def checkpoint(t: Training, path: Path, rt: runtime.Runtime) -> None:
-    """Save the run's state (every rank's sums added up) for ``resume``."""
-    rt.save(
-        path,
-        {
-            "model": t.model.state_dict(),
-            "optimizer": t.opt.state_dict(),
-            "schedule": t.sched.state_dict(),
-            "rng": runtime.rng_state(),
-            "epoch": t.epoch,
-            "batch": t.batch,
-            "history": t.history,
-            "running": rt.all_sum(t.running),
-        },
+        p=p,
+        feats=feats,
+        model=model,
+        net=net,
+        train_set=train_set,
+        valid_set=valid_set,
+        head_draft=head_draft,
+        counts=counts,
+        plans=plans,
+        opt=opt,
+        sched=sched,
+        progress=Progress(running=StepStats.zeros(p.ttt_steps)),
     )
 
 
@@ -402,11 +290,10 @@ def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
     mine = [t.train_set[i] for i in rows]
     batch = collate(mine, t.feats.states(mine), t.p.ttt_steps, t.head_draft, t.model.t2d)
     if t.p.feature_noise:
-        batch["aux"] = ttt.noisy(
-            batch["aux"], t.p.feature_noise, [(t.p.seed, t.epoch, i) for i in rows], [s.ids.shape[0] for s in mine]
-        )
-    norm = batch["kept"] if weight else torch.zeros_like(batch["kept"])
-    batch["norm"], batch["weight"] = rt.all_sum(norm).tolist(), weight
+        keys = [(t.p.seed, t.progress.epoch, i) for i in rows]
+        batch = replace(batch, aux=noisy(batch.aux, t.p.feature_noise, keys, [s.ids.shape[0] for s in mine]))
+    norm = batch.kept if weight else torch.zeros_like(batch.kept)
+    batch = replace(batch, norm=rt.all_sum(norm).tolist(), weight=weight)
     with autocast(uses_bf16(t.p), rt.device):
         loss, stats = t.net(batch)
     t.opt.zero_grad(set_to_none=True)
@@ -415,30 +302,29 @@ def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
     t.opt.step()
     t.sched.step()
     if weight:
-        t.running += stats.cpu()
+        t.progress.running = t.progress.running + stats.cpu()
     t.trained_tokens += sum(t.train_set[i].ids.shape[0] for i in idx)
 
 
 def epoch(t: Training, path: Path, rt: runtime.Runtime) -> None:
     """The rest of the current epoch, checkpointed every ``checkpoint_every`` steps, then its history rows (train
     running means, validation) and a checkpoint at the next epoch's start."""
-    for idx in t.plans[t.epoch][t.batch :]:
+    progress = t.progress
+    for idx in t.plans[progress.epoch][progress.batch :]:
         step(t, idx, rt)
-        t.batch += 1
-        if t.batch % t.p.checkpoint_every == 0:
-            checkpoint(t, path, rt)
-    rows = [{"epoch": t.epoch + 1, "split": "train", **r} for r in summarize(rt.all_sum(t.running))]
+        progress.batch += 1
+        if progress.batch % t.p.checkpoint_every == 0:
+            checkpoint.save(path, t.model, t.opt, t.sched, progress, rt)
+    number = progress.epoch + 1
+    rows = [{"epoch": number, "split": "train", **r} for r in summed_over_ranks(progress.running, rt).summary()]
     if t.valid_set:
-        rows += [
-            {"epoch": t.epoch + 1, "split": "valid", **r}
-            for r in evaluate(
-                t.model, t.feats, t.valid_set, t.p.ttt_steps, t.head_draft, t.p.batch_tokens, uses_bf16(t.p), rt
-            )
-        ]
-    t.history += rows
-    log.info("epoch %d: %s", t.epoch + 1, {r["split"]: r for r in rows if r["step"] == 0})
-    t.epoch, t.batch, t.running = t.epoch + 1, 0, torch.zeros(t.p.ttt_steps, 4)
-    checkpoint(t, path, rt)
+        p = t.p
+        valid = evaluate(t.model, t.feats, t.valid_set, p.ttt_steps, t.head_draft, p.batch_tokens, uses_bf16(p), rt)
+        rows += [{"epoch": number, "split": "valid", **r} for r in valid]
+    progress.history += rows
+    log.info("epoch %d: %s", number, {r["split"]: r for r in rows if r["step"] == 0})
+    progress.epoch, progress.batch, progress.running = number, 0, StepStats.zeros(t.p.ttt_steps)
+    checkpoint.save(path, t.model, t.opt, t.sched, progress, rt)
 
 
 def report(t: Training, seconds: float, rt: runtime.Runtime) -> dict:
@@ -460,8 +346,8 @@ def report(t: Training, seconds: float, rt: runtime.Runtime) -> dict:
             "autocast": t.p.autocast,
             "tokens_per_s": round(t.trained_tokens / seconds, 1) if t.trained_tokens else None,
         },
-        "train": last_epoch(t.history, "train"),
-        "valid": last_epoch(t.history, "valid"),
+        "train": last_epoch(t.progress.history, "train"),
+        "valid": last_epoch(t.progress.history, "valid"),
     }
 
 
@@ -475,8 +361,9 @@ def run(
 ):
     """Train the drafter on ``feats`` (``features_of``) on ``rt``'s device and rank, resuming from the checkpoint in
     ``checkpoints`` if any. Returns (model on the CPU, report, history), the same on every rank. ``keep``: training
-    samples, see ``load_samples``. ``history`` (metrics/train_curves.json's rows): ``{epoch, split, step, loss, acc}``
-    (valid: and ``acc_se``) per epoch, split (``train``: running means over the epoch; ``valid``: after it) and step."""
+    samples, see ``load_samples``. ``history``
+    (metrics/train_curves.json's rows): ``{epoch, split, step, loss, acc}`` (valid: and ``acc_se``) per epoch, split
+    (``train``: running means over the epoch; ``valid``: after it) and step."""
     if params.threads:
         torch.set_num_threads(params.threads)
     params = resolved(params, rt.device)
@@ -484,10 +371,10 @@ def run(
     t = build(feats, target_folder, params, keep, rt)
     path = Path(checkpoints) / "state.pt"
     with rt.locked(path.parent):  # another run on these checkpoints waits, then resumes from this one's end
-        resume(t, path, rt)
+        checkpoint.resume(path, t.model, t.opt, t.sched, t.progress, rt)
         t.model.train()
-        while t.epoch < len(t.plans):
+        while t.progress.epoch < len(t.plans):
             epoch(t, path, rt)
     rep = report(t, time.perf_counter() - start, rt)
     t.model = t.model.cpu().eval()
-    return t.model, rep, t.history
+    return t.model, rep, t.progress.history

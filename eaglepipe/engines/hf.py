@@ -82,35 +82,8 @@ class HFEngine:
         rngs = [torch.Generator().manual_seed(seed_for(sampling.seed, rid)) for rid in rids]  # one per record
         meta = {"engine": self.name}
         stops = set(sampling.stop_token_ids)
-
-        # Prefill each distinct prompt once, then give every row its copy.
-        unique, source = [], []
-        for ids in prompts:
-            if not unique or unique[-1] != ids:
-                unique.append(ids)
-            source.append(len(unique) - 1)
-        dev, width = self.model.device, max(len(p) for p in unique)
-        input_ids = torch.full((len(unique), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(unique), width), dtype=torch.long)
-        for row, ids in enumerate(unique):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids)
-            attention[row, width - len(ids) :] = 1
-        input_ids, attention = input_ids.to(dev), attention.to(dev)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-        index = torch.tensor(source, device=dev)
-        if len(unique) < len(prompts):
-            cache.batch_select_indices(index)
-        logits, attention, position = logits[index], attention[index], positions[index, -1]
-
+        dev = self.model.device
+        cache, logits, attention, position = self._prefill(prompts)
         rows = list(range(len(prompts)))  # batch row -> prompt row, None once finished
         outputs = [[] for _ in prompts]
         while True:
@@ -139,6 +112,36 @@ class HFEngine:
                 past_key_values=cache,
                 use_cache=True,
             ).logits[:, -1]
+
+    def _prefill(self, prompts: list[list[int]]):
+        """(KV cache, last logits, attention mask, last position) of every row after its prompt: each distinct
+        adjacent prompt is prefilled once, then every row gets its copy."""
+        unique, source = [], []
+        for ids in prompts:
+            if not unique or unique[-1] != ids:
+                unique.append(ids)
+            source.append(len(unique) - 1)
+        dev, width = self.model.device, max(len(p) for p in unique)
+        input_ids = torch.full((len(unique), width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(unique), width), dtype=torch.long)
+        for row, ids in enumerate(unique):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention[row, width - len(ids) :] = 1
+        input_ids, attention = input_ids.to(dev), attention.to(dev)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        index = torch.tensor(source, device=dev)
+        if len(unique) < len(prompts):
+            cache.batch_select_indices(index)
+        return cache, logits[index], attention[index], positions[index, -1]
 
 
 def pick(logits: torch.Tensor, sampling: Sampling, rngs: list) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """SGLang engine (``infer.engine: sglang``): token ids to SGLang's native ``POST /generate`` (ids in, ids out).
 
-Identity from /model_info and /server_info (else /get_model_info, /get_server_info); /tokenize takes all probes in
-one request; /abort_request cancels.
+Identity from /model_info and /server_info (else /get_model_info, /get_server_info): model path, weight version,
+dtype, quantization, KV cache dtype, version. A launched server's is predicted before it starts: its arguments (SGLang's
+defaults where they give none) and the ``sglang`` installed where the launcher runs. /tokenize takes all probes in one
+request; /abort_request cancels.
 
 Requests: ``input_ids``, every sampling parameter explicit, ``stop_token_ids`` = infer's, ``skip_special_tokens:
 false``, ``rid`` = the record id (a retry sends ``<id>#<attempt>``).
@@ -19,12 +21,17 @@ import sys
 
 from eaglepipe.engines import Sampling, seed_for
 from eaglepipe.engines.launch import LaunchedServer
-from eaglepipe.engines.server import BadAnswer, ServerEngine, ServerError, _Server, check_ids
+from eaglepipe.engines.pool import Server, ServerError, ServerPool
+from eaglepipe.engines.server import BadAnswer, ServerEngine, check_ids
 
 # SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET: the number of prompt ids the #10896/#17240 bug puts in front.
 PROMPT_TAIL = 5
 FINISH_TYPES = ("stop", "length", "abort")
 IDENTITY_KEYS = ("dtype", "quantization", "kv_cache_dtype")
+# What SGLang's ServerArgs default to where a launch gives no --weight-version, --dtype, ...: a launched server's
+# identity holds them (``SGLang.predicted``).
+DEFAULTS = {"weight_version": "default", "dtype": "auto", "quantization": None, "kv_cache_dtype": "auto"}
+KEPT_META = ("prompt_tokens", "completion_tokens", "cached_tokens", "weight_version")  # of meta_info, in the record
 
 
 def sampling_params(s: Sampling, record_id: str) -> dict:
@@ -123,13 +130,12 @@ def _with_matched(ids: list, matched, count: int, stops: set) -> list:
     return ids
 
 
-class SGLangEngine(ServerEngine):
-    """The engine for ``infer.engine: sglang``; ``params`` is ``infer.sglang`` (config.Servers)."""
+class SGLang:
+    """SGLang's native API, as ServerEngine's ``api`` (server.Api)."""
 
-    name, title = "sglang", "SGLang"
+    name, title, package, version_key = "sglang", "SGLang", "sglang", "sglang_version"
 
-    def _launcher(self) -> LaunchedServer:
-        cfg = self.launch
+    def launcher(self, cfg) -> LaunchedServer:
         return LaunchedServer(
             cfg,
             self.name,
@@ -137,9 +143,18 @@ class SGLangEngine(ServerEngine):
             ["--model-path", cfg.model_path, "--tp", str(cfg.tp), "--dp", str(cfg.dp)],
         )
 
-    async def _read_server(self, server: _Server) -> None:
-        model_info = await self._get_info(server, "/model_info", "/get_model_info")
-        server_info = await self._get_info(server, "/server_info", "/get_server_info")
+    def predicted(self, launched: LaunchedServer, version: str) -> dict:
+        """What ``read`` will find: the launch's arguments, SGLang's defaults where they give none."""
+        given = {k: launched.flag("--" + k.replace("_", "-")) for k in ("weight_version", *IDENTITY_KEYS)}
+        return {
+            "model_path": launched.flag("--model-path"),
+            **{k: DEFAULTS[k] if v is None else v for k, v in given.items()},
+            "sglang_version": version,
+        }
+
+    async def read(self, pool: ServerPool, server: Server) -> None:
+        model_info = await pool.get_info(server, "/model_info", "/get_model_info")
+        server_info = await pool.get_info(server, "/server_info", "/get_server_info")
         if model_info.get("is_generation") is False:
             raise ServerError(f"{server.url} serves a model that does not generate (is_generation false)")
         if server_info.get("skip_tokenizer_init"):
@@ -156,25 +171,28 @@ class SGLangEngine(ServerEngine):
             "sglang_version": server_info.get("version"),
         }
 
-    async def _server_tokens(self, server: _Server) -> list:
-        answer = await self._post_json(server, "/tokenize", {"prompt": self._probes, "add_special_tokens": False})
+    async def tokens(self, pool: ServerPool, server: Server, probes: list[str]) -> list:
+        answer = await pool.post_json(server, "/tokenize", {"prompt": probes, "add_special_tokens": False})
         if not isinstance(answer, dict) or "tokens" not in answer:
             raise ServerError(
                 f"POST /tokenize answered {str(answer)[:200]} (the tokenizer check needs an SGLang with /tokenize)"
             )
         return answer["tokens"]
 
-    def _sampling(self, sampling: Sampling, record_id: str) -> dict:
-        return sampling_params(sampling, record_id)
-
-    def _request(self, prompt_ids: list, params: dict, rid: str) -> tuple[str, dict]:
+    def request(self, prompt_ids: list, sampling: Sampling, record_id: str, rid: str) -> tuple[str, dict]:
+        params = sampling_params(sampling, record_id)
         return "/generate", {"input_ids": prompt_ids, "sampling_params": params, "rid": rid, "stream": False}
 
-    def _check(self, answer, prompt_ids: list, sampling: Sampling, rid: str) -> tuple[list, str, dict]:
-        return check_answer(answer, prompt_ids, sampling, rid)
+    def check(self, answer, prompt_ids: list, sampling: Sampling, rid: str) -> tuple[list, str, dict]:
+        ids, finish, meta = check_answer(answer, prompt_ids, sampling, rid)
+        return ids, finish, {k: meta.get(k) for k in KEPT_META}
 
-    def _meta(self, meta: dict) -> dict:
-        return {k: meta.get(k) for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "weight_version")}
-
-    def _abort_request(self, rid: str) -> tuple[str, dict]:
+    def abort(self, rid: str) -> tuple[str, dict]:
         return "/abort_request", {"rid": rid}
+
+
+class SGLangEngine(ServerEngine):
+    """The engine for ``infer.engine: sglang``; ``params`` is ``infer.sglang`` (config.Servers)."""
+
+    def __init__(self, params, tokenizer):
+        super().__init__(SGLang(), params, tokenizer)

@@ -6,6 +6,8 @@ A new engine is an entry here, its module, and its name in config.py's ``infer.e
 
 from __future__ import annotations
 
+from contextlib import closing, nullcontext
+
 from eaglepipe.engines.launch import servers
 from eaglepipe.engines.sglang import SGLangEngine
 from eaglepipe.engines.vllm import VLLMEngine
@@ -13,8 +15,6 @@ from eaglepipe.engines.vllm import VLLMEngine
 
 def _hf(params, folder, tokenizer, rt):
     """in-process Hugging Face: the target on runtime.device, in infer.dtype (engines/hf.py)."""
-    from contextlib import nullcontext
-
     from eaglepipe.engines.hf import HFEngine
     from eaglepipe.target import model as target
 
@@ -23,13 +23,15 @@ def _hf(params, folder, tokenizer, rt):
 
 
 def _server(engine):
-    """The builder of server engine class ``engine`` over ``infer.<engine.name>`` (completed by ``servers``)."""
+    """The builder of server engine class ``engine`` over ``infer.<infer.engine>`` (completed by ``servers``). Its
+    context closes the engine without starting it: the engine starts when it generates (or is asked the identity of
+    servers given by url), so a run whose answers are all cached starts no server."""
 
     def build(params, folder, tokenizer, rt):
         from eaglepipe.core import runtime
 
-        section = getattr(params, engine.name)
-        return engine(servers(section, folder, runtime.compute_dtype(params.dtype, rt.device)), tokenizer)
+        section = getattr(params, params.engine)
+        return closing(engine(servers(section, folder, runtime.compute_dtype(params.dtype, rt.device)), tokenizer))
 
     return build
 

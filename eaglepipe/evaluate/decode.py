@@ -12,7 +12,7 @@ n-gram one) gets the same counts from ``replay``, which answers each verificatio
 
 Drafter interface (duck-typed):
     needs_hidden: bool                   the loop computes the target's aux hidden states only if True
-    layers: list[int]                    which ones (HF hidden_states indices, see hidden.py), if needed
+    layers: list[int]                    which ones (HF hidden_states indices, eaglepipe/hidden/layout.py), if needed
     reset(prompt_ids, aux, next_token)   aux [len(prompt), n·H]: the target's states at the prompt (or None);
                                          next_token: the target's first token
     propose(k) -> list[int]              up to k draft tokens that follow the last committed token
@@ -114,7 +114,9 @@ def greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids, stats: S
     """Plain greedy decoding with a KV cache, one token per target forward; stops after a stop id (kept)."""
     stops = set(stop_ids)
     start = time.perf_counter()
-    cache, ids, generated = _new_cache(model), prompt_ids, []
+    cache = _new_cache(model)
+    ids = prompt_ids
+    generated = []
     while not generated or (len(generated) < max_new_tokens and generated[-1] not in stops):
         out = model(
             input_ids=torch.tensor([ids], device=model.device), past_key_values=cache, use_cache=True, logits_to_keep=1
@@ -153,8 +155,11 @@ class _Target:
     """Verification by the target: a forward over the new tokens with its KV cache, the argmax after each."""
 
     def __init__(self, model, layers):
-        self.model, self.layers, self.cache, self.out = model, layers, _new_cache(model), None
+        self.model = model
+        self.layers = layers
+        self.cache = _new_cache(model)
         self.cache.activate_past_recording()  # a sliding-window layer keeps what it needs to crop rejected drafts
+        self.out = None  # the last forward's output
 
     def __call__(self, tokens: list[int], at: int, **kw) -> list[int]:
         self.out = self.model(
@@ -196,7 +201,9 @@ def _decode(
     verify, drafter, prompt_ids: list[int], max_new_tokens: int, stop_ids, num_steps: int, stats: Stats | None
 ) -> list[int]:
     """The chain loop of the module docstring over ``verify`` (``_Target`` or ``_Replay``)."""
-    stops, stats = set(stop_ids), stats if stats is not None else Stats()
+    stops = set(stop_ids)
+    if stats is None:
+        stats = Stats()
     start = time.perf_counter()
     pending = verify(list(prompt_ids), 0, logits_to_keep=1)[-1]
     generated = [pending]
@@ -207,15 +214,16 @@ def _decode(
             k = min(num_steps, remaining - 1)
             draft = [int(t) for t in drafter.propose(k)][:k] if k > 0 else []
             target = verify([pending] + draft, len(generated))
-            n = 0
+            n = 0  # the draft tokens accepted: those the target's argmax agrees with, up to the first it does not
             while n < len(draft) and draft[n] == target[n]:
                 n += 1
             new = draft[:n] + [target[n]]
             cut = min([j + 1 for j, t in enumerate(new) if t in stops] + [remaining])  # after a stop, or at the limit
-            done, new = cut <= len(new), new[:cut]
+            finished = cut <= len(new)
+            new = new[:cut]
             generated.extend(new)
             stats.add_step(len(draft), min(n, len(new)), len(new))
-            if done:
+            if finished:
                 break
             if n < len(draft):  # drop the rejected draft tokens
                 verify.crop(len(draft) - n)
@@ -259,7 +267,8 @@ class NgramDrafter:
     layers = ()
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
         self.tokens: list[int] = []
         self.last: list[int] = []
 
@@ -268,7 +277,8 @@ class NgramDrafter:
         self.last = []
 
     def propose(self, k: int) -> list[int]:
-        toks, length = self.tokens, len(self.tokens)
+        toks = self.tokens
+        length = len(toks)
         self.last = []
         if k <= 0:
             return []
@@ -287,10 +297,11 @@ class NgramDrafter:
 
 
 class EagleDrafter:
-    """Chain drafting with a trained EAGLE-3 drafter (``draft.Eagle3Draft``), following the alignment documented in
-    draft.py: the target's state at position t is paired with the token at t + 1, and the drafter's output there
-    predicts the token at t + 2. The drafter's cache always holds exactly the positions built from the target's own
-    states (the committed ones); draft steps extend it and are cropped away on the next ``accept``."""
+    """Chain drafting with a trained EAGLE-3 drafter (``Eagle3Draft``), following the alignment documented in
+    eaglepipe/drafter/eagle3/model.py: the target's state at position t is paired with the token at t + 1, and the
+    drafter's output there predicts the token at t + 2. The drafter's cache always holds exactly the positions built
+    from the target's own states (the committed ones); draft steps extend it and are cropped away on the next
+    ``accept``."""
 
     needs_hidden = True
 
@@ -318,7 +329,9 @@ class EagleDrafter:
         self.last = []
         if k <= 0:
             return []
-        m, tok, h = self.model, self.next, self.h
+        m = self.model
+        tok = self.next
+        h = self.h
         out = [tok]
         for _ in range(k - 1):
             logits, h, _ = m(torch.tensor([[tok]], device=h.device), h, self.cache)

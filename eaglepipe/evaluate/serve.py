@@ -3,7 +3,7 @@ started here and always stopped: engines/vllm.py, launch.py) on the prompts eval
 request at a time after a short warm-up. Evaluate's outputs are plain greedy's; where one differs, a second server
 serves the target alone, to tell the drafter's path from vLLM's numerics (``mismatches`` names each difference's run).
 
-Acceptance length, per verification step like evaluate's (speculative.py): the tokens the steps emitted (each
+Acceptance length, per verification step like evaluate's (decode.py): the tokens the steps emitted (each
 request's output less the prefill's first token) over vLLM's per-request ``num_spec_steps``. vLLM's own "mean
 acceptance length" (1 + accepted / drafts) also counts draft tokens accepted past the stop id or the length limit, so
 it is reported (``engine_reported_acceptance_length``), not compared.
@@ -123,13 +123,13 @@ class Served:
         return self
 
     def __exit__(self, *exc):
-        text = self.engine._launched.log_path.read_text(errors="replace") if self.engine._launched else ""
+        text = self.engine.launched.log_path.read_text(errors="replace")
         self.log = text[text.rfind("\n==== ") :]  # the log file gathers runs; each starts with a header line
         return self.engine.__exit__(*exc)
 
     @property
     def url(self) -> str:
-        return self.engine.urls[0]
+        return self.engine.launched.url
 
     def warm_up(self, prompt_ids: list, sampling: Sampling) -> None:
         """One short request (first-call allocations), once."""

@@ -1,4 +1,4 @@
-"""The target's hidden states in ``data/hidden`` (written by ``hidden.py``): their layout, the layer ids, the readers
+"""The target's hidden states in ``data/hidden`` (written by extract.py): their layout, the layer ids, the readers
 (``read``; ``Stored`` and ``read_states``, train's).
 
 Layout (a sharded dataset, format: ``shards.py``):
@@ -6,7 +6,7 @@ Layout (a sharded dataset, format: ``shards.py``):
                    "dtype": "bfloat16", "train": {"shards": [{"file", "samples", "tokens", "ids", "rows"}], "samples",
                    "tokens"}, "valid": {...}}: the entries name, in the stored order of ``data/sequences``, the row
                    of a shard that holds each sample (a shard may serve both splits and several data versions:
-                   hidden.py stores states by content)
+                   hidden's store holds states by content, store.py)
     shard-<hash>.safetensors, ...  per shard (metadata ``content``: the content key of each sample, and the failed):
         input_ids  int32 [T]      exactly the merged sequence ids
         loss_mask  uint8 [T]      exactly the merged loss mask (1 on the target's output tokens)
@@ -28,7 +28,8 @@ Layer ids (``layer_convention: hf_hidden_states``) are Hugging Face ``output_hid
 layer ``i - 1``); ``hidden_states[L]`` is, in transformers 5.x, the final normed state, not the last layer's raw
 output. ``auto`` (``layer_ids``: ``[2, L // 2, L - 3]`` for L >= 7) is EAGLE-3's official choice, what SGLang and
 vLLM capture when a drafter names no layers. vLLM's ``eagle_aux_hidden_state_layer_ids`` are these ids; SGLang's
-and SpecForge's count layer *outputs*: these ids minus one (``[1, L // 2 - 1, L - 4]``). draft.py writes both.
+and SpecForge's count layer *outputs*: these ids minus one (``[1, L // 2 - 1, L - 4]``). The drafter's
+checkpoint (drafter/eagle3/model.py) names both.
 """
 
 from __future__ import annotations

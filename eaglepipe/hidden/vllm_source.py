@@ -1,17 +1,19 @@
 """``hidden.engine: vllm``: the target's hidden states from a vLLM server instead of an in-process forward.
 
-The server runs vLLM's ``extract_hidden_states`` with the project's KV connector (``server_args``; states_connector.py).
-Each sequence is one request through infer's vLLM client for one greedy token, naming the file its states go to. The
-server captures the inputs of the ``features.layer_ids`` layers and the last layer's output; ``VLLMStates`` turns them
-into what the hf engine computes: ``aux`` the three layers' states, ``final`` the last one through the target's final
-RMS norm, ``top`` the argmax of the head over it (norm and head from the checkpoint, float32). Ids or layers other
-than those sent fail the sequence. The server's greedy last token is compared with ``top``: disagreements are counted
-(``last_token_disagreements``) and, above ``MOST_DISAGREEMENTS`` of 8 or more sequences, stop the stage. A server
-given by url must share this machine's filesystem and run with ``server_args``.
+The server runs vLLM's ``extract_hidden_states`` with the project's KV connector (``server_args``; connector.py). Each
+sequence is one request through infer's vLLM client (``StatesApi``) for one greedy token, naming the file its states
+go to. The server captures the inputs of the ``layout.layer_ids`` layers and the last layer's output; ``VLLMStates``
+turns them into what the hf engine computes: ``aux`` the three layers' states, ``final`` the last one through the
+target's final RMS norm, ``top`` the argmax of the head over it (norm and head from the checkpoint, float32). Ids or
+layers other than those sent fail the sequence. The server's greedy last token is compared with ``top``:
+disagreements are counted (``last_token_disagreements``) and, above ``MOST_DISAGREEMENTS`` of 8 or more sequences,
+stop the stage. A server given by url must share this machine's filesystem and run with ``server_args``. A launched
+server starts only when states are asked for: the cache key needs only its version, read where it would run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -23,14 +25,15 @@ import torch.nn.functional as F
 
 from eaglepipe.core.errors import UserError
 from eaglepipe.engines import Failure, Sampling
-from eaglepipe.engines.launch import servers
-from eaglepipe.engines.server import BadAnswer, ServerError
-from eaglepipe.engines.vllm import VLLMEngine, check_answer, launched
+from eaglepipe.engines.launch import ROOT, LaunchedServer, servers
+from eaglepipe.engines.pool import Server, ServerError, ServerPool
+from eaglepipe.engines.server import BadAnswer, ServerEngine
+from eaglepipe.engines.vllm import VLLM
+from eaglepipe.hidden import layout
 from eaglepipe.hidden.connector import NAME, PATH_KEY, read
 from eaglepipe.target import compat, families
 
 log = logging.getLogger(__name__)
-ROOT = Path(__file__).resolve().parent.parent.parent
 MOST_DISAGREEMENTS = 0.5  # the share of sequences whose last token may differ from the server's
 
 
@@ -46,30 +49,28 @@ def server_args(layers: list[int]) -> list[str]:
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
 
 
-class StatesEngine(VLLMEngine):
-    """vLLM's client whose requests name their states file (``folder/<record id>.safetensors``) and whose answers must
-    say where it was written; a launched server gets ``server_args`` and this repository on its PYTHONPATH."""
+class StatesApi(VLLM):
+    """vLLM's API with states: each request names its states file (``folder/<record id>.safetensors``) and each answer
+    must say where it was written; a launched server gets ``server_args`` and this repository on its PYTHONPATH."""
 
-    name, title = "vllm", "vLLM (hidden states)"
+    title = "vLLM (hidden states)"
 
-    def __init__(self, params, tokenizer, layers: list[int], folder: Path, interpreter: str | None = None):
-        super().__init__(params, tokenizer, interpreter)
+    def __init__(self, layers: list[int], folder: Path, interpreter: str | None = None):
+        super().__init__(interpreter)
         self.layers, self.folder = list(layers), Path(folder)
 
-    def _launcher(self):
-        server = launched(self.launch, self.interpreter)
+    def launcher(self, cfg) -> LaunchedServer:
+        server = super().launcher(cfg)
         server.extra_args += server_args(self.layers)
         server.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         return server
 
-    async def _read_server(self, server):
+    async def read(self, pool: ServerPool, server: Server) -> None:
         """Also: one probe request, whose states must come back from ``layers``; otherwise the server is refused."""
-        import asyncio
-
-        await super()._read_server(server)
+        await super().read(pool, server)
         rid = f"probe-{os.getpid()}-{server.url.rsplit(':', 1)[-1]}"
-        path, body = self._request(self._probe_ids[0] or [0], self._sampling(Sampling(max_new_tokens=1), rid), rid)
-        answer = await self._post_json(server, path, body)
+        path, body = self.request(pool.probe_ids[0] or [0], Sampling(max_new_tokens=1), rid, rid)
+        answer = await pool.post_json(server, path, body)
         where = _states_path(answer)
         if not where:
             raise ServerError(
@@ -77,7 +78,7 @@ class StatesEngine(VLLMEngine):
                 "with eaglepipe.hidden.vllm_source.server_args, as hidden.vllm.launch does"
             )
         try:
-            layers = (await asyncio.to_thread(read, where, self.timeout_s))[2]
+            layers = (await asyncio.to_thread(read, where, pool.timeout_s))[2]
         finally:
             Path(where).unlink(missing_ok=True)
         if layers != self.layers:
@@ -86,12 +87,12 @@ class StatesEngine(VLLMEngine):
                 "layer count): restart it with eaglepipe.hidden.vllm_source.server_args"
             )
 
-    def _request(self, prompt_ids, params, rid):
-        path, body = super()._request(prompt_ids, params, rid)
+    def request(self, prompt_ids: list, sampling: Sampling, record_id: str, rid: str) -> tuple[str, dict]:
+        path, body = super().request(prompt_ids, sampling, record_id, rid)
         return path, {**body, "kv_transfer_params": {PATH_KEY: str(self.folder / f"{rid}.safetensors")}}
 
-    def _check(self, answer, prompt_ids, sampling, rid):
-        ids, reason, meta = check_answer(answer, prompt_ids, sampling, rid)
+    def check(self, answer, prompt_ids: list, sampling: Sampling, rid: str) -> tuple[list, str, dict]:
+        ids, reason, meta = super().check(answer, prompt_ids, sampling, rid)
         where = _states_path(answer)
         if not where:
             raise BadAnswer(
@@ -142,18 +143,18 @@ class VLLMStates:
 
     @property
     def dtype(self) -> str:
-        """What besides the params decides the states (hidden's fingerprint): the engine, its version, the dtype."""
+        """What besides the params decides the states (hidden's fingerprint): the engine, its version, the dtype. A
+        launched server's version is read where it would run, without starting it."""
         return f"vllm {self._engine().identity().get('vllm_version')} {self._dtype}"
 
-    def _engine(self) -> StatesEngine:
+    def _engine(self) -> ServerEngine:
+        """The client, built once; it starts when it is first asked for states (or for the identity of servers given
+        by url)."""
         if self.engine is None:
-            from eaglepipe.hidden import layout as features
-
-            self.layers = features.layer_ids(self._params.layers, self.num_layers)
+            self.layers = layout.layer_ids(self._params.layers, self.num_layers)
             section = servers(self._params.vllm, self._folder, self._dtype)
-            self.engine = StatesEngine(
-                section, self._tokenizer, [*self.layers, self.num_layers], self.files, self._interpreter
-            ).start()
+            api = StatesApi([*self.layers, self.num_layers], self.files, self._interpreter)
+            self.engine = ServerEngine(api, section, self._tokenizer)
         return self.engine
 
     def states(self, samples: list, layers: list[int], batch_tokens: int):

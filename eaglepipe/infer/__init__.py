@@ -1,1 +1,1 @@
-"""The infer stage: the resumable run over an engine and its quality gates."""
+"""The infer stage: the resumable run over an engine, its answer cache and its quality gates."""

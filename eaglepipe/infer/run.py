@@ -1,45 +1,31 @@
-"""The infer run: prompts -> the target's own ids -> records, resumable.
+"""The infer run: prompts -> the target's own ids -> records, resumable (``InferRun``).
 
 ``infer.turns: last`` answers each prompt's last turn; ``all`` answers turn k of every conversation after turn k - 1,
-in the context of the target's own earlier answers (turns.py). A turn that fails, is aborted, breaks a limit or calls
-a tool ends its conversation (the turns left unanswered are counted).
+in the context of the target's own earlier answers (text/turns.py). A turn that fails, is aborted, breaks a limit or
+calls a tool ends its conversation (the turns left unanswered are counted).
 
-Each finished generation is appended and fsync'd to a cache keyed by ``fingerprint`` (model, engine, sampling,
-template arguments, the code that renders and generates); a rerun with the same key reuses it. Readable fields are
-derived from the ids when published (derive.py).
+Each finished generation is appended and fsync'd to a cache (cache.py) keyed by ``fingerprint`` (model, engine,
+sampling, template arguments, the code that renders and generates); a rerun with the same key reuses it. Readable
+fields are derived from the ids when published (text/derive.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
-import os
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.fingerprint import code_key
-from eaglepipe.core.records import (
-    Generation,
-    Prompt,
-    RecordError,
-    Response,
-    generation_from_json,
-    json_object,
-    prompt_of,
-    record_id,
-    scan_jsonl,
-    writer,
-)
+from eaglepipe.core.records import Generation, Prompt, Response, prompt_of, record_id
 from eaglepipe.dataset import sequences
-from eaglepipe.engines import Failure, Sampling
+from eaglepipe.engines import Failure, Output, Sampling
+from eaglepipe.infer.cache import Cache
 from eaglepipe.infer.gates import Gates
 from eaglepipe.target import chat
 from eaglepipe.text import toolcalls, turns
@@ -75,71 +61,28 @@ def fingerprint(
     return h.hexdigest()[:16]
 
 
-class Cache:
-    """Append-only JSON Lines of finished generations (and of permanent failures) for one fingerprint."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / "generations.jsonl"
-        self.failures_path = folder / "failures.jsonl"
-
-    def load(self) -> tuple[dict, Counter]:
-        """(finished generations by id, counts). A torn last line is dropped and a duplicate id keeps its first
-        record, both counted, and the file is rewritten without them (and with a last line's missing newline)."""
-        done, counts = {}, Counter()
-        if not self.path.exists():
-            return done, counts
-        good, torn, raw = [], None, b"\n"
-        with open(self.path, "rb") as f:
-            for n, raw, obj in scan_jsonl(f):
-                if torn is not None:  # only the last line can be torn by a kill
-                    raise torn
-                try:
-                    gen = generation_from_json(json_object(obj, self.path, n), self.path, n)
-                except RecordError as e:
-                    torn = e
-                    continue
-                if gen.id in done:
-                    counts["duplicates"] += 1
-                    continue
-                done[gen.id] = gen
-                good.append(raw.rstrip(b"\n"))
-        if torn is not None:
-            counts["torn_last_line"] += 1
-        if counts or not raw.endswith(b"\n"):
-            tmp = self.path.with_suffix(".tmp")
-            with open(tmp, "wb") as f:
-                f.write(b"".join(g + b"\n" for g in good))
-                f.flush()
-                os.fsync(f.fileno())  # the rewrite replaces fsynced records: it must be on disk first
-            os.replace(tmp, self.path)
-        return done, counts
-
-    def _append(self, path: Path, record) -> None:
-        """Append one line in one write and fsync it: once this returns, the record survives a kill."""
-        line = io.BytesIO()
-        writer(line).write(record)
-        with open(path, "ab") as f:
-            f.write(line.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
-
-    def add(self, gen: Generation) -> None:
-        self._append(self.path, gen)
-
-    def fail(self, rid: str, reason: str) -> None:
-        self._append(self.failures_path, {"id": rid, "reason": reason})
-
-
 @dataclass(frozen=True)
 class Limits:
-    """The limits a prompt must be within to be generated for (``admit``)."""
+    """The limits a prompt must be within to be generated for (``InferRun.admit``)."""
 
     context_length: int | None = None  # the target's (max_position_embeddings): prompt + max_new_tokens must fit
     max_length: int | None = None  # merge.max_length: the prompt must leave room for an answer (has_room)
     on_error: str = "fail"  # infer.on_error: a prompt that breaks a limit stops the run, or is left out
     where: str = "prompts"  # the prompts file, for messages
+
+    def breach(self, prompt_tokens: int, max_new_tokens: int) -> tuple[str, str] | None:
+        """(reason, why) when a prompt of ``prompt_tokens`` breaks a limit (``exceeds_context``,
+        ``no_room_in_max_length``), else None."""
+        if self.context_length and prompt_tokens + max_new_tokens > self.context_length:
+            why = (
+                f"{prompt_tokens} prompt tokens + infer.max_new_tokens {max_new_tokens} "
+                f"exceed the target's context of {self.context_length}"
+            )
+            return "exceeds_context", why
+        if self.max_length and not sequences.has_room(prompt_tokens, self.max_length):
+            why = f"{prompt_tokens} prompt tokens leave no room for an answer within merge.max_length {self.max_length}"
+            return "no_room_in_max_length", why
+        return None
 
 
 @dataclass(frozen=True)
@@ -172,220 +115,39 @@ class Ask:
         return self.prompt.id if self.turn <= 1 else record_id(self.prompt.id, self.samples[0], self.turn)
 
 
-def admit(asks: list[Ask], sampling: Sampling, limits: Limits) -> tuple[list[Ask], dict]:
-    """The asks within the limits, and {reason: [names]} of those left out (``exceeds_context``,
-    ``no_room_in_max_length``). Under ``on_error: fail`` the first one left out is a UserError naming it."""
-    kept, left_out = [], {}
-    for a in asks:
-        n, reason = len(a.ids), None
-        if limits.context_length and n + sampling.max_new_tokens > limits.context_length:
-            reason, why = (
-                "exceeds_context",
-                (
-                    f"{n} prompt tokens + infer.max_new_tokens {sampling.max_new_tokens} "
-                    f"exceed the target's context of {limits.context_length}"
-                ),
-            )
-        elif limits.max_length and not sequences.has_room(n, limits.max_length):
-            reason, why = (
-                "no_room_in_max_length",
-                (f"{n} prompt tokens leave no room for an answer within merge.max_length {limits.max_length}"),
-            )
-        if reason is None:
-            kept.append(a)
-            continue
-        if limits.on_error == "fail":
-            turn = f" at turn {a.turn} ({a.name})" if a.turn > 1 else ""
-            raise UserError(
-                f"{limits.where}:{a.line}: prompt {a.prompt.id} of source {a.prompt.source}{turn}: {why} "
-                "(set infer.on_error: skip to leave such prompts out, counted)"
-            )
-        left_out.setdefault(reason, []).append(a.name)
-    if left_out:
-        log.warning("left out before generating: %s", {k: len(v) for k, v in left_out.items()})
-    return kept, left_out
-
-
-def run(
-    prompts,
-    engine,
-    tokenizer,
-    sampling: Sampling,
-    spec: Spec,
-    gates: Gates,
-    cache: Cache,
-    plan: Plan,
-) -> tuple[list[Response], dict]:
-    """Generate the ``plan.samples`` answers per prompt (per turn under ``plan.turns: all``) the cache lacks, checking
-    the gates as records arrive; return (responses, report). Prompts outside ``plan.limits`` are left out (``admit``).
-    Raises GateBreach, or UserError for too many failures, with everything generated kept in the cache."""
-    samples, limits = plan.samples, plan.limits
-
-    def ids_of(messages, p):
-        return chat.prompt_ids(tokenizer, messages, p.tools, plan.template_kwargs)
-
-    def respond(gen: Generation) -> Response:
-        return to_response(gen, tokenizer, spec, sampling)
-
-    done, cache_counts = cache.load()
-    lines = {p.id: line for line, p in enumerate(prompts, start=1)}
-    asks_of = {p.id: turns.asks(p.messages) for p in prompts} if plan.turns == "all" else {}
-    history = {}  # (prompt id, sample) -> the target's answers so far, as assistant messages
-    responses, failures, left_out, wanted_all = {}, [], {}, []
-    into = Collect(cache, respond, gates, responses, failures)
-    generated, progress, tool_ended = 0, [0, 0.0], 0  # progress: new tokens, seconds generating
-    for turn in range(1, max(map(len, asks_of.values())) + 1) if asks_of else [0]:
-        if turn <= 1:
-            asks = [
-                Ask(
-                    lines[p.id],
-                    p,
-                    turn,
-                    tuple(range(samples)),
-                    ids_of(turns.interleave(asks_of[p.id], []) if turn else p.messages, p),
-                )
-                for p in prompts
-            ]
-        else:
-            asks = [
-                Ask(lines[pid], p, turn, (k,), ids_of(turns.interleave(asks_of[pid], answers), p))
-                for (pid, k), answers in history.items()
-                if len(answers) == turn - 1 < len(asks_of[pid])
-                for p in [prompts[lines[pid] - 1]]
-            ]
-        asks, out = admit(asks, sampling, limits)
-        for reason, names in out.items():
-            left_out.setdefault(reason, []).extend(names)
-        if turn <= 1 and not asks:
-            raise UserError(
-                f"{limits.where}: no prompt is left to generate for ({len(prompts)} read, left out: "
-                f"{ {k: len(v) for k, v in left_out.items()} })"
-            )
-        wanted = [(a, k, record_id(a.prompt.id, k, a.turn)) for a in asks for k in a.samples]
-        wanted_all += [rid for _, _, rid in wanted]
-        todo = reuse(wanted, done, cache, respond, gates, responses)
-        log.info(
-            "%s%d prompts x %d samples: %d already generated (cache %s), %d to generate",
-            f"turn {turn}: " if turn else "",
-            len(asks),
-            samples,
-            len(wanted) - len(todo),
-            cache.folder,
-            len(todo),
-        )
-        generate(todo, turn, engine, sampling, into, progress)
-        generated += len(todo)
-        if asks_of:
-            tool_ended += extend_history(
-                history,
-                wanted,
-                turn,
-                asks_of,
-                responses,
-                lambda r: answer_message(tokenizer, r.prompt_ids, r.output_ids, spec, sampling.stop_token_ids),
-            )
-    gates.check()
-    if len(failures) > plan.max_failure_rate * len(wanted_all):
-        raise UserError(
-            f"{len(failures)} of {len(wanted_all)} answers failed (more than infer.max_failure_rate="
-            f"{plan.max_failure_rate}); see {cache.failures_path}"
-        )
-    ordered = sorted(
-        (responses[rid] for rid in wanted_all if rid in responses),
-        key=lambda r: (lines[prompt_of(r.id)], r.sample, r.turn),
-    )
-    admitted = len({prompt_of(rid) for rid in wanted_all})
-    rep = report(ordered, failures, cache_counts, generated, *progress, gates, admitted)
-    if asks_of:
-        per_turn = Counter(r.turn for r in ordered)
-        rep["turns"] = {
-            "mode": "all",
-            "answered": dict(sorted(per_turn.items())),
-            "unanswered": sum(map(len, asks_of.values())) * samples - len(ordered),
-            "ended_at_tool_call": tool_ended,
-        }
-    return ordered, {**rep, "left_out": {k: len(v) for k, v in left_out.items()}, "left_out_ids": left_out}
-
-
-def reuse(wanted: list, done: dict, cache: Cache, respond, gates: Gates, responses: dict) -> list:
-    """Put the ``wanted`` answers the cache holds (``done``) into ``responses`` and the gates; return the others."""
-    for a, _, rid in wanted:
-        if rid in done:
-            if done[rid].prompt_ids != a.ids:
-                raise UserError(
-                    f"{cache.path}: record {rid} was generated from other prompt ids; delete the cache folder"
-                )
-            responses[rid] = respond(done[rid])
-            gates.add(responses[rid])
-    return [w for w in wanted if w[2] not in done]
-
-
 @dataclass(frozen=True)
-class Collect:
-    """Where ``generate`` puts what arrives: each answer into ``cache`` and its response (``respond``) into
-    ``responses`` and ``gates``; each failure into the cache's failures file and ``failures``."""
+class Wanted:
+    """One answer a run wants: answer ``sample`` to ``ask``, record ``id``."""
 
-    cache: Cache
-    respond: Callable[[Generation], Response]
-    gates: Gates
-    responses: dict
-    failures: list
+    ask: Ask
+    sample: int
+    id: str
 
 
-def generate(todo: list, turn: int, engine, sampling: Sampling, into: Collect, progress: list) -> None:
-    """Generate ``todo`` ((ask, sample, record id) each), each answer and failure ``into`` the run's records.
-    ``progress`` = [new tokens, seconds] of the whole run, added to."""
-    start, (tokens, seconds) = time.perf_counter(), progress
-    desc = f"infer turn {turn}" if turn else "infer"
-    with tqdm(total=len(todo), desc=desc, unit="answer", dynamic_ncols=True) as bar:
-        for i, out in engine.stream([a.ids for a, _, _ in todo], sampling, [rid for _, _, rid in todo]):
-            a, k, rid = todo[i]
-            if isinstance(out, Failure):
-                into.cache.fail(rid, out.reason)
-                into.failures.append({"id": rid, "reason": out.reason})
-            else:
-                gen = Generation(rid, a.prompt.source, a.ids, out.output_ids, out.finish_reason, out.meta, k, a.turn)
-                into.cache.add(gen)
-                into.responses[rid] = into.respond(gen)
-                into.gates.add(into.responses[rid])
-                tokens += len(out.output_ids)
-                if into.gates.due():
-                    into.gates.check()
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{tokens / (seconds + time.perf_counter() - start):.1f}")
-    progress[:] = [tokens, seconds + time.perf_counter() - start]
+@dataclass
+class Progress:
+    """What this run generated (the answers the cache held aside): answers asked of the engine, their new tokens
+    and the seconds spent generating them."""
+
+    generated: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def report(self, cache_counts: Counter) -> dict:
+        """The report's ``run`` part, with the cache's repairs (``Cache.load``'s counts)."""
+        speed = round(self.tokens / self.seconds, 2) if self.seconds > 0 and self.tokens else 0.0
+        return {
+            "generated": self.generated,
+            "tokens_out": self.tokens,
+            "seconds": round(self.seconds, 2),
+            "tokens_per_s": speed,
+            **{f"cache_{k}": v for k, v in cache_counts.items()},
+        }
 
 
-def extend_history(history: dict, wanted: list, turn: int, asks_of: dict, responses: dict, message) -> int:
-    """Add each answer of ``turn`` (``message`` of its response) to its conversation's history where a turn follows;
-    an aborted answer or a tool call (no dataset turn answers it) ends the conversation. Returns how many ended at a
-    tool call."""
-    tool_ended = 0
-    for a, k, rid in wanted:
-        r = responses.get(rid)
-        if not (0 < turn < len(asks_of[a.prompt.id]) and r and r.finish_reason != "abort"):
-            continue
-        if r.tool_calls:
-            tool_ended += 1
-            continue
-        history[(a.prompt.id, k)] = history.get((a.prompt.id, k), []) + [message(r)]
-    return tool_ended
-
-
-def report(
-    responses: list[Response],
-    failures: list,
-    cache_counts: Counter,
-    generated: int,
-    new_tokens: int,
-    elapsed: float,
-    gates: Gates,
-    prompts: int,
-) -> dict:
+def tally(responses: list[Response]) -> dict:
+    """The report's counts over the published records."""
     return {
-        "prompts": prompts,
-        "answers": len(responses) + len(failures),
-        "completions": len(responses),
         "finish_reason": dict(Counter(r.finish_reason for r in responses)),
         "empty_outputs": sum(1 for r in responses if not r.output_ids),
         "with_reasoning": sum(1 for r in responses if Gates.reasoned(r)),
@@ -396,16 +158,224 @@ def report(
             "calls": sum(len(r.tool_calls) - toolcalls.count_errors(r.tool_calls) for r in responses),
             "parse_failures": sum(toolcalls.count_errors(r.tool_calls) for r in responses),
         },
-        "failures": len(failures),
         "tokens_in": sum(len(r.prompt_ids) for r in responses),
         "tokens_out": sum(len(r.output_ids) for r in responses),
         "per_source": dict(sorted(Counter(r.source for r in responses).items())),
-        "run": {
-            "generated": generated,
-            "tokens_out": new_tokens,
-            "seconds": round(elapsed, 2),
-            "tokens_per_s": round(new_tokens / elapsed, 2) if elapsed > 0 and new_tokens else 0.0,
-            **{f"cache_{k}": v for k, v in cache_counts.items()},
-        },
-        "gates": gates.summary(),
     }
+
+
+@dataclass
+class InferRun:
+    """One run over the prompts (``run``): the ``plan.samples`` answers per prompt (per turn under ``plan.turns:
+    all``) that ``cache`` lacks, generated by ``engine`` with ``sampling``, each fsync'd to the cache and checked by
+    ``gates`` as it arrives; the records' readable fields split by ``spec``. One object per run."""
+
+    engine: object  # stream(prompts, sampling, rids), as eaglepipe/engines/__init__.py says
+    tokenizer: object
+    sampling: Sampling
+    spec: Spec
+    gates: Gates
+    cache: Cache
+    plan: Plan
+    cached: dict[str, Generation] = field(default_factory=dict, init=False)  # the cache's generations by record id
+    lines: dict[str, int] = field(default_factory=dict, init=False)  # prompt id -> its line in the prompts
+    asked: list[str] = field(default_factory=list, init=False)  # the record id of every answer wanted, in order
+    responses: dict[str, Response] = field(default_factory=dict, init=False)  # by record id: reused or generated
+    failures: list[dict] = field(default_factory=list, init=False)  # {"id", "reason"} per answer that failed
+    left_out: dict[str, list[str]] = field(default_factory=dict, init=False)  # reason -> names of asks left out
+    progress: Progress = field(default_factory=Progress, init=False)
+    ended_at_tool_call: int = field(default=0, init=False)  # conversations whose answer called a tool (turns: all)
+
+    def run(self, prompts: list[Prompt]) -> tuple[list[Response], dict]:
+        """Answer ``prompts``; return (responses in prompt, sample and turn order, report). Prompts outside
+        ``plan.limits`` are left out (``admit``). Raises GateBreach, or UserError for too many failures, with
+        everything generated kept in the cache."""
+        self.cached, cache_counts = self.cache.load()
+        self.lines = {p.id: line for line, p in enumerate(prompts, start=1)}
+        if self.plan.turns == "all":
+            self.answer_every_turn(prompts)
+        else:
+            self.answer_last_turn(prompts)
+        self.gates.check()
+        if len(self.failures) > self.plan.max_failure_rate * len(self.asked):
+            raise UserError(
+                f"{len(self.failures)} of {len(self.asked)} answers failed (more than infer.max_failure_rate="
+                f"{self.plan.max_failure_rate}); see {self.cache.failures_path}"
+            )
+        ordered = sorted(
+            (self.responses[rid] for rid in self.asked if rid in self.responses),
+            key=lambda r: (self.lines[prompt_of(r.id)], r.sample, r.turn),
+        )
+        report = self.report(ordered, cache_counts)
+        if self.plan.turns == "all":
+            report["turns"] = self.turns_report(ordered, prompts)
+        return ordered, report
+
+    def ask(self, prompt: Prompt, turn: int, samples: tuple, messages: list) -> Ask:
+        """``prompt`` at ``turn``, its chat rendered from ``messages``, for ``samples``."""
+        ids = chat.prompt_ids(self.tokenizer, messages, prompt.tools, self.plan.template_kwargs)
+        return Ask(self.lines[prompt.id], prompt, turn, samples, ids)
+
+    def answer_last_turn(self, prompts: list[Prompt]) -> None:
+        """``infer.turns: last``: every prompt as it is, at turn 0 (record ids without a turn)."""
+        every_sample = tuple(range(self.plan.samples))
+        self.answer([self.ask(p, 0, every_sample, p.messages) for p in prompts], 0, len(prompts))
+
+    def answer_every_turn(self, prompts: list[Prompt]) -> None:
+        """``infer.turns: all``: turn 1 of every conversation, then turn k of each whose turn k - 1 was answered, the
+        dataset's earlier answers replaced by the target's own."""
+        by_id = {p.id: p for p in prompts}
+        asks_of = {p.id: turns.asks(p.messages) for p in prompts}
+        history = {}  # (prompt id, sample) -> the target's answers so far, as assistant messages
+        every_sample = tuple(range(self.plan.samples))
+        for turn in range(1, max(map(len, asks_of.values()), default=1) + 1):
+            if turn == 1:
+                asks = [self.ask(p, 1, every_sample, turns.interleave(asks_of[p.id], [])) for p in prompts]
+            else:
+                asks = [
+                    self.ask(by_id[pid], turn, (sample,), turns.interleave(asks_of[pid], answers))
+                    for (pid, sample), answers in history.items()
+                    if len(answers) == turn - 1 < len(asks_of[pid])
+                ]
+            wanted = self.answer(asks, turn, len(prompts))
+            self.extend_history(history, wanted, asks_of)
+
+    def answer(self, asks: list[Ask], turn: int, prompts_read: int) -> list[Wanted]:
+        """The answers to ``asks`` within the limits (of ``turn``; 0 under ``infer.turns: last``): taken from the
+        cache where it holds them, the others generated. Returns the answers wanted, in order."""
+        asks = self.admit(asks)
+        if turn <= 1 and not asks:
+            raise UserError(
+                f"{self.plan.limits.where}: no prompt is left to generate for ({prompts_read} read, left out: "
+                f"{ {k: len(v) for k, v in self.left_out.items()} })"
+            )
+        wanted = [Wanted(a, k, record_id(a.prompt.id, k, a.turn)) for a in asks for k in a.samples]
+        self.asked += [w.id for w in wanted]
+        todo = self.reuse(wanted)
+        log.info(
+            "%s%d prompts x %d samples: %d already generated (cache %s), %d to generate",
+            f"turn {turn}: " if turn else "",
+            len(asks),
+            self.plan.samples,
+            len(wanted) - len(todo),
+            self.cache.folder,
+            len(todo),
+        )
+        self.generate(todo, turn)
+        return wanted
+
+    def admit(self, asks: list[Ask]) -> list[Ask]:
+        """The asks within ``plan.limits``; the others go to ``left_out`` by reason. Under ``on_error: fail`` the
+        first one left out is a UserError naming it."""
+        limits = self.plan.limits
+        kept, left_out = [], {}
+        for candidate in asks:
+            breach = limits.breach(len(candidate.ids), self.sampling.max_new_tokens)
+            if breach is None:
+                kept.append(candidate)
+                continue
+            reason, why = breach
+            if limits.on_error == "fail":
+                prompt = candidate.prompt
+                turn = f" at turn {candidate.turn} ({candidate.name})" if candidate.turn > 1 else ""
+                raise UserError(
+                    f"{limits.where}:{candidate.line}: prompt {prompt.id} of source {prompt.source}{turn}: {why} "
+                    "(set infer.on_error: skip to leave such prompts out, counted)"
+                )
+            left_out.setdefault(reason, []).append(candidate.name)
+        if left_out:
+            log.warning("left out before generating: %s", {k: len(v) for k, v in left_out.items()})
+        for reason, names in left_out.items():
+            self.left_out.setdefault(reason, []).extend(names)
+        return kept
+
+    def reuse(self, wanted: list[Wanted]) -> list[Wanted]:
+        """Take the ``wanted`` answers the cache holds into the responses and the gates; return the others."""
+        for w in wanted:
+            gen = self.cached.get(w.id)
+            if gen is None:
+                continue
+            if gen.prompt_ids != w.ask.ids:
+                raise UserError(
+                    f"{self.cache.path}: record {w.id} was generated from other prompt ids; delete the cache folder"
+                )
+            self.take(gen)
+        return [w for w in wanted if w.id not in self.cached]
+
+    def take(self, gen: Generation) -> None:
+        """Add the published record of ``gen`` to the responses and the gates."""
+        response = to_response(gen, self.tokenizer, self.spec, self.sampling)
+        self.responses[gen.id] = response
+        self.gates.add(response)
+
+    def generate(self, todo: list[Wanted], turn: int) -> None:
+        """Generate ``todo`` with the engine, each answer or failure ``collect``ed as it arrives."""
+        start = time.perf_counter()
+        seconds_before = self.progress.seconds
+        desc = f"infer turn {turn}" if turn else "infer"
+        with tqdm(total=len(todo), desc=desc, unit="answer", dynamic_ncols=True) as bar:
+            for i, out in self.engine.stream([w.ask.ids for w in todo], self.sampling, [w.id for w in todo]):
+                self.collect(todo[i], out)
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{self.progress.tokens / (seconds_before + time.perf_counter() - start):.1f}")
+        self.progress.seconds = seconds_before + time.perf_counter() - start
+        self.progress.generated += len(todo)
+
+    def collect(self, wanted: Wanted, out: Output | Failure) -> None:
+        """A failure into the cache's failures file and ``failures``; an answer fsync'd to the cache, then into the
+        responses and the gates (checked when due)."""
+        if isinstance(out, Failure):
+            self.cache.fail(wanted.id, out.reason)
+            self.failures.append({"id": wanted.id, "reason": out.reason})
+            return
+        a = wanted.ask
+        gen = Generation(
+            wanted.id, a.prompt.source, a.ids, out.output_ids, out.finish_reason, out.meta, wanted.sample, a.turn
+        )
+        self.cache.add(gen)
+        self.take(gen)
+        self.progress.tokens += len(out.output_ids)
+        if self.gates.due():
+            self.gates.check()
+
+    def extend_history(self, history: dict, wanted: list[Wanted], asks_of: dict) -> None:
+        """Add each answer in ``wanted`` (as the assistant message an engine returns) to its conversation's history
+        where a turn follows; an aborted answer or a tool call (no dataset turn answers it) ends the conversation."""
+        for w in wanted:
+            r = self.responses.get(w.id)
+            if not (w.ask.turn < len(asks_of[w.ask.prompt.id]) and r and r.finish_reason != "abort"):
+                continue
+            if r.tool_calls:
+                self.ended_at_tool_call += 1
+                continue
+            message = answer_message(
+                self.tokenizer, r.prompt_ids, r.output_ids, self.spec, self.sampling.stop_token_ids
+            )
+            key = (w.ask.prompt.id, w.sample)
+            history[key] = history.get(key, []) + [message]
+
+    def turns_report(self, ordered: list[Response], prompts: list[Prompt]) -> dict:
+        """The report's ``turns`` part under ``infer.turns: all``: the answers per turn, the dataset's turns left
+        unanswered (times the samples) and the conversations that ended at a tool call."""
+        dataset_turns = sum(len(turns.asks(p.messages)) for p in prompts)
+        return {
+            "mode": "all",
+            "answered": dict(sorted(Counter(r.turn for r in ordered).items())),
+            "unanswered": dataset_turns * self.plan.samples - len(ordered),
+            "ended_at_tool_call": self.ended_at_tool_call,
+        }
+
+    def report(self, ordered: list[Response], cache_counts: Counter) -> dict:
+        """The run's report: the published records' counts, the failures, the prompts left out, this run's progress
+        (``run``) and the gates."""
+        return {
+            "prompts": len({prompt_of(rid) for rid in self.asked}),
+            "answers": len(ordered) + len(self.failures),
+            "completions": len(ordered),
+            **tally(ordered),
+            "failures": len(self.failures),
+            "run": self.progress.report(cache_counts),
+            "gates": self.gates.summary(),
+            "left_out": {k: len(v) for k, v in self.left_out.items()},
+            "left_out_ids": self.left_out,
+        }

@@ -115,93 +115,173 @@ def head_and_norm(folder: Path, stored: dict | None = None) -> tuple:
 def check(folder: Path):
     """The target's (text) transformers config, once every requirement above holds; else ``UnsupportedTarget``
     naming the first that does not. Reads config.json and the safetensors headers only."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    folder = Path(folder)
+    config = _readable_config(folder)
+    _decoder_only(folder, config)
+    _served_composite(folder, config)
+    _loadable_class(folder, config)
+    text = families.text_config(config)
+    _drafter_fields(folder, text)
+    _enough_layers(folder, text)
+    _silu_mlp(folder, text)
+    _attention_heads(folder, text)
+    rope = dict(text.rope_parameters)
+    _whole_head_rotary(folder, text, rope)
+    _computed_rope(folder, rope, families.composite(config))
+    stored = weights(folder)
+    _float_weights(folder, stored, getattr(config, "tie_word_embeddings", False))
+    _decoder_layers(folder, stored)
+    _embedding_shape(folder, stored, text)
+    return text
+
+
+def _readable_config(folder: Path):
+    """The target's transformers config, which transformers must be able to read."""
+    try:
+        return families.load_config(folder)
+    except (OSError, ValueError, KeyError) as e:  # no config.json, an unknown model_type
+        raise UnsupportedTarget(
+            f"target {folder}: transformers cannot read its config.json ({str(e).splitlines()[0][:200]})"
+        ) from e
+
+
+def _decoder_only(folder: Path, config) -> None:
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedTarget(
+            f"target {folder}: {config.model_type} is an encoder-decoder model; EAGLE-3 drafts for decoder-only targets"
+        )
+
+
+def _served_composite(folder: Path, config) -> None:
+    """A composite (multimodal) config is served only if it is one of ``families.COMPOSITES``."""
+    if families.composite(config) and config.model_type not in families.COMPOSITES:
+        raise UnsupportedTarget(
+            f"target {folder}: {config.model_type} nests its language model in a composite (multimodal) config; of "
+            f"those, only {', '.join(families.COMPOSITES)} are served (text-only)"
+        )
+
+
+def _loadable_class(folder: Path, config) -> None:
+    """transformers has the model class the target loads as: a causal LM, or for a composite an image-text-to-text
+    model (whose language model serves it)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    folder = Path(folder)
-
-    def refuse(reason: str):
-        raise UnsupportedTarget(f"target {folder}: {reason}")
-
-    try:
-        config = families.load_config(folder)
-    except (OSError, ValueError, KeyError) as e:  # no config.json, an unknown model_type
-        refuse(f"transformers cannot read its config.json ({str(e).splitlines()[0][:200]})")
     kind = config.model_type
-    if getattr(config, "is_encoder_decoder", False):
-        refuse(f"{kind} is an encoder-decoder model; EAGLE-3 drafts for decoder-only targets")
-    composite = families.composite(config)
-    if composite and kind not in families.COMPOSITES:
-        refuse(
-            f"{kind} nests its language model in a composite (multimodal) config; of those, only "
-            f"{', '.join(families.COMPOSITES)} are served (text-only)"
-        )
-    if type(config) not in (MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING if composite else MODEL_FOR_CAUSAL_LM_MAPPING):
-        refuse(
-            f"transformers has no image-text-to-text model for model_type {kind} (AutoModelForImageTextToText), "
-            "which serves a composite's language model"
-            if composite
-            else f"transformers has no causal LM for model_type {kind} (AutoModelForCausalLM): not a decoder-only LM"
-        )
-    text = families.text_config(config)
-    for field in (
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_hidden_layers",
-        "rms_norm_eps",
-        "hidden_act",
-        "max_position_embeddings",
-        "vocab_size",
-        "rope_parameters",
-    ):
-        if getattr(text, field, None) is None:
-            refuse(
-                f"its {text.model_type} config has no {field}, which the drafter's Llama config takes from the target"
+    if families.composite(config):
+        if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+            raise UnsupportedTarget(
+                f"target {folder}: transformers has no image-text-to-text model for model_type {kind} "
+                "(AutoModelForImageTextToText), which serves a composite's language model"
             )
-    L = text.num_hidden_layers
-    if L < MIN_LAYERS:
-        refuse(
-            f"it has {L} decoder layers, fewer than {MIN_LAYERS}: EAGLE-3 reads the inputs of three distinct "
-            "layers, and layer 0's (the embeddings) is one several SGLang and vLLM models cannot capture"
+    elif type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UnsupportedTarget(
+            f"target {folder}: transformers has no causal LM for model_type {kind} (AutoModelForCausalLM): not a "
+            "decoder-only LM"
         )
+
+
+DRAFTER_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "rms_norm_eps",
+    "hidden_act",
+    "max_position_embeddings",
+    "vocab_size",
+    "rope_parameters",
+)
+"""The fields of the target's text config that the drafter's Llama config takes."""
+
+
+def _drafter_fields(folder: Path, text) -> None:
+    for field in DRAFTER_FIELDS:
+        if getattr(text, field, None) is None:
+            raise UnsupportedTarget(
+                f"target {folder}: its {text.model_type} config has no {field}, which the drafter's Llama config "
+                "takes from the target"
+            )
+
+
+def _enough_layers(folder: Path, text) -> None:
+    if text.num_hidden_layers < MIN_LAYERS:
+        raise UnsupportedTarget(
+            f"target {folder}: it has {text.num_hidden_layers} decoder layers, fewer than {MIN_LAYERS}: EAGLE-3 "
+            "reads the inputs of three distinct layers, and layer 0's (the embeddings) is one several SGLang and "
+            "vLLM models cannot capture"
+        )
+
+
+def _silu_mlp(folder: Path, text) -> None:
     if text.hidden_act != "silu":
-        refuse(f"its MLP activation is {text.hidden_act}; the drafter's Llama layer in SGLang and vLLM has silu only")
+        raise UnsupportedTarget(
+            f"target {folder}: its MLP activation is {text.hidden_act}; the drafter's Llama layer in SGLang and vLLM "
+            "has silu only"
+        )
+
+
+def _attention_heads(folder: Path, text) -> None:
+    """Grouped-query attention the drafter computes: whole query heads per KV head, an even head size (RoPE)."""
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if heads % kv_heads or head_dim % 2:
-        refuse(
-            f"{heads} attention heads over {kv_heads} KV heads of size {head_dim}: the drafter's grouped-query "
-            "attention needs a whole number of query heads per KV head and an even head size (RoPE)"
+        raise UnsupportedTarget(
+            f"target {folder}: {heads} attention heads over {kv_heads} KV heads of size {head_dim}: the drafter's "
+            "grouped-query attention needs a whole number of query heads per KV head and an even head size (RoPE)"
         )
-    rope = dict(text.rope_parameters)
+
+
+def _whole_head_rotary(folder: Path, text, rope: dict) -> None:
     partial = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None))
     if partial not in (None, 1, 1.0):
-        refuse(f"its RoPE rotates {partial} of each head; the drafter's Llama attention rotates the whole head")
+        raise UnsupportedTarget(
+            f"target {folder}: its RoPE rotates {partial} of each head; the drafter's Llama attention rotates the "
+            "whole head"
+        )
+
+
+def _computed_rope(folder: Path, rope: dict, composite: bool) -> None:
+    """A RoPE the drafter's attention computes: a transformers rope type with a ``rope_theta``; M-RoPE only in a
+    composite (whose language model runs on text positions alone)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     if (
         "mrope_section" in rope
         and not composite
         or rope.get("rope_type", "default") not in ("default", *ROPE_INIT_FUNCTIONS)
         or "rope_theta" not in rope
     ):
-        refuse(f"its RoPE {rope} is not one the drafter's Llama attention computes")
-    _check_weights(weights(folder), getattr(config, "tie_word_embeddings", False), text, refuse)
-    return text
+        raise UnsupportedTarget(f"target {folder}: its RoPE {rope} is not one the drafter's Llama attention computes")
 
 
-def _check_weights(stored: dict, tied: bool, text, refuse) -> None:
-    """``check``'s requirements on the safetensors files (``stored``: ``weights``), each failure to ``refuse``."""
+def _float_weights(folder: Path, stored: dict, tied: bool) -> None:
+    """The embedding, the final norm and the head (unless tied and not stored) are in the safetensors files
+    (``stored``: ``weights``), as floats."""
     n = names(stored)
     for name in (n.embed, n.norm) + (() if tied and n.head not in stored else (n.head,)):
         if name not in stored:
-            refuse(f"its weights have no {name} (the Hugging Face Llama-style names train reads)")
+            raise UnsupportedTarget(
+                f"target {folder}: its weights have no {name} (the Hugging Face Llama-style names train reads)"
+            )
         if stored[name][1] not in FLOAT_DTYPES:
-            refuse(f"its {name} is stored as {stored[name][1]}, not as floats (train reads it as it is)")
-    if not any(name.startswith(n.layers) for name in stored):
-        refuse(f"its weights have no {n.layers}* (the decoder layers, one of which the drafter starts from)")
-    if stored[n.embed][2] != (text.vocab_size, text.hidden_size):
-        refuse(
-            f"its {n.embed} is {list(stored[n.embed][2])}, not [vocab_size, hidden_size] "
+            raise UnsupportedTarget(
+                f"target {folder}: its {name} is stored as {stored[name][1]}, not as floats (train reads it as it is)"
+            )
+
+
+def _decoder_layers(folder: Path, stored: dict) -> None:
+    layers = names(stored).layers
+    if not any(name.startswith(layers) for name in stored):
+        raise UnsupportedTarget(
+            f"target {folder}: its weights have no {layers}* (the decoder layers, one of which the drafter starts from)"
+        )
+
+
+def _embedding_shape(folder: Path, stored: dict, text) -> None:
+    embed = names(stored).embed
+    if stored[embed][2] != (text.vocab_size, text.hidden_size):
+        raise UnsupportedTarget(
+            f"target {folder}: its {embed} is {list(stored[embed][2])}, not [vocab_size, hidden_size] "
             f"[{text.vocab_size}, {text.hidden_size}]"
         )

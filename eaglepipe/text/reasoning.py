@@ -1,4 +1,5 @@
-"""Reasoning and answer split out of a decoded output (derive.py decodes the ids and builds the Spec).
+"""Reasoning and answer split out of a decoded output (derive.py decodes the ids; ``derive.spec_from_params`` checks
+the tool-call family and builds the Spec with ``spec_of``).
 
 ``target.reasoning`` names a preset or gives a custom ``{start, end}`` pair of markers:
     none     the model does not reason: everything is content
@@ -33,6 +34,8 @@ PRESETS = ("none", "think", "harmony")
 
 @dataclass(frozen=True)
 class Spec:
+    """How a target marks its reasoning, and which tool-call family its content holds (``spec_of``)."""
+
     kind: str  # none | tags | harmony
     start: str | None = None  # tags: the opening marker; harmony: the analysis header (informational)
     end: str | None = None
@@ -46,6 +49,8 @@ class Spec:
 
 @dataclass
 class Split:
+    """One output split: its reasoning, its content, whether the last block closed, and every segment in order."""
+
     reasoning: str
     content: str
     closed: bool  # False when the output ends inside a reasoning block (truncated)
@@ -75,6 +80,7 @@ def _prefilled(tail: str, start: str) -> bool:
 
 
 def _split_tags(text: str, spec: Spec, tail: str) -> Split:
+    """The split under ``<think>``-style markers (the cases in the module's docstring); ``tail``: the prompt's end."""
     start, end = spec.start, spec.end
     segs: list = []  # (kind, text, block number)
     closed, block = True, 0
@@ -122,6 +128,8 @@ def _split_tags(text: str, spec: Spec, tail: str) -> Split:
 
 
 def _split_harmony(text: str, tail: str) -> Split:
+    """The split of gpt-oss harmony messages: the analysis channel is reasoning, every other message is content
+    (a tool call whole, with its header); ``tail``: the prompt's end."""
     # The prompt ends with an open header (``<|start|>assistant``): parse it with the output, then drop its part.
     i = tail.rfind(harmony.START)
     head = tail[i:] if i >= 0 and not any(t in tail[i:] for t in harmony.TERMINATORS) else ""
@@ -153,6 +161,7 @@ def _split_harmony(text: str, tail: str) -> Split:
 
 
 def _assemble(segs: list, closed: bool) -> Split:
+    """The Split of ``segs`` ((kind, text, block or message number) each): the blocks' reasoning joined by newlines."""
     bodies: dict = {}
     for kind, s, g in segs:
         if kind == "reasoning":

@@ -12,9 +12,10 @@ else the bounds: ``infer.max_new_tokens`` for an answer, ``merge.max_length`` le
 are capped at ``infer.max_new_tokens``, sequences at ``merge.max_length``; train runs ``train.epochs`` times over
 ``1 - merge.valid_fraction`` of the tokens.
 
-Bytes per token stored by hidden (features.py): ``aux`` 3·H and ``final`` H in ``hidden.dtype`` (float8_e4m3fn: 1
-byte each plus a float32 scale per token and state), plus 9 bytes of ``input_ids``, ``loss_mask`` and ``top``; not
-shard headers and offsets (hidden's measured ``bytes_per_token`` counts them). Online training stores nothing.
+Bytes per token stored by hidden (eaglepipe/hidden/layout.py): ``aux`` 3·H and ``final`` H in ``hidden.dtype``
+(float8_e4m3fn: 1 byte each plus a float32 scale per token and state), plus 9 bytes of ``input_ids``, ``loss_mask``
+and ``top``; not shard headers and offsets (hidden's measured ``bytes_per_token`` counts them). Online training
+stores nothing.
 
 Time: tokens / (tokens/s) per stage, from the ``--*-tokens-per-s`` options, else this machine's last run of the
 params' own target (metrics/timings/*.json, same condition as the means); each figure says where it came from.
@@ -29,8 +30,8 @@ import click
 import yaml
 
 from eaglepipe.core import config
-from eaglepipe.hidden import layout as features
-from eaglepipe.target import model as target
+from eaglepipe.hidden import layout
+from eaglepipe.target.model import resolve
 
 IDS_MASK_TOP = 4 + 1 + 4  # input_ids int32, loss_mask uint8, top int32: bytes per token
 TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")
@@ -52,7 +53,7 @@ def text_config(path) -> dict:
 
 def bytes_per_token(hidden_size: int, dtype: str) -> float:
     """Bytes hidden stores per token for a target of width ``hidden_size`` in ``dtype``."""
-    return features.bytes_per_token(hidden_size, dtype) + IDS_MASK_TOP
+    return layout.bytes_per_token(hidden_size, dtype) + IDS_MASK_TOP
 
 
 def load_params(path, sets: tuple[str, ...]) -> config.Params:
@@ -229,7 +230,7 @@ def main(  # noqa: PLR0913  click passes one argument per option: the signature 
         path = Path(target_arg)
     else:
         try:
-            path = target.resolve(target_arg or params.target.model, params.target.trust_remote_code) / "config.json"
+            path = resolve(target_arg or params.target.model, params.target.trust_remote_code) / "config.json"
         except FileNotFoundError as e:
             raise click.ClickException(str(e)) from None
     cfg = text_config(path) | {"path": target_arg or f"{params.target.model} ({path})"}

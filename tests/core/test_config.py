@@ -90,7 +90,15 @@ def test_value_lists_are_those_of_the_code_that_implements_them():
     schema imports no stage code (it would be a dep of every stage) and no model or data library."""
     assert set(config.FORMATS) == set(formats.CONVERTERS)
     assert set(config.TOOL_CALLS) == {"none", *toolcalls.PARSERS}
-    own = ("eaglepipe.core", "eaglepipe.core.config", "eaglepipe.core.errors", "eaglepipe.core.explain")
+    own = (
+        "eaglepipe.core",
+        "eaglepipe.core.config",
+        "eaglepipe.core.section",
+        "eaglepipe.core.data_sections",
+        "eaglepipe.core.model_sections",
+        "eaglepipe.core.errors",
+        "eaglepipe.core.explain",
+    )
     code = (
         "import sys, eaglepipe.core.config\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'datasets')\n"

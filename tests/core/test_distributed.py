@@ -320,6 +320,38 @@ def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
 
 
 # ---------------------------------------------------------------------------------------- evaluate, 1 and 2 processes
+def evaluate_outputs(tmp_path, world: int) -> dict:
+    """stages/evaluate.py at ``world`` processes on tmp_path's params and drafter: its report, plot rows and decoded
+    files, as bytes by name."""
+    out = {name: tmp_path / f"{name}{world}" for name in ("report", "positions", "decoded", "timings")}
+    launcher = [sys.executable, "-m", "eaglepipe.core.runtime"] if world > 1 else [sys.executable]
+    ran = subprocess.run(
+        [
+            *launcher,
+            "stages/evaluate.py",
+            "--params",
+            str(tmp_path / "params.yaml"),
+            "--prompts",
+            "data/eval/heldout.jsonl",
+            "--draft",
+            str(tmp_path / "draft"),
+            *[a for name, path in out.items() for a in (f"--{name}", str(path))],
+        ],
+        cwd=ROOT,
+        env=env(world),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert json.loads(out["timings"].read_text())["processes"] == world
+    return {
+        "report": out["report"].read_bytes(),
+        "positions": out["positions"].read_bytes(),
+        **{path.name: path.read_bytes() for path in out["decoded"].iterdir()},
+    }
+
+
 @pytest.mark.e2e
 def test_e2e_evaluate_at_world_2_reports_what_world_1_does(tmp_path, target_folder):
     """Ranks share the conversations (MT-bench's two turns decoded on one rank); the metrics, plot rows and decoded
@@ -336,35 +368,7 @@ def test_e2e_evaluate_at_world_2_reports_what_world_1_does(tmp_path, target_fold
     }
     params["runtime"] = {"device": "cpu"}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    outputs = {}
-    for world in (1, 2):
-        out = {name: tmp_path / f"{name}{world}" for name in ("report", "positions", "decoded", "timings")}
-        launcher = [sys.executable, "-m", "eaglepipe.core.runtime"] if world > 1 else [sys.executable]
-        ran = subprocess.run(
-            [
-                *launcher,
-                "stages/evaluate.py",
-                "--params",
-                str(tmp_path / "params.yaml"),
-                "--prompts",
-                "data/eval/heldout.jsonl",
-                "--draft",
-                str(tmp_path / "draft"),
-                *[a for name, path in out.items() for a in (f"--{name}", str(path))],
-            ],
-            cwd=ROOT,
-            env=env(world),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert ran.returncode == 0, ran.stderr[-3000:]
-        outputs[world] = {
-            "report": out["report"].read_bytes(),
-            "positions": out["positions"].read_bytes(),
-            **{path.name: path.read_bytes() for path in out["decoded"].iterdir()},
-        }
-        assert json.loads(out["timings"].read_text())["processes"] == world
+    outputs = {world: evaluate_outputs(tmp_path, world) for world in (1, 2)}
     assert outputs[2] == outputs[1]
     report = json.loads(outputs[1]["report"])
     assert {name: (b["prompts"], b["turns"]) for name, b in report["benchmarks"].items()} == {

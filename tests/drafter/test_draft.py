@@ -1,5 +1,6 @@
-"""draft: the draft vocabulary and its d2t/t2d invariants, parameter names and shapes, and the exported checkpoint read
-back by a loader written here with plain torch ops (no draft.py), giving the same draft outputs as draft.load."""
+"""eagle3/model.py: the draft vocabulary and its d2t/t2d invariants, parameter names and shapes, and the exported
+checkpoint read back by a loader written here with plain torch ops (none of model.py's), giving the same draft outputs
+as its ``load``; eagle3/init.py's init from the target."""
 
 import json
 import math
@@ -11,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from eaglepipe.drafter import train
-from eaglepipe.drafter.eagle3 import init as draft_init
+from eaglepipe.drafter.eagle3 import init
 from eaglepipe.drafter.eagle3 import model as draft
 
 EXPECTED = {  # name -> shape, from H (hidden), I (intermediate), heads, kv heads, d (head dim), V, Vd
@@ -184,7 +185,7 @@ def test_init_from_target_step_zero_is_the_target_layer(target_folder, model, to
     cfg = draft.DraftConfig.from_target(model.config, 512, [2, 15, 27])
     drafter = draft.Eagle3Draft(cfg, tgt["embed"])
     drafter.set_vocab(*draft.build_vocab(Counter({i * 7: 1 for i in range(512)}), 512, 49152))
-    assert draft_init.init_from_target(drafter, tgt).startswith("exact: the midlayer is target layer 27 (llama)")
+    assert init.init_from_target(drafter, tgt).startswith("exact: the midlayer is target layer 27 (llama)")
     assert torch.equal(drafter.lm_head.weight, tgt["head"][drafter.to_target(torch.arange(512))])
     ids = tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt")["input_ids"]
     with torch.no_grad():

@@ -5,9 +5,10 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
+from sglang_server import CLEAN, VERSION, configure, distribution, free_port, start_server, stats, stop_server
 
 from eaglepipe.core import config
 from eaglepipe.engines import Failure, Output, Sampling, pool
@@ -369,3 +370,24 @@ def test_a_launched_server_that_dies_is_reported_with_its_log(tokenizer, tmp_pat
     with pytest.raises(ServerError, match="exited with code 3") as e:
         SGLangEngine(config.Servers(launch=config.Launch(**launch), health_timeout_s=30), tokenizer).start()
     assert "no GPU here" in str(e.value)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("installed", [VERSION, "9.9.9"])
+def test_a_launched_server_must_report_the_identity_its_launch_predicts(tokenizer, tmp_path, monkeypatch, installed):
+    """The identity (the cache key) of a launched server is known before it starts; once it runs, what it reports is
+    checked against it: here the version the launcher's Python says is installed."""
+    monkeypatch.setenv("PYTHONPATH", str(distribution(tmp_path / "site", "sglang", installed)))
+    double = [sys.executable, str(Path(__file__).parent.parent / "sglang_server.py"), "--no-compute"]
+    launch = config.Launch(model_path="embedded", port=free_port(), log=str(tmp_path / "log"), command=double)
+    engine = SGLangEngine(config.Servers(launch=launch, health_timeout_s=60), tokenizer)
+    predicted = engine.identity()
+    assert predicted["sglang_version"] == installed and engine.launched.proc is None
+    if installed == VERSION:
+        with engine:
+            assert engine.identity() == predicted and engine.describe()["servers"]
+        return
+    with pytest.raises(ServerError, match="reports .* but its launch arguments and the installed sglang say") as e:
+        engine.start()
+    assert f"'sglang_version': '{VERSION}'" in str(e.value) and "'sglang_version': '9.9.9'" in str(e.value)
+    assert engine.launched.returncode() is not None  # stopped

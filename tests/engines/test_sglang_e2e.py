@@ -5,6 +5,7 @@ clean greedy run must give the records of the embedded engine run with batch_siz
 Faults, kill -9 of the stage and a restart of the server must all end with every record present exactly once."""
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,17 +13,19 @@ from pathlib import Path
 import pytest
 import yaml
 from e2e import (
+    ENV,
     PROMPTS,
     ROOT,
     assert_same_records,
     cache_lines,
+    infer_cmd,
     kill_9_then_resume,
     port_closed,
     records,
     run_infer,
     server_restart_mid_run,
 )
-from sglang_server import CLEAN, configure, free_port, start_server, stats, stop_server
+from sglang_server import CLEAN, VERSION, configure, distribution, free_port, start_server, stats, stop_server
 
 from eaglepipe.core.records import Prompt, content_id, write_jsonl
 from eaglepipe.text.derive import PER_RUN
@@ -107,7 +110,8 @@ def test_a_clean_run_gives_the_embedded_engines_records(clean_run, compute_serve
     assert {r["finish_reason"] for r in got} == {"stop", "length"}  # both kinds of ending are covered
     assert all(r["output_ids"][-1] == 2 for r in got if r["finish_reason"] == "stop")  # <|im_end|> kept
     engine = json.loads((clean_run / "out" / "engine.json").read_text())
-    server = engine["servers"][0]
+    assert "servers" not in engine  # what a run met is in its timings, so a rerun publishes the same bytes
+    server = json.loads((clean_run / "timings.json").read_text())["servers"][0]
     assert engine["engine"] == "sglang" and server["url"] == compute_server
     assert server["model_info"]["model_path"] == engine["identity"]["model_path"]
     assert server["server_info"]["tp_size"] == 1 and "internal_states" not in server["server_info"]
@@ -216,6 +220,33 @@ def test_a_launched_server_is_stopped_at_the_end_and_on_failure(work, tmp_path, 
         assert out.returncode == 0, out.stderr[-3000:]
         engine = json.loads((tmp_path / "out" / "engine.json").read_text())
         assert engine["launched"]["argv"][:2] == ["--model-path", "embedded"]
-        assert engine["servers"][0]["url"] == f"http://127.0.0.1:{port}"
+        servers = json.loads((tmp_path / "timings.json").read_text())["servers"]
+        assert servers[0]["url"] == f"http://127.0.0.1:{port}"
     else:
         assert out.returncode != 0 and "tokenizer disagrees" in out.stderr
+
+
+def test_a_run_whose_answers_are_all_cached_starts_no_server(work, tmp_path):
+    """A launched server's identity, so the cache's key, is its launch and the SGLang installed where the launcher runs
+    (here package metadata on PYTHONPATH naming the double's version): a rerun whose answers are all cached reuses them
+    without starting the server, whose launch command would now fail."""
+    env = {**ENV, "PYTHONPATH": str(distribution(tmp_path / "site", "sglang", VERSION))}
+    launch = {
+        "model_path": "embedded",
+        "port": free_port(),
+        "log": str(tmp_path / "launched.log"),
+        "command": [sys.executable, "tests/sglang_server.py", "--no-compute"],
+        "stop_timeout_s": 10,
+    }
+    engines, servers = [], []
+    for command in (launch["command"], [sys.executable, "-c", "import sys; print('started'); sys.exit(3)"]):
+        params = write_params(tmp_path, launch={**launch, "command": command})
+        cmd = infer_cmd(tmp_path, params, work / "prompts.jsonl")
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=STAGE_TIMEOUT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        engines.append(json.loads((tmp_path / "out" / "engine.json").read_text()))
+        servers.append(json.loads((tmp_path / "timings.json").read_text())["servers"])
+    assert json.loads((tmp_path / "timings.json").read_text())["generated"] == 0
+    assert len(records(tmp_path)) == len(PROMPTS) and "started" not in (tmp_path / "launched.log").read_text()
+    assert engines[0]["identity"] == engines[1]["identity"] and engines[0]["identity"]["sglang_version"] == VERSION
+    assert servers[0] and servers[1] == [] and engines[0] == engines[1]

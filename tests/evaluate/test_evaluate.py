@@ -8,7 +8,7 @@ from e2e import untrained_drafter
 
 from eaglepipe.core import config
 from eaglepipe.dataset import benchmarks
-from eaglepipe.evaluate import decode as speculative
+from eaglepipe.evaluate import decode
 from eaglepipe.evaluate import run as evaluate
 from eaglepipe.target import model as target
 from eaglepipe.text import reasoning
@@ -61,7 +61,7 @@ def test_turn_2_is_asked_after_the_targets_own_greedy_answer_to_turn_1(ran, chat
         assert first["prompt_ids"] == chat.ids(c.messages_for([]))
         answer = chat.answer(first["prompt_ids"], first["output_ids"])
         assert answer["content"] and second["prompt_ids"] == chat.ids(c.messages_for([answer]))
-        assert first["output_ids"] == speculative.greedy(model, first["prompt_ids"], 10, chat.stops)
+        assert first["output_ids"] == decode.greedy(model, first["prompt_ids"], 10, chat.stops)
 
 
 def test_figures_per_benchmark_category_and_turn(ran):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from eaglepipe.drafter.eagle3 import model as draft
-from eaglepipe.evaluate import decode as sp
+from eaglepipe.evaluate import decode
 from eaglepipe.target import chat
-from eaglepipe.target import model as tgt
+from eaglepipe.target import model as target
 
 PROMPTS = [
     [{"role": "user", "content": "Count from 1 to 40, separated by commas."}],
@@ -28,7 +28,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def stops(target_folder, tokenizer):
-    return tgt.stop_ids(target_folder, tokenizer)
+    return target.stop_ids(target_folder, tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def cases(tokenizer, model, stops):
     out = []
     for messages in PROMPTS:
         ids = chat.prompt_ids(tokenizer, messages)
-        out.append((ids, sp.greedy(model, ids, 16, stops)))
+        out.append((ids, decode.greedy(model, ids, 16, stops)))
     return out
 
 
@@ -77,9 +77,9 @@ def test_plain_greedy_equals_hf_generate(model, cases, stops):
 
 
 def test_ngram_drafting_is_lossless(model, cases, stops):
-    stats = sp.Stats()
+    stats = decode.Stats()
     for ids, plain in cases:
-        assert sp.speculative(model, sp.NgramDrafter(), ids, 16, stops, 3, stats) == plain
+        assert decode.speculative(model, decode.NgramDrafter(), ids, 16, stops, 3, stats) == plain
     assert stats.steps > 0 and stats.acceptance_length >= 1.0
     assert stats.accepted[0] > 0, "counting 1..40 repeats n-grams: some drafts are accepted"
 
@@ -91,11 +91,11 @@ def test_ngram_replay_gives_the_counts_of_decoding(model, tokenizer, stops, num_
     stopped = 0
     for messages in PROMPTS:
         ids = chat.prompt_ids(tokenizer, messages)
-        plain = sp.greedy(model, ids, max_new, stops)
+        plain = decode.greedy(model, ids, max_new, stops)
         stopped += plain[-1] in stops
-        decoded, replayed = sp.Stats(), sp.Stats()
-        assert sp.speculative(model, sp.NgramDrafter(3, 1), ids, max_new, stops, num_steps, decoded) == plain
-        assert sp.replay(sp.NgramDrafter(3, 1), ids, plain, max_new, stops, num_steps, replayed) == plain
+        decoded, replayed = decode.Stats(), decode.Stats()
+        assert decode.speculative(model, decode.NgramDrafter(3, 1), ids, max_new, stops, num_steps, decoded) == plain
+        assert decode.replay(decode.NgramDrafter(3, 1), ids, plain, max_new, stops, num_steps, replayed) == plain
         assert (replayed.steps, replayed.emitted, replayed.tokens, replayed.proposed, replayed.accepted) == (
             decoded.steps,
             decoded.emitted,
@@ -113,41 +113,41 @@ def test_greedy_check_accepts_the_greedy_output_and_finds_where_another_departs(
     runs past its stop id or past max_new_tokens."""
     for messages in PROMPTS:
         ids = chat.prompt_ids(tokenizer, messages)
-        plain = sp.greedy(model, ids, max_new, stops)
-        assert sp.greedy_check(model, ids, plain, max_new, stops) is None
+        plain = decode.greedy(model, ids, max_new, stops)
+        assert decode.greedy_check(model, ids, plain, max_new, stops) is None
         for j in {0, len(plain) // 2, len(plain) - 1}:
             changed = plain[:j] + [(plain[j] + 1) % model.config.vocab_size] + plain[j + 1 :]
-            assert sp.greedy_check(model, ids, changed, max_new, stops) == j
+            assert decode.greedy_check(model, ids, changed, max_new, stops) == j
         if len(plain) > 1:
-            assert sp.greedy_check(model, ids, plain[:-1], max_new, stops) == len(plain) - 1
-        longer = sp.greedy(model, ids, max_new + 4, stops)
+            assert decode.greedy_check(model, ids, plain[:-1], max_new, stops) == len(plain) - 1
+        longer = decode.greedy(model, ids, max_new + 4, stops)
         if longer != plain:  # greedy went on past max_new_tokens
-            assert sp.greedy_check(model, ids, longer, max_new, stops) == max_new
+            assert decode.greedy_check(model, ids, longer, max_new, stops) == max_new
     ids = chat.prompt_ids(tokenizer, PROMPTS[1])
-    plain = sp.greedy(model, ids, 40, stops)
+    plain = decode.greedy(model, ids, 40, stops)
     assert plain[-1] in stops, "the short answer ends on a stop id"
-    past = plain + sp.greedy(model, ids + plain, 3, [])  # what the target says after its stop id
-    assert sp.greedy_check(model, ids, past, 40, stops) == len(plain)
+    past = plain + decode.greedy(model, ids + plain, 3, [])  # what the target says after its stop id
+    assert decode.greedy_check(model, ids, past, 40, stops) == len(plain)
 
 
 def test_replay_refuses_a_drafter_that_reads_hidden_states(model):
     with pytest.raises(ValueError, match="hidden states"):
-        sp.replay(sp.EagleDrafter(small_drafter(model)), [1, 2], [3, 4], 4, [], 3)
+        decode.replay(decode.EagleDrafter(small_drafter(model)), [1, 2], [3, 4], 4, [], 3)
 
 
 @pytest.mark.parametrize("num_steps", [1, 3])
 def test_oracle_gives_num_steps_plus_one_and_wrong_gives_one(model, tokenizer, stops, num_steps):
     ids = chat.prompt_ids(tokenizer, PROMPTS[0])
     max_new = 1 + (num_steps + 1) * 3  # the prefill token plus three full verification steps
-    plain = sp.greedy(model, ids, max_new, stops)
+    plain = decode.greedy(model, ids, max_new, stops)
     assert len(plain) == max_new and not set(plain) & set(stops)
     vocab = model.config.vocab_size
-    oracle = sp.Stats()
-    assert sp.speculative(model, Oracle(plain, vocab), ids, max_new, stops, num_steps, oracle) == plain
+    oracle = decode.Stats()
+    assert decode.speculative(model, Oracle(plain, vocab), ids, max_new, stops, num_steps, oracle) == plain
     assert oracle.acceptance_length == num_steps + 1 and oracle.steps == 3
     assert oracle.acceptance_rate == [1.0] * num_steps == oracle.conditional_rate
-    wrong = sp.Stats()
-    out = sp.speculative(model, Oracle(plain, vocab, lambda s, i: True), ids, max_new, stops, num_steps, wrong)
+    wrong = decode.Stats()
+    out = decode.speculative(model, Oracle(plain, vocab, lambda s, i: True), ids, max_new, stops, num_steps, wrong)
     assert out == plain and wrong.acceptance_length == 1.0 and wrong.steps == max_new - 1
     assert all(r == 0.0 for r in wrong.acceptance_rate)
 
@@ -155,8 +155,10 @@ def test_oracle_gives_num_steps_plus_one_and_wrong_gives_one(model, tokenizer, s
 def test_partial_acceptance_bookkeeping_and_cache_crop(model, cases, stops):
     """Drafts wrong at position 1 of every step: 1 accepted + 1 bonus = 2 tokens per step; rates [1, 0, 0]."""
     ids, plain = cases[0]
-    stats = sp.Stats()
-    out = sp.speculative(model, Oracle(plain, model.config.vocab_size, lambda s, i: i == 1), ids, 16, stops, 3, stats)
+    stats = decode.Stats()
+    out = decode.speculative(
+        model, Oracle(plain, model.config.vocab_size, lambda s, i: i == 1), ids, 16, stops, 3, stats
+    )
     assert out == plain
     full = (len(plain) - 1) // 2  # steps that emitted 2 tokens; the last one may be cut by max_new_tokens
     assert stats.steps == full + (len(plain) - 1) % 2
@@ -166,7 +168,7 @@ def test_partial_acceptance_bookkeeping_and_cache_crop(model, cases, stops):
 
 
 def test_stats_merge_and_report():
-    a, b = sp.Stats(), sp.Stats()
+    a, b = decode.Stats(), decode.Stats()
     a.add_step(3, 3, 4)
     b.add_step(3, 0, 1)
     b.add_step(2, 1, 2)
@@ -177,7 +179,7 @@ def test_stats_merge_and_report():
 
 
 def test_ngram_proposals():
-    d = sp.NgramDrafter(max_ngram=3)
+    d = decode.NgramDrafter(max_ngram=3)
     d.reset([5, 6, 7, 8, 9, 5, 6], None, 7)
     assert d.propose(3) == [8, 9, 5]  # "5 6 7" seen before, followed by 8 9 5
     d.accept(2, None, 4)  # 8 9 accepted, target says 4
@@ -200,7 +202,7 @@ def small_drafter(model, seed=0):
     return m.eval()
 
 
-class CheckedEagle(sp.EagleDrafter):
+class CheckedEagle(decode.EagleDrafter):
     """Checks, at every proposal, that the incremental drafter state equals a from-scratch recomputation over the
     committed tokens and all the target states received so far (alignment: state t pairs with token t + 1)."""
 
@@ -230,9 +232,9 @@ class CheckedEagle(sp.EagleDrafter):
 
 def test_eagle_drafter_is_lossless_and_its_cache_matches_a_recomputation(model, cases, stops):
     drafter = CheckedEagle(small_drafter(model))
-    stats = sp.Stats()
+    stats = decode.Stats()
     for ids, plain in cases:
-        assert sp.speculative(model, drafter, ids, 16, stops, 3, stats) == plain
+        assert decode.speculative(model, drafter, ids, 16, stops, 3, stats) == plain
     assert stats.steps > 0
 
 
@@ -241,7 +243,7 @@ def test_eagle_drafter_receives_the_targets_states_at_its_layers(model, cases, s
     ids, plain = cases[2]
     seen = []
 
-    class Spy(sp.EagleDrafter):
+    class Spy(decode.EagleDrafter):
         def reset(self, prompt_ids, aux, next_token):
             seen.append(aux)
             super().reset(prompt_ids, aux, next_token)
@@ -250,7 +252,7 @@ def test_eagle_drafter_receives_the_targets_states_at_its_layers(model, cases, s
             seen.append(aux)
             super().accept(n, aux, next_token)
 
-    out = sp.speculative(model, Spy(small_drafter(model)), ids, 16, stops, 3)
+    out = decode.speculative(model, Spy(small_drafter(model)), ids, 16, stops, 3)
     got = torch.cat(seen)
     with torch.inference_mode():
         ref = model(torch.tensor([ids + out]), output_hidden_states=True).hidden_states
@@ -277,9 +279,9 @@ def test_a_sliding_window_target_crops_rejected_drafts_past_its_window():
             max_position_embeddings=128,
         )
     ).eval()
-    assert sp._new_cache(model).layers[0].is_sliding
+    assert decode._new_cache(model).layers[0].is_sliding
     ids = torch.randint(0, 256, (12,)).tolist()
-    plain = sp.greedy(model, ids, 20, [])
-    stats = sp.Stats()
-    out = sp.speculative(model, Oracle(plain, 256, lambda s, i: i == 1), ids, 20, [], 3, stats)
+    plain = decode.greedy(model, ids, 20, [])
+    stats = decode.Stats()
+    out = decode.speculative(model, Oracle(plain, 256, lambda s, i: i == 1), ids, 20, [], 3, stats)
     assert out == plain and stats.acceptance_rate[1] == 0.0

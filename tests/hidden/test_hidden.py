@@ -14,8 +14,7 @@ from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
 from eaglepipe.dataset import sequences, shards
 from eaglepipe.drafter import train
-from eaglepipe.hidden import extract as hidden
-from eaglepipe.hidden import layout as features
+from eaglepipe.hidden import extract, hf_source, layout, store
 
 PARAMS = config.Hidden(layers="auto", dtype="bfloat16", batch_tokens=64, shard_tokens=60)
 
@@ -36,17 +35,17 @@ def make_sequences(folder, seed=0, n=5):
 def extracted(tmp_path_factory, model, target_folder):
     tmp = tmp_path_factory.mktemp("hidden")
     items = make_sequences(tmp / "seq")
-    rep = hidden.run(tmp / "seq", tmp / "out", model, PARAMS, "model-fp", tmp / "cache")
+    rep = extract.run(tmp / "seq", tmp / "out", model, PARAMS, "model-fp", tmp / "cache")
     return tmp, items, rep
 
 
 def test_layer_ids_auto_explicit_and_invalid():
-    assert features.layer_ids("auto", 30) == [2, 15, 27]
-    assert features.layer_ids("auto", 32) == [2, 16, 29]
-    assert features.layer_ids([1, 5, 9], 30) == [1, 5, 9]
+    assert layout.layer_ids("auto", 30) == [2, 15, 27]
+    assert layout.layer_ids("auto", 32) == [2, 16, 29]
+    assert layout.layer_ids([1, 5, 9], 30) == [1, 5, 9]
     for bad in ([1, 1, 2], [2, 15], [0, 5, 30], "2,15,27", [-1, 3, 4]):
         with pytest.raises(ValueError):
-            features.layer_ids(bad, 30)
+            layout.layer_ids(bad, 30)
 
 
 def test_index_format_and_dtypes(extracted, model):
@@ -67,9 +66,9 @@ def test_index_format_and_dtypes(extracted, model):
     assert t["aux"].shape == (shard["tokens"], 3 * H) and t["final"].shape == (shard["tokens"], H)
     assert t["top"].dtype == torch.int32 and t["top"].shape == (shard["tokens"],)
     # published as hard links to the store's shards: no copy
-    store = tmp / "cache" / rep["run"]["fingerprint"]
+    store_dir = tmp / "cache" / rep["run"]["fingerprint"]
     for f in shards.files(tmp / "out"):
-        assert (tmp / "out" / f).stat().st_ino == (store / f).stat().st_ino
+        assert (tmp / "out" / f).stat().st_ino == (store_dir / f).stat().st_ino
 
 
 def test_published_files_hold_no_fingerprint(extracted):
@@ -80,9 +79,9 @@ def test_published_files_hold_no_fingerprint(extracted):
     files = sorted((tmp / "out").iterdir())
     assert len(files) > 2 and all(fp.encode() not in f.read_bytes() for f in files)
     keys = {
-        hidden.sequence_key(s["input_ids"], s["loss_mask"])
+        store.sequence_key(s["input_ids"], s["loss_mask"])
         for split in ("train", "valid")
-        for s in features.read(tmp / "out", split)
+        for s in layout.read(tmp / "out", split)
     }
     stored = set()
     for f in files:
@@ -97,7 +96,7 @@ def test_published_files_hold_no_fingerprint(extracted):
 
 def test_ids_and_mask_are_the_sequences(extracted):
     tmp, items, _ = extracted
-    stored = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp / "out", split)}
+    stored = {s["id"]: s for split in ("train", "valid") for s in layout.read(tmp / "out", split)}
     want = {
         rid: (ids, mask)
         for rid, _src, ids, mask in [*sequences.read(tmp / "seq", "train"), *sequences.read(tmp / "seq", "valid")]
@@ -114,7 +113,7 @@ def test_aux_rows_are_the_states_entering_layers_2_mid_and_L_minus_3(extracted, 
     and top == the argmax of the full model's logits, exactly (the bf16 final alone does not always give it)."""
     tmp, _, _ = extracted
     H, L = model.config.hidden_size, model.config.num_hidden_layers
-    for sample in features.read(tmp / "out", "train"):
+    for sample in layout.read(tmp / "out", "train"):
         ids = sample["input_ids"].long()[None]
         with torch.inference_mode():
             out = model(input_ids=ids, output_hidden_states=True)
@@ -175,14 +174,14 @@ def test_a_sequence_sampled_twice_is_stored_once_and_bytes_per_token_counts_it_o
     items = make_sequences(tmp_path / "unused", n=4)
     twin = ("twin", *items[0][1:])
     sequences.write(tmp_path / "seq", {"train": items, "valid": [twin]}, shard_tokens=1000, policy={})
-    rep = hidden.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "fp", tmp_path / "cache")
+    rep = extract.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "fp", tmp_path / "cache")
     distinct = sum(len(i[2]) for i in items)
     assert rep["samples"] == 5 and rep["tokens"] == distinct + len(twin[2]) and rep["stored_tokens"] == distinct
     assert rep["bytes_per_token"] == round(rep["bytes"] / distinct, 2)
     H = model.config.hidden_size
     assert 8 * H + 9 < rep["bytes_per_token"] < (8 * H + 9) * 1.02, "shard headers and offsets add a little"
-    (valid,) = features.read(tmp_path / "out", "valid")
-    first = next(features.read(tmp_path / "out", "train"))
+    (valid,) = layout.read(tmp_path / "out", "valid")
+    first = next(layout.read(tmp_path / "out", "train"))
     assert valid["id"] == "twin" and torch.equal(valid["aux"], first["aux"])
 
 
@@ -193,8 +192,8 @@ def test_stored_tokens_count_the_rows_a_reused_shard_holds_for_other_data(tmp_pa
     one_shard = PARAMS.model_copy(update={"shard_tokens": 10_000})
     sequences.write(tmp_path / "seq1", {"train": items[:4], "valid": items[4:5]}, shard_tokens=1000, policy={})
     sequences.write(tmp_path / "seq2", {"train": items[1:5], "valid": items[5:]}, shard_tokens=1000, policy={})
-    first = hidden.run(tmp_path / "seq1", tmp_path / "out1", model, one_shard, "fp", tmp_path / "cache")
-    second = hidden.run(tmp_path / "seq2", tmp_path / "out2", model, one_shard, "fp", tmp_path / "cache")
+    first = extract.run(tmp_path / "seq1", tmp_path / "out1", model, one_shard, "fp", tmp_path / "cache")
+    second = extract.run(tmp_path / "seq2", tmp_path / "out2", model, one_shard, "fp", tmp_path / "cache")
     assert second["run"]["reused_shards"] == 1 and second["run"]["computed_sequences"] == 1
     assert second["tokens"] == sum(len(i[2]) for i in items[1:])
     held = sum(len(i[2]) for i in items)
@@ -205,7 +204,7 @@ def test_stored_tokens_count_the_rows_a_reused_shard_holds_for_other_data(tmp_pa
 
 def test_resume_keeps_finished_shards_and_a_changed_param_reuses_nothing(tmp_path, model, monkeypatch):
     make_sequences(tmp_path / "seq")
-    real = hidden.extract_shard
+    real = extract.extract_shard
     calls = []
 
     def interrupted(*args, **kwargs):
@@ -214,25 +213,25 @@ def test_resume_keeps_finished_shards_and_a_changed_param_reuses_nothing(tmp_pat
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hidden, "extract_shard", interrupted)
+    monkeypatch.setattr(extract, "extract_shard", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        hidden.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "model-fp", tmp_path / "cache")
-    (store,) = list((tmp_path / "cache").iterdir())
-    kept = {p.name: p.stat().st_mtime_ns for p in store.glob("shard-*.safetensors")}
+        extract.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "model-fp", tmp_path / "cache")
+    (store_dir,) = list((tmp_path / "cache").iterdir())
+    kept = {p.name: p.stat().st_mtime_ns for p in store_dir.glob("shard-*.safetensors")}
     assert len(kept) == 2 and not (tmp_path / "out").exists()
-    monkeypatch.setattr(hidden, "extract_shard", real)
-    rep = hidden.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "model-fp", tmp_path / "cache")
+    monkeypatch.setattr(extract, "extract_shard", real)
+    rep = extract.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "model-fp", tmp_path / "cache")
     assert rep["run"]["reused_shards"] == 2 and rep["run"]["computed_shards"] >= 1
-    assert rep["run"]["fingerprint"] == store.name
+    assert rep["run"]["fingerprint"] == store_dir.name
     for name, mtime in kept.items():
         assert (tmp_path / "out" / name).stat().st_mtime_ns == mtime  # linked, not rewritten
     published = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     # an uninterrupted run from an empty store publishes the same bytes as the resumed one
-    fresh = hidden.run(tmp_path / "seq", tmp_path / "out2", model, PARAMS, "model-fp", tmp_path / "cache2")
+    fresh = extract.run(tmp_path / "seq", tmp_path / "out2", model, PARAMS, "model-fp", tmp_path / "cache2")
     assert fresh["run"]["fingerprint"] == rep["run"]["fingerprint"] and fresh["run"]["reused_shards"] == 0
     assert {p.name: p.read_bytes() for p in (tmp_path / "out2").iterdir()} == published
     # a param that changes the states gets a store of its own; shard_tokens (the grouping alone) does not
-    other = hidden.run(
+    other = extract.run(
         tmp_path / "seq",
         tmp_path / "out3",
         model,
@@ -241,7 +240,7 @@ def test_resume_keeps_finished_shards_and_a_changed_param_reuses_nothing(tmp_pat
         tmp_path / "cache",
     )
     assert other["run"]["reused_sequences"] == 0 and other["run"]["fingerprint"] != rep["run"]["fingerprint"]
-    regrouped = hidden.run(
+    regrouped = extract.run(
         tmp_path / "seq",
         tmp_path / "out4",
         model,
@@ -260,23 +259,23 @@ def test_more_data_computes_only_the_new_sequences_whatever_merges_order(tmp_pat
     base, grown = items[:20], list(reversed(items))  # another order, other shard boundaries
     sequences.write(tmp_path / "seq1", {"train": base[:-2], "valid": base[-2:]}, shard_tokens=90, policy={})
     sequences.write(tmp_path / "seq2", {"train": grown[:-3], "valid": grown[-3:]}, shard_tokens=70, policy={})
-    first = hidden.run(tmp_path / "seq1", tmp_path / "out1", model, PARAMS, "fp", tmp_path / "cache")
-    second = hidden.run(tmp_path / "seq2", tmp_path / "out2", model, PARAMS, "fp", tmp_path / "cache")
+    first = extract.run(tmp_path / "seq1", tmp_path / "out1", model, PARAMS, "fp", tmp_path / "cache")
+    second = extract.run(tmp_path / "seq2", tmp_path / "out2", model, PARAMS, "fp", tmp_path / "cache")
     new = items[20:]
     assert first["run"]["computed_sequences"] == 20 and first["tokens"] == sum(len(i[2]) for i in base)
     assert second["run"]["computed_sequences"] == 2 and second["run"]["reused_sequences"] == 20
     assert second["run"]["computed_tokens"] == sum(len(i[2]) for i in new)
-    before = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp_path / "out1", split)}
-    after = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp_path / "out2", split)}
+    before = {s["id"]: s for split in ("train", "valid") for s in layout.read(tmp_path / "out1", split)}
+    after = {s["id"]: s for split in ("train", "valid") for s in layout.read(tmp_path / "out2", split)}
     assert sorted(after) == sorted(i[0] for i in items)
-    assert [s["id"] for s in features.read(tmp_path / "out2", "train")] == [i[0] for i in grown[:-3]]  # merge's order
+    assert [s["id"] for s in layout.read(tmp_path / "out2", "train")] == [i[0] for i in grown[:-3]]  # merge's order
     for rid, s in before.items():
         assert all(torch.equal(after[rid][name], s[name]) for name in s if name != "id"), rid
     # a shard deleted from the store (to reclaim disk): its sequences are computed anew
-    (store,) = (tmp_path / "cache").iterdir()
+    (store_dir,) = (tmp_path / "cache").iterdir()
     gone = shards.files(tmp_path / "out1")[0]
-    (store / gone).unlink()
-    again = hidden.run(tmp_path / "seq2", tmp_path / "out3", model, PARAMS, "fp", tmp_path / "cache")
+    (store_dir / gone).unlink()
+    again = extract.run(tmp_path / "seq2", tmp_path / "out3", model, PARAMS, "fp", tmp_path / "cache")
     lost = next(e for e in shards.load_index(tmp_path / "out1")["train"]["shards"] if e["file"] == gone)
     assert again["run"]["computed_sequences"] >= lost["samples"] and again["samples"] == 22
 
@@ -290,17 +289,17 @@ def test_a_poison_sequence_is_left_out_and_its_batch_mates_are_kept(tmp_path, mo
     train_items = items[:2] + [poison] + items[2:-1]
     sequences.write(tmp_path / "seq", {"train": train_items, "valid": items[-1:]}, shard_tokens=1000, policy={})
     with pytest.raises(UserError, match=r"hidden: 1 of 7 sequences fail alone, more than hidden.max_failure_rate 0.0"):
-        hidden.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "fp", tmp_path / "cache")
+        extract.run(tmp_path / "seq", tmp_path / "out", model, PARAMS, "fp", tmp_path / "cache")
     assert not (tmp_path / "out").exists()
     lenient = PARAMS.model_copy(update={"max_failure_rate": 0.2})
-    rep = hidden.run(tmp_path / "seq", tmp_path / "out", model, lenient, "fp", tmp_path / "cache")
+    rep = extract.run(tmp_path / "seq", tmp_path / "out", model, lenient, "fp", tmp_path / "cache")
     assert rep["left_out"] == 1 and rep["samples"] == 6 and rep["run"]["reused_shards"] >= 1  # resumed
     (failure,) = [json.loads(line) for line in (tmp_path / "out" / "failures.jsonl").read_text().splitlines()]
     assert failure["id"] == "poison" and failure["tokens"] == 5 and failure["reason"].startswith("IndexError")
-    clean = hidden.run(tmp_path / "clean", tmp_path / "clean-out", model, PARAMS, "fp", tmp_path / "clean-cache")
+    clean = extract.run(tmp_path / "clean", tmp_path / "clean-out", model, PARAMS, "fp", tmp_path / "clean-cache")
     assert clean["samples"] == 6
-    got = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp_path / "out", split)}
-    want = {s["id"]: s for split in ("train", "valid") for s in features.read(tmp_path / "clean-out", split)}
+    got = {s["id"]: s for split in ("train", "valid") for s in layout.read(tmp_path / "out", split)}
+    want = {s["id"]: s for split in ("train", "valid") for s in layout.read(tmp_path / "clean-out", split)}
     assert sorted(got) == sorted(want)
     for rid, s in want.items():
         assert torch.equal(got[rid]["input_ids"], s["input_ids"])
@@ -308,7 +307,7 @@ def test_a_poison_sequence_is_left_out_and_its_batch_mates_are_kept(tmp_path, mo
         torch.testing.assert_close(got[rid]["aux"].float(), s["aux"].float(), rtol=0.02, atol=0.02)
 
 
-class Flaky(hidden.Forward):
+class Flaky(hf_source.Forward):
     """The in-process forward, with the sequence of content key ``key`` failing its first ``times`` attempts, as it
     would when a server goes away."""
 
@@ -329,18 +328,16 @@ def test_a_sequence_that_failed_is_tried_again_by_the_next_run(tmp_path, model):
     the finished shards; each rerun tries it again, after a retry that failed too as well, and the one that succeeds
     publishes what a run without the fault does, computing that sequence only."""
     items = make_sequences(tmp_path / "seq", n=7)
-    clean = hidden.run(tmp_path / "seq", tmp_path / "clean", model, PARAMS, "fp", tmp_path / "clean-cache")
-    flaky = Flaky(model, hidden.sequence_key(items[3][2], items[3][3]), times=2)
+    clean = extract.run(tmp_path / "seq", tmp_path / "clean", model, PARAMS, "fp", tmp_path / "clean-cache")
+    flaky = Flaky(model, store.sequence_key(items[3][2], items[3][3]), times=2)
     for _attempt in range(2):
         with pytest.raises(UserError, match="1 of 7 sequences fail alone"):
-            hidden.run(tmp_path / "seq", tmp_path / "out", flaky, PARAMS, "fp", tmp_path / "cache")
-    rep = hidden.run(tmp_path / "seq", tmp_path / "out", flaky, PARAMS, "fp", tmp_path / "cache")
+            extract.run(tmp_path / "seq", tmp_path / "out", flaky, PARAMS, "fp", tmp_path / "cache")
+    rep = extract.run(tmp_path / "seq", tmp_path / "out", flaky, PARAMS, "fp", tmp_path / "cache")
     assert rep["left_out"] == 0 and rep["samples"] == clean["samples"] == 7
     assert rep["run"]["computed_sequences"] == 1 and not (tmp_path / "out" / "failures.jsonl").exists()
     for split in ("train", "valid"):
-        for got, want in zip(
-            features.read(tmp_path / "out", split), features.read(tmp_path / "clean", split), strict=True
-        ):
+        for got, want in zip(layout.read(tmp_path / "out", split), layout.read(tmp_path / "clean", split), strict=True):
             assert got["id"] == want["id"] and torch.equal(got["input_ids"], want["input_ids"])
             torch.testing.assert_close(got["aux"].float(), want["aux"].float(), rtol=0.02, atol=0.02)
 
@@ -353,14 +350,14 @@ def test_fp8_storage_halves_the_bytes_and_decodes_within_its_rounding(extracted,
     and online alike."""
     tmp, _, rep = extracted
     H, fp8 = model.config.hidden_size, PARAMS.model_copy(update={"dtype": "float8_e4m3fn"})
-    rep8 = hidden.run(tmp / "seq", tmp_path / "out", model, fp8, "model-fp", tmp_path / "cache")
+    rep8 = extract.run(tmp / "seq", tmp_path / "out", model, fp8, "model-fp", tmp_path / "cache")
     assert rep8["hidden_bytes_per_token"] == 4 * H + 16 and rep8["bytes_per_token"] <= 0.55 * rep["bytes_per_token"]
     print(
         f"bytes per token: bf16 {rep['bytes_per_token']}, fp8 {rep8['bytes_per_token']}, "
         f"ratio {rep8['bytes_per_token'] / rep['bytes_per_token']:.3f}"
     )
     worst = 0.0
-    for ref, got in zip(features.read(tmp / "out", "train"), features.read(tmp_path / "out", "train")):
+    for ref, got in zip(layout.read(tmp / "out", "train"), layout.read(tmp_path / "out", "train")):
         assert ref["id"] == got["id"] and all(torch.equal(ref[k], got[k]) for k in ("input_ids", "loss_mask", "top"))
         for name, parts in (("aux", 3), ("final", 1)):
             a, b = ref[name].float().reshape(len(ref["top"]), parts, H), got[name].reshape(len(ref["top"]), parts, H)
@@ -370,7 +367,7 @@ def test_fp8_storage_halves_the_bytes_and_decodes_within_its_rounding(extracted,
             worst = max(worst, float(((b - a).norm(dim=-1) / a.norm(dim=-1).clamp(min=1e-30)).max()))
     print(f"fp8 against bf16: largest relative error of a token's layer state {worst:.4f}")
     samples = train.load_samples(tmp_path / "out", "train", "all")
-    stored = features.Stored(tmp_path / "out").states(samples)
+    stored = layout.Stored(tmp_path / "out").states(samples)
     online = train.Online(tmp / "seq", model, fp8).states(train.load_samples(tmp / "seq", "train", "all"))
     for s, st, on in zip(samples, stored, online):
         assert st["aux"].dtype == torch.float32 and torch.equal(st["aux"], on["aux"]), s.id

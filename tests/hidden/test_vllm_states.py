@@ -20,8 +20,7 @@ from safetensors.torch import load_file
 from eaglepipe.core import config
 from eaglepipe.dataset import sequences
 from eaglepipe.engines import vllm
-from eaglepipe.hidden import extract as hidden
-from eaglepipe.hidden import vllm_source as states
+from eaglepipe.hidden import extract, vllm_source
 
 pytestmark = [
     pytest.mark.engine,
@@ -35,7 +34,7 @@ LAYERS = [2, 15, 27]  # auto for the embedded target's 30 layers
 def start(folder, port: int, log: Path, capture: bool = True) -> vllm.LaunchedServer:
     """A server capturing LAYERS and the last layer's output through the project's connector, unless not ``capture``."""
     return (
-        start_vllm(folder, port, log, states.server_args([*LAYERS, 30]), {"PYTHONPATH": str(ROOT)})
+        start_vllm(folder, port, log, vllm_source.server_args([*LAYERS, 30]), {"PYTHONPATH": str(ROOT)})
         if capture
         else start_vllm(folder, port, log)
     )
@@ -123,7 +122,7 @@ def server(work, target_folder):
 @pytest.fixture(scope="module")
 def reference(work, model):
     p = config.Hidden(layers="auto", dtype="float32", batch_tokens=4096, shard_tokens=300)
-    hidden.run(work / "seq", work / "hf", model, p, "model-fp", work / "hf-cache")
+    extract.run(work / "seq", work / "hf", model, p, "model-fp", work / "hf-cache")
     return stored(work / "hf")
 
 
@@ -135,8 +134,8 @@ def test_the_vllm_states_equal_the_hf_engines(work, server, reference, target_fo
         shard_tokens=300,
         vllm=config.Servers(urls=[server.url], concurrency=4, timeout_s=120),
     )
-    with states.VLLMStates(target_folder.resolve(), p, "float32", work / "cache") as source:
-        rep = hidden.run(work / "seq", work / "vllm", source, p, "model-fp", work / "cache")
+    with vllm_source.VLLMStates(target_folder.resolve(), p, "float32", work / "cache") as source:
+        rep = extract.run(work / "seq", work / "vllm", source, p, "model-fp", work / "cache")
     got = stored(work / "vllm")
     assert got.keys() == reference.keys() and rep["left_out"] == 0 and rep["run"]["last_token_disagreements"] == 0
     worst = {}
@@ -237,13 +236,13 @@ def test_an_mla_moe_target_the_seeds_kind(tokenizer, tmp_path):
     build_target(tmp_path / "model", "deepseek_v3", tokenizer)
     make_sequences(tmp_path / "seq")
     p = config.Hidden(layers="auto", dtype="float32", shard_tokens=300)
-    hidden.run(tmp_path / "seq", tmp_path / "hf", target.load_model(tmp_path / "model"), p, "fp", tmp_path / "c1")
+    extract.run(tmp_path / "seq", tmp_path / "hf", target.load_model(tmp_path / "model"), p, "fp", tmp_path / "c1")
     launch = config.Launch(port=8034, log=str(tmp_path / "server.log"), extra_args=["--enforce-eager"])
     pv = p.model_copy(update={"engine": "vllm", "vllm": config.Servers(concurrency=4, timeout_s=120, launch=launch)})
-    with states.VLLMStates(
+    with vllm_source.VLLMStates(
         tmp_path / "model", pv, "float32", tmp_path / "c2", interpreter=str(ROOT / vllm.python())
     ) as source:
-        hidden.run(tmp_path / "seq", tmp_path / "vllm", source, pv, "fp", tmp_path / "c2")
+        extract.run(tmp_path / "seq", tmp_path / "vllm", source, pv, "fp", tmp_path / "c2")
     want, got = stored(tmp_path / "hf"), stored(tmp_path / "vllm")
     assert got.keys() == want.keys()
     for rid in want:

@@ -16,7 +16,6 @@ import yaml
 from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.records import (
-    Generation,
     Prompt,
     content_id,
     prompt_of,
@@ -27,8 +26,9 @@ from eaglepipe.core.records import (
 )
 from eaglepipe.engines import Failure, Sampling
 from eaglepipe.engines.hf import HFEngine
-from eaglepipe.infer import run as infer
+from eaglepipe.infer.cache import Cache
 from eaglepipe.infer.gates import Gates
+from eaglepipe.infer.run import InferRun, Limits, Plan, fingerprint
 from eaglepipe.target import chat
 from eaglepipe.target import model as target
 from eaglepipe.text import derive, turns
@@ -68,7 +68,7 @@ class Knobs:
 
 
 def run(prompt_list, model, tokenizer, folder, cache_dir, knobs: Knobs = Knobs()):
-    """infer.run with the hf engine over ``model``, in the cache under ``cache_dir`` its fingerprint names."""
+    """InferRun.run with the hf engine over ``model``, in the cache under ``cache_dir`` its fingerprint names."""
     engine = HFEngine(model, tokenizer.pad_token_id, knobs.batch_size)
     sampling = Sampling(
         temperature=knobs.temperature,
@@ -76,19 +76,18 @@ def run(prompt_list, model, tokenizer, folder, cache_dir, knobs: Knobs = Knobs()
         stop_token_ids=tuple(target.stop_ids(folder, tokenizer)),
     )
     spec = derive.spec_from_params("none")
-    fp = infer.fingerprint(
+    fp = fingerprint(
         target.fingerprint(folder), "hf", engine.identity(), sampling, {}, spec if knobs.turns == "all" else None
     )
-    return infer.run(
-        prompt_list,
+    return InferRun(
         engine,
         tokenizer,
         sampling,
         spec,
         Gates(config.Gates(**GATES), False),
-        infer.Cache(Path(cache_dir) / fp),
-        infer.Plan({}, samples=knobs.samples, turns=knobs.turns),
-    )
+        Cache(Path(cache_dir) / fp),
+        Plan({}, samples=knobs.samples, turns=knobs.turns),
+    ).run(prompt_list)
 
 
 def test_records_are_token_exact(model, tokenizer, target_folder, tmp_path):
@@ -214,20 +213,19 @@ def test_prompts_that_cannot_train_get_no_generation(model, tokenizer, target_fo
     wordy = Prompt("c" * 16, "code", [{"role": "user", "content": "explain this code: " + "x = x + 1; " * 300}])
     ps = [*prompts(QUESTIONS[:2]), huge, long_chat, wordy]
     context = target.context_length(target_folder)
-    skip = infer.Limits(context, 1024, "skip", "prompts.jsonl")
+    skip = Limits(context, 1024, "skip", "prompts.jsonl")
     engine = HFEngine(model, tokenizer.pad_token_id, 4)
     sampling = Sampling(max_new_tokens=8, stop_token_ids=tuple(target.stop_ids(target_folder, tokenizer)))
-    cache = infer.Cache(tmp_path / "skip")
-    responses, report = infer.run(
-        ps,
+    cache = Cache(tmp_path / "skip")
+    responses, report = InferRun(
         engine,
         tokenizer,
         sampling,
         derive.spec_from_params("none"),
         Gates(config.Gates(**GATES), False),
         cache,
-        infer.Plan({}, limits=skip),
-    )
+        Plan({}, limits=skip),
+    ).run(ps)
     assert [r.id for r in responses] == [p.id for p in ps[:2]]
     assert report["left_out_ids"] == {"exceeds_context": [huge.id], "no_room_in_max_length": [long_chat.id, wordy.id]}
     assert report["left_out"] == {"exceeds_context": 1, "no_room_in_max_length": 2} and report["run"]["generated"] == 2
@@ -236,16 +234,15 @@ def test_prompts_that_cannot_train_get_no_generation(model, tokenizer, target_fo
         match=rf"prompts.jsonl:3: prompt {huge.id} of source big: \d+ prompt tokens \+ "
         rf"infer.max_new_tokens 8 exceed the target's context of {context}",
     ):
-        infer.run(
-            ps,
+        InferRun(
             engine,
             tokenizer,
             sampling,
             derive.spec_from_params("none"),
             Gates(config.Gates(**GATES), False),
-            infer.Cache(tmp_path / "fail"),
-            infer.Plan({}, limits=infer.Limits(context, 1024, "fail", "prompts.jsonl")),
-        )
+            Cache(tmp_path / "fail"),
+            Plan({}, limits=Limits(context, 1024, "fail", "prompts.jsonl")),
+        ).run(ps)
     assert not (tmp_path / "fail" / "generations.jsonl").exists()  # nothing was generated
 
 
@@ -365,35 +362,6 @@ def test_turns_share_a_training_sequence_only_where_the_ids_extend(
         assert ids.tolist() == last.prompt_ids + last.output_ids
         covered = [r for r in responses if r.turn <= last.turn] if joined else [last]
         assert ids[mask.bool()].tolist() == [t for r in covered for t in r.output_ids]
-
-
-def test_torn_last_line_and_duplicates_are_dropped_and_counted(tmp_path):
-    cache = infer.Cache(tmp_path)
-    line = json.dumps(
-        {"id": "a", "source": "s", "prompt_ids": [1], "output_ids": [2], "finish_reason": "stop", "sample": 0}
-    )
-    cache.path.write_text(line + "\n" + line + "\n" + line[:20])
-    done, counts = cache.load()
-    assert list(done) == ["a"] and counts == {"duplicates": 1, "torn_last_line": 1}
-    assert cache.path.read_text() == line + "\n"
-
-
-def test_a_whole_last_line_without_its_newline_is_kept_and_what_follows_resumes(tmp_path):
-    """A kill after a record's bytes and before its newline leaves a whole last line: load keeps it and ends the file
-    with its newline, so records appended after it stay on lines of their own (and a later resume reads them all)."""
-    cache = infer.Cache(tmp_path)
-    gens = [
-        Generation(id=i, source="s", prompt_ids=[1], output_ids=[2], finish_reason="stop", sample=0)
-        for i in ("a", "b", "c")
-    ]
-    cache.add(gens[0])
-    cache.path.write_bytes(cache.path.read_bytes().rstrip(b"\n"))
-    done, counts = cache.load()
-    assert list(done) == ["a"] and not counts
-    cache.add(gens[1])
-    cache.add(gens[2])
-    done, counts = cache.load()
-    assert list(done) == ["a", "b", "c"] and not counts and cache.path.read_bytes().count(b"\n") == 3
 
 
 def write_params(tmp_path, **infer_overrides):

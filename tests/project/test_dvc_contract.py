@@ -237,6 +237,11 @@ def cache_folders(project: Path) -> dict[str, set[str]]:
     return {stage: {p.name for p in (project / ".cache" / stage).iterdir()} for stage in ("infer", "hidden", "train")}
 
 
+def run_of(project: Path, stage: str) -> dict:
+    """What a stage's last run computed or reused (its timings file)."""
+    return json.loads((project / "metrics/timings" / f"{stage}.json").read_text())
+
+
 def edit(project: Path, path: str, old: str, new: str) -> None:
     text = (project / path).read_text()
     assert old in text, (path, old)
@@ -257,15 +262,15 @@ def test_caches_move_only_when_results_can(project):
         assert {"infer", "hidden", "train"} <= set(json.loads(dvc(project, "status", "--json").stdout))
         dvc(project, "repro", "train")
         assert cache_folders(project) == before
-        assert json.loads((project / "metrics/infer.json").read_text())["run"]["generated"] == 0
-        assert json.loads((project / "metrics/hidden.json").read_text())["run"]["computed_tokens"] == 0
+        assert run_of(project, "infer")["generated"] == 0
+        assert run_of(project, "hidden")["computed_tokens"] == 0
 
         edit(project, *STATES_ARITHMETIC)
         dvc(project, "repro", "train")
         after = cache_folders(project)
         assert after["infer"] == before["infer"]
         assert len(after["hidden"] - before["hidden"]) == 1 and len(after["train"] - before["train"]) == 1
-        assert json.loads((project / "metrics/hidden.json").read_text())["run"]["computed_tokens"] > 0
+        assert run_of(project, "hidden")["computed_tokens"] > 0
     finally:
         for path, text in originals.items():
             (project / path).write_text(text)

@@ -43,10 +43,9 @@ from eaglepipe.drafter import train
 from eaglepipe.drafter.eagle3 import init as draft_init
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.engines import Sampling, vllm
-from eaglepipe.evaluate import decode as speculative
+from eaglepipe.evaluate import decode
 from eaglepipe.evaluate import run as evaluate
-from eaglepipe.hidden import extract as hidden
-from eaglepipe.hidden import layout as features
+from eaglepipe.hidden import extract, hf_source, layout
 from eaglepipe.target import compat, families, quant
 from eaglepipe.target import model as target
 from eaglepipe.text import reasoning
@@ -246,7 +245,8 @@ def to_fp8(folder, which):
 def deviation(model, drafter, ids, layers) -> float:
     """||drafter step 0 - target layer layers[2]|| / ||target layer's output||, on the target's own states of ``ids``
     (the layer's output is computed by running that layer: hidden_states[L] would be the normed state)."""
-    lm = getattr(hidden.base_model(model), "language_model", hidden.base_model(model))  # a composite's inner model
+    base = hf_source.base_model(model)
+    lm = getattr(base, "language_model", base)  # a composite's inner model
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
         i, pos = layers[2], torch.arange(ids.shape[1])[None]
@@ -269,7 +269,7 @@ def generated_sequences(folder, model, prompts, n=5):
             if i < len(prompts)
             else torch.randint(3, 5000, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist()
         )
-        answer = speculative.greedy(
+        answer = decode.greedy(
             model, prompt, 12 if i < len(prompts) else int(torch.randint(6, 16, (1,), generator=g)), []
         )
         items.append((f"r{i}", "s", prompt + answer, [0] * len(prompt) + [1] * len(answer)))
@@ -289,7 +289,7 @@ def ran(request, tmp_path_factory, tokenizer):
     assert model.config._attn_implementation == ("eager" if family == "gpt_oss" else "sdpa")
     chat_ = evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), target.stop_ids(tmp / "target", tokenizer))
     items = generated_sequences(tmp / "seq", model, [chat_.ids(m) for m in PROMPTS])
-    hidden_report = hidden.run(tmp / "seq", tmp / "hidden", model, HIDDEN, "fp", tmp / "cache")
+    hidden_report = extract.run(tmp / "seq", tmp / "hidden", model, HIDDEN, "fp", tmp / "cache")
     p = TRAIN.model_copy(update={"drafter": DRAFTER.get(family, "auto")})
     records, logger = [], logging.getLogger("eaglepipe.drafter.eagle3.init")
     handler, level = logging.Handler(), logger.level
@@ -322,7 +322,7 @@ def ran(request, tmp_path_factory, tokenizer):
     ids = torch.tensor([items[0][2]])
     stored = {
         s.id: st
-        for s, st in zip(*(lambda ss: (ss, features.read_states(ss)))(train.load_samples(tmp / "hidden", "train")))
+        for s, st in zip(*(lambda ss: (ss, layout.read_states(ss)))(train.load_samples(tmp / "hidden", "train")))
     }
     computed = {
         s.id: st for s, st in zip(*(lambda ss: (ss, online.states(ss)))(train.load_samples(tmp / "seq", "train")))
@@ -346,7 +346,7 @@ def ran(request, tmp_path_factory, tokenizer):
 
 def test_hidden_train_and_evaluate_run_on_each_family_and_decoding_stays_lossless(ran):
     layers = ran["hidden"]["layers"]
-    assert layers == [1, 2, 3] and ran["hidden"]["samples"] == 5  # auto on 4 or 5 layers (features.layer_ids)
+    assert layers == [1, 2, 3] and ran["hidden"]["samples"] == 5  # auto on 4 or 5 layers (layout.layer_ids)
     assert ran["train"]["steps"] >= 1 and ran["train"]["train"]["loss_0"] > 0
     assert ran["eval"]["lossless"], ran["eval"]["mismatches"]
     figures = ran["eval"]["benchmarks"]["heldout"]
@@ -379,7 +379,7 @@ def test_online_training_computes_the_stored_states_and_trains_the_same_drafter(
     assert o["report"]["features"] == "online" and ran["train"]["features"] == "offline"
     assert sorted(o["computed"]) == sorted(o["stored"])
     for sid, st in o["stored"].items():
-        for name in features.STATES:
+        for name in layout.STATES:
             computed, stored = o["computed"][sid][name], st[name]
             if moe and stored.is_floating_point():
                 step = stored.float().abs() * 2**-7 + 1e-30  # one rounding step of bf16 (8 significant bits)
@@ -454,7 +454,7 @@ def test_the_mla_drafter_started_from_a_dense_deepseek_layer_computes_that_layer
 def test_auto_layer_ids_for_targets_below_7_layers():
     """[2, L // 2, L - 3] collides below 7 layers: auto is then the three consecutive ids around the middle, never 0
     (from 7 layers on it is the default, checked in test_hidden.py)."""
-    assert [features.layer_ids("auto", L) for L in (4, 5, 6, 7, 8)] == [
+    assert [layout.layer_ids("auto", L) for L in (4, 5, 6, 7, 8)] == [
         [1, 2, 3],
         [1, 2, 3],
         [2, 3, 4],
@@ -462,8 +462,8 @@ def test_auto_layer_ids_for_targets_below_7_layers():
         [2, 4, 5],
     ]
     with pytest.raises(ValueError, match="^the target has 3 decoder layers: .* it needs at least 4$"):
-        features.layer_ids("auto", 3)
-    assert features.layer_ids([0, 1, 2], 3) == [0, 1, 2]  # explicit ids stay the user's choice
+        layout.layer_ids("auto", 3)
+    assert layout.layer_ids([0, 1, 2], 3) == [0, 1, 2]  # explicit ids stay the user's choice
 
 
 def test_a_part_that_does_not_fit_starts_fresh_and_the_log_says_why():
@@ -686,7 +686,7 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
     chat_ = evaluate.Chat(tokenizer, {}, reasoning.spec_of("none"), stops)
     if drafter == "deepseek_mla":  # memorizes the answers: the engine's acceptance then tests its MLA against ours
         generated_sequences(tmp_path / "seq", model, [chat_.ids(m) for m in PROMPTS])
-        hidden.run(tmp_path / "seq", tmp_path / "hidden", model, HIDDEN, "fp", tmp_path / "cache")
+        extract.run(tmp_path / "seq", tmp_path / "hidden", model, HIDDEN, "fp", tmp_path / "cache")
         trained = train.run(
             tmp_path / "hidden", folder, MEMORIZE.model_copy(update={"drafter": drafter}), tmp_path / "checkpoints"
         )[0]
@@ -771,10 +771,10 @@ def test_the_weights_train_reads_are_found_under_each_layout():
 def test_a_kimi_saved_by_transformers_is_read_as_the_published_one(tmp_path, tokenizer):
     """Kimi-K2.5 with its language model's layers under "blocks" (transformers' save_pretrained) passes the checks,
     and train reads from it the same weights as from the published names."""
-    for layout in ("published", "saved"):
-        build_target(tmp_path / layout, "kimi_k25", tokenizer, published=layout == "published")
-        compat.check(tmp_path / layout)
-    published, saved = (train.target_tensors(tmp_path / layout, 1) for layout in ("published", "saved"))
+    for saved_as in ("published", "saved"):
+        build_target(tmp_path / saved_as, "kimi_k25", tokenizer, published=saved_as == "published")
+        compat.check(tmp_path / saved_as)
+    published, saved = (train.target_tensors(tmp_path / saved_as, 1) for saved_as in ("published", "saved"))
     assert saved["layer_names"] == published["layer_names"] and "self_attn.kv_a_proj_with_mqa.weight" in saved["layer"]
     for key in ("embed", "head", "norm", "layer"):
         assert torch.equal(

@@ -42,8 +42,9 @@ from eaglepipe.core.records import Prompt, RecordError, content_id, response_fro
 from eaglepipe.dataset import merge
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.hf import HFEngine
-from eaglepipe.infer import run as infer
+from eaglepipe.infer.cache import Cache
 from eaglepipe.infer.gates import GateBreach, Gates
+from eaglepipe.infer.run import InferRun, Plan
 from eaglepipe.target import chat
 from eaglepipe.target import model as target
 from eaglepipe.text import derive
@@ -86,9 +87,7 @@ def prompts(n, tools_every=4, source="glaive"):
 def run(ps, engine, tok, folder, cache_dir, spec, template_kwargs=None, max_new_tokens=256):
     sampling = Sampling(max_new_tokens=max_new_tokens, stop_token_ids=tuple(target.stop_ids(folder, tok)))
     gates = Gates(GATES, spec.expects_reasoning, derive.markup(tok))
-    return infer.run(
-        ps, engine, tok, sampling, spec, gates, infer.Cache(Path(cache_dir)), infer.Plan(template_kwargs or {})
-    )
+    return InferRun(engine, tok, sampling, spec, gates, Cache(Path(cache_dir)), Plan(template_kwargs or {})).run(ps)
 
 
 def test_1_seed_run_replayed_every_record_keeps_its_reasoning(tok, folder, tmp_path):
@@ -170,7 +169,7 @@ def test_2_reasoning_dropped_fails_its_gate_within_the_warmup(tok, folder, tmp_p
     assert f"gate min_reasoning breached: observed 0.000 < {GATES.min_reasoning} after {warmup} records" in msg
     assert ", ".join(p.id for p in ps[:5]) in msg  # a few record ids to look at
     assert engine.served == warmup  # stopped at the first check: the rest was never asked for
-    done, _ = infer.Cache(cache).load()  # what was generated stays on disk for inspection
+    done, _ = Cache(cache).load()  # what was generated stays on disk for inspection
     assert list(done) == [p.id for p in ps[:warmup]]
     assert not (tmp_path / "responses.jsonl").exists()
     # the stopped run's records can be inspected where they are
@@ -493,6 +492,16 @@ def test_2_e2e_reasoning_dropped_over_http_fails_its_gate_within_the_warmup(
 
 
 # -------------------------------------------------------------------------------- every turn of a reasoning model
+def chat_of(*users):
+    """A conversation of these user turns, a dataset answer between each two."""
+    messages = []
+    for i, user in enumerate(users):
+        messages += ([{"role": "assistant", "content": f"dataset answer {i}"}] if i else []) + [
+            {"role": "user", "content": user}
+        ]
+    return messages
+
+
 def test_every_turn_of_a_reasoning_model_under_a_template_that_drops_history_reasoning(tok, folder, tmp_path):
     """infer.turns: all with a thinking model whose template (Qwen3's way) renders an earlier answer's content only:
     each later turn's prompt holds the earlier answers without their reasoning, so merge keeps every turn a sequence
@@ -505,14 +514,6 @@ def test_every_turn_of_a_reasoning_model_under_a_template_that_drops_history_rea
             return "cut off", "abort"
         return reasoning_model(text)
 
-    def chat_of(*users):
-        messages = []
-        for i, user in enumerate(users):
-            messages += ([{"role": "assistant", "content": f"dataset answer {i}"}] if i else []) + [
-                {"role": "user", "content": user}
-            ]
-        return messages
-
     ps = [
         Prompt(content_id(m, t), "chat", m, t)
         for m, t in [
@@ -524,16 +525,9 @@ def test_every_turn_of_a_reasoning_model_under_a_template_that_drops_history_rea
     spec = derive.spec_from_params("think", "hermes")
     sampling = Sampling(max_new_tokens=256, stop_token_ids=tuple(target.stop_ids(folder, tok)))
     gates = Gates(config.Gates(warmup=100, every=100, max_truncated=1.0, max_empty=1.0), True, derive.markup(tok))
-    responses, report = infer.run(
-        ps,
-        ScriptedEngine(tok, script),
-        tok,
-        sampling,
-        spec,
-        gates,
-        infer.Cache(tmp_path / "cache"),
-        infer.Plan({}, turns="all"),
-    )
+    responses, report = InferRun(
+        ScriptedEngine(tok, script), tok, sampling, spec, gates, Cache(tmp_path / "cache"), Plan({}, turns="all")
+    ).run(ps)
     assert [r.id for r in responses] == [
         f"{ps[0].id}@1",
         f"{ps[0].id}@2",

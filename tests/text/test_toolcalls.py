@@ -4,11 +4,9 @@ them, and malformed calls that are counted, never fatal, and never change the id
 import pytest
 from reasoning_fixtures import ids, reasoning_tokenizer
 
-from eaglepipe.core import config
 from eaglepipe.core.records import Generation
 from eaglepipe.engines import Sampling
-from eaglepipe.infer.gates import Gates
-from eaglepipe.infer.run import report
+from eaglepipe.infer.run import tally
 from eaglepipe.target import chat
 from eaglepipe.text import derive, toolcalls
 
@@ -186,6 +184,4 @@ def test_tool_call_tokens_stay_in_ids_and_content(tok):
         responses.append(r)
     assert responses[0].tool_calls == [call("get_weather", {"location": "Paris"})]
     assert toolcalls.count_errors(responses[1].tool_calls) == 1
-    gates = Gates(config.Gates(warmup=1, every=1, max_truncated=1, max_empty=1, min_reasoning=0), True)
-    rep = report(responses, [], {}, 2, 0, 1.0, gates, len(responses))
-    assert rep["tool_calls"] == {"records": 2, "calls": 1, "parse_failures": 1}
+    assert tally(responses)["tool_calls"] == {"records": 2, "calls": 1, "parse_failures": 1}

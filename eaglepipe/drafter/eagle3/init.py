@@ -1,4 +1,4 @@
-"""How an EAGLE-3 drafter (draft.py) starts, per ``train.init`` (one log line per run says which): ``fresh`` (the
+"""How an EAGLE-3 drafter (eagle3/model.py) starts, per ``train.init`` (one log line per run says which): ``fresh`` (the
 default) keeps the seeded default init of every weight; ``head`` (``init_head``): lm_head = the target's rows of the
 draft vocabulary, norm = the target's final norm; ``target`` (``init_from_target``): the same, fc passing the high aux
 state through, and the midlayer from the target's decoder layer that consumes the high state.

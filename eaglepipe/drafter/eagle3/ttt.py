@@ -1,12 +1,13 @@
-"""The EAGLE-3 drafter's training-time-test (TTT) objective: a batch of stored states, ids and loss masks in, the
-weighted loss and per-step statistics out (``ttt_forward``, as a module: ``TTT``, the one a distributed run wraps).
+"""The EAGLE-3 drafter's training-time-test (TTT) objective: a ``Batch`` of stored states, ids and loss masks in
+(``collate``), the weighted loss and the per-step statistics (``StepStats``) out (``ttt_forward``, as a module:
+``TTT``, the one a distributed run wraps).
 
 Alignment (position t, TTT step k = 0..K-1, ids x, chain mask m):
     step 0 pairs the target's state at t with x[t+1]; step k pairs the drafter's step-(k-1) output at t with x[t+1+k]
     at RoPE position t + k, and predicts x[t+2+k], whose target distribution is the target's logits at t+1+k,
     softmaxed over the draft vocabulary.
     Loss mask of (t, k): m[t+1] & m[t+2] & .. & m[t+2+k]; it never reads past a sample. m is the sample's ``chain``
-    (the loss mask, or every token under ``train.positions: all``: train.load_samples); validation always uses the
+    (the loss mask, or every token under ``train.positions: all``: sources.load_samples); validation always uses the
     loss mask. Positions whose target argmax is outside the draft vocabulary are left out of the loss (and count as
     misses in the accuracy).
 Attention at step k: position t attends to the step-0 keys of positions <= t and to its own keys of steps 1..k.
@@ -21,12 +22,93 @@ argmax (as a target id) equals the target's argmax over the full vocabulary.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eaglepipe.drafter.eagle3 import model as draft
+from eaglepipe.drafter.eagle3.model import Eagle3Draft
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch on the training device (``collate``), its rows right-padded to T tokens and A active positions."""
+
+    ids: torch.Tensor  # int64 [B, T]
+    aux: torch.Tensor  # float32 [B, T, 3H]: the target's states of the aux layers (low, mid, high), concatenated
+    top: torch.Tensor  # int64 [B, T]: the target's argmax over the full vocabulary
+    act: torch.Tensor  # int64 [B, A]: the active positions (padding rows point at 0)
+    masks: torch.Tensor  # bool [steps, B, A]: the chain masks of the active positions, per step
+    probs: torch.Tensor  # float32 [B, T, Vd]: the target's distribution over the draft vocabulary
+    kept: torch.Tensor  # int64 [steps]: the loss positions, the chain positions whose target is in the draft vocab
+    norm: list | None = None  # each step's loss divisor (train: the global batch's ``kept``); None: ``kept``
+    weight: float = 1.0  # the loss's factor (train: the world size, 0 for a rank's stand-in row)
+
+
+@dataclass
+class StepStats:
+    """Per TTT step, float32 [steps] each: ``loss`` (the soft cross-entropy summed over the step's loss positions),
+    ``loss_positions``, ``correct`` (positions where the drafter's argmax is the target's) and ``positions``. With
+    ``ttt_forward``'s ``per_row`` also ``row_correct`` and ``row_positions`` [steps, B], per row of the batch (a sum
+    of several batches' stats has none)."""
+
+    loss: torch.Tensor
+    loss_positions: torch.Tensor
+    correct: torch.Tensor
+    positions: torch.Tensor
+    row_correct: torch.Tensor | None = None
+    row_positions: torch.Tensor | None = None
+
+    @classmethod
+    def zeros(cls, steps: int) -> StepStats:
+        return cls.from_table(torch.zeros(steps, 4))
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor) -> StepStats:
+        """The stats whose ``table()`` is ``table``."""
+        return cls(*table.unbind(-1))
+
+    @classmethod
+    def stacked(cls, per_step: list[StepStats]) -> StepStats:
+        """The stats of several steps, each step's own (sums 0-dim, per-row counts [B]) in order."""
+        columns = {}
+        for f in fields(cls):
+            values = [getattr(s, f.name) for s in per_step]
+            columns[f.name] = None if values[0] is None else torch.stack(values)
+        return cls(**columns)
+
+    def table(self) -> torch.Tensor:
+        """float32 [steps, 4]: loss, loss positions, correct, positions; the layout the ranks add up and a checkpoint
+        holds."""
+        return torch.stack((self.loss, self.loss_positions, self.correct, self.positions), -1)
+
+    def __add__(self, other: StepStats) -> StepStats:
+        """The sums of both, step by step (without per-row counts)."""
+        return StepStats(
+            self.loss + other.loss,
+            self.loss_positions + other.loss_positions,
+            self.correct + other.correct,
+            self.positions + other.positions,
+        )
+
+    def cpu(self) -> StepStats:
+        here = {f.name: getattr(self, f.name) for f in fields(self)}
+        return StepStats(**{name: None if x is None else x.cpu() for name, x in here.items()})
+
+    def summary(self) -> list[dict]:
+        """[{step, loss, acc}], one per TTT step: the mean loss and the accuracy (None where the step had no
+        positions)."""
+        return [
+            {
+                "step": k,
+                "loss": round(loss / n_loss, 5) if n_loss else None,
+                "acc": round(correct / n, 5) if n else None,
+            }
+            for k, (loss, n_loss, correct, n) in enumerate(
+                zip(self.loss.tolist(), self.loss_positions.tolist(), self.correct.tolist(), self.positions.tolist())
+            )
+        ]
 
 
 def chain_masks(mask: torch.Tensor, steps: int) -> torch.Tensor:
@@ -56,12 +138,9 @@ def noisy(aux: torch.Tensor, width: float, keys: list, lengths: list[int]) -> to
 
 
 @torch.no_grad()
-def collate(samples: list, states: list[dict], steps: int, head_draft: torch.Tensor, t2d: torch.Tensor) -> dict:
-    """One batch on ``head_draft``'s device, from the samples and their ``features.STATES``: ids [B, T], aux [B, T, 3H]
-    float32, target probabilities over the draft vocabulary [B, T, Vd] float32 (the logits computed in ``head_draft``'s
-    dtype), target argmax ``top`` [B, T], active positions ``act`` [B, A] (padding rows point at 0), the per-step chain
-    masks ``masks`` [steps, B, A] and ``kept`` [steps], the number of loss positions of each step (chain positions whose
-    target argmax is in the draft vocabulary: ``t2d``)."""
+def collate(samples: list, states: list[dict], steps: int, head_draft: torch.Tensor, t2d: torch.Tensor) -> Batch:
+    """The ``Batch`` of ``samples`` and their states (hidden/layout.py's ``STATES``) on ``head_draft``'s device, the
+    target's logits computed in ``head_draft``'s dtype; ``t2d`` is the draft vocabulary (``Eagle3Draft.t2d``)."""
     B, T = len(samples), max(s.ids.shape[0] for s in samples)
     ids = torch.zeros(B, T, dtype=torch.int64)
     top = torch.zeros(B, T, dtype=torch.int64)
@@ -78,14 +157,13 @@ def collate(samples: list, states: list[dict], steps: int, head_draft: torch.Ten
         act[b, : a.numel()] = a
         masks[:, b, : a.numel()] = c[:, a]
     dev = head_draft.device
-    batch = {name: x.to(dev) for name, x in (("ids", ids), ("aux", aux), ("top", top), ("act", act), ("masks", masks))}
-    batch["probs"] = torch.softmax((final.to(dev) @ head_draft.T).float(), dim=-1)
+    ids, aux, top, act, masks = (x.to(dev) for x in (ids, aux, top, act, masks))
+    probs = torch.softmax((final.to(dev) @ head_draft.T).float(), dim=-1)
     kept = []
     for k in range(steps):
-        b, a = torch.nonzero(batch["masks"][k], as_tuple=True)
-        kept.append(t2d[batch["top"][b, batch["act"][b, a] + 1 + k]].sum())
-    batch["kept"] = torch.stack(kept)
-    return batch
+        b, a = torch.nonzero(masks[k], as_tuple=True)
+        kept.append(t2d[top[b, act[b, a] + 1 + k]].sum())
+    return Batch(ids=ids, aux=aux, top=top, act=act, masks=masks, probs=probs, kept=torch.stack(kept))
 
 
 CHUNK = 512
@@ -120,66 +198,83 @@ def attention(q, k0, v0, act, own_k, own_v, scale):
     return torch.cat(blocks, 2)
 
 
-def ttt_forward(model: draft.Eagle3Draft, batch: dict, steps: int, step_weight: float = 1.0, per_row: bool = False):
-    """(loss, stats [steps, 4] = loss sum, loss positions, correct, positions) for one batch, and with ``per_row``
-    the correct and positions of each row [steps, B, 2] third. Step k's loss is its sum over the batch divided by
-    ``batch["norm"][k]`` (default: the batch's own loss positions, ``kept``), times ``batch["weight"]`` (default 1)
-    and ``step_weight ** k`` (the stats are not weighted)."""
-    ids, act, masks = batch["ids"], batch["act"], batch["masks"]
-    norm, weight = batch.get("norm", batch["kept"].tolist()), batch.get("weight", 1.0)
+def _step_zero(model: Eagle3Draft, batch: Batch) -> tuple:
+    """(k0, v0, h, x): the step-0 keys and values of every position [B, heads, T, d], and at the active positions
+    the projected states h [B, A, H] and step 0's attention input x [B, A, 2H]."""
+    ids, act = batch.ids, batch.act
     B, T = ids.shape
     dev = ids.device
     rows = torch.arange(B, device=dev)[:, None]
     layer, attn = model.midlayer, model.midlayer.self_attn
-
-    g = model.project(batch["aux"])  # [B, T, H]
+    g = model.project(batch.aux)  # [B, T, H]
     x0 = layer.attn_input(model.embed(torch.cat((ids[:, 1:], torch.zeros_like(ids[:, :1])), 1)), g)
     k0, v0 = attn.keys_values(x0, *model.rope(torch.arange(T, device=dev)[None].expand(B, T)))  # step-0 keys
-    h, x = g[rows, act], x0[rows, act]
-    diag, total, stats, rows_hit = [], 0.0, [], []
-    for k in range(steps):
-        cos, sin = model.rope(act + k)
-        if k:
-            x = layer.attn_input(model.embed(ids[rows, (act + 1 + k).clamp(max=T - 1)]), h)
-        q = attn.queries(x, cos, sin)  # before the keys: autograd's node order fixes backward's sums
-        if k:
-            diag.append(attn.keys_values(x, cos, sin))  # this step's own keys and values
-        own = [torch.stack(d, -2) for d in zip(*diag)] if k else (None, None)  # [B, heads, A, k, d]
-        out = attention(q, k0, v0, act, *own, attn.scale)
-        h = layer.finish(attn.merge(out), h)
+    return k0, v0, g[rows, act], x0[rows, act]
 
-        b, a = torch.nonzero(masks[k], as_tuple=True)
-        t = act[b, a] + 1 + k  # the target's position whose logits predict x[act + 2 + k]
+
+def _draft_step(model: Eagle3Draft, batch: Batch, k: int, h, x, k0, v0, own_kv: list) -> torch.Tensor:
+    """The drafter's step-``k`` output [B, A, H] at the active positions from its step-(k-1) output ``h`` (step 0:
+    the projected states, and ``x`` its attention input). Past step 0, the step's own keys and values are appended to
+    ``own_kv``."""
+    ids, act = batch.ids, batch.act
+    B, T = ids.shape
+    rows = torch.arange(B, device=ids.device)[:, None]
+    layer, attn = model.midlayer, model.midlayer.self_attn
+    cos, sin = model.rope(act + k)
+    if k:
+        x = layer.attn_input(model.embed(ids[rows, (act + 1 + k).clamp(max=T - 1)]), h)
+    q = attn.queries(x, cos, sin)  # before the keys: autograd's node order fixes backward's sums
+    if k:
+        own_kv.append(attn.keys_values(x, cos, sin))  # this step's own keys and values
+    own = [torch.stack(d, -2) for d in zip(*own_kv)] if k else (None, None)  # [B, heads, A, k, d]
+    out = attention(q, k0, v0, act, *own, attn.scale)
+    return layer.finish(attn.merge(out), h)
+
+
+def _step_stats(model: Eagle3Draft, logits, target, ce, b, rows: int | None) -> StepStats:
+    """One step's stats (0-dim sums), from the drafter's ``logits`` at its chain positions (in rows ``b``), the
+    target's argmax there and the cross-entropy ``ce`` of its loss positions; with ``rows``, per row of the batch."""
+    hit = model.to_target(logits.argmax(-1)) == target
+    return StepStats(
+        loss=ce.detach().sum(),
+        loss_positions=ce.new_tensor(float(ce.numel())),
+        correct=hit.sum().float(),
+        positions=ce.new_tensor(float(b.numel())),
+        row_correct=None if rows is None else torch.bincount(b, hit.float(), rows),
+        row_positions=None if rows is None else torch.bincount(b, minlength=rows).float(),
+    )
+
+
+def ttt_forward(
+    model: Eagle3Draft, batch: Batch, steps: int, step_weight: float = 1.0, per_row: bool = False
+) -> tuple[torch.Tensor, StepStats]:
+    """(loss, stats) for one batch, the stats with their per-row counts under ``per_row``. Step k's loss is its sum
+    over the batch divided by ``batch.norm[k]`` (``batch.kept[k]`` without a norm), times ``batch.weight`` and
+    ``step_weight ** k`` (the stats are not weighted)."""
+    norm = batch.kept.tolist() if batch.norm is None else batch.norm
+    weight = batch.weight
+    k0, v0, h, x = _step_zero(model, batch)
+    own_kv, total, per_step = [], 0.0, []
+    for k in range(steps):
+        h = _draft_step(model, batch, k, h, x, k0, v0, own_kv)
+        b, a = torch.nonzero(batch.masks[k], as_tuple=True)
+        t = batch.act[b, a] + 1 + k  # the target's position whose logits predict x[act + 2 + k]
         logits = model.logits(h[b, a])
-        target = batch["top"][b, t]
+        target = batch.top[b, t]
         keep = model.t2d[target]
-        ce = -(batch["probs"][b, t] * torch.log_softmax(logits, -1)).sum(-1)[keep]
+        ce = -(batch.probs[b, t] * torch.log_softmax(logits, -1)).sum(-1)[keep]
         loss = ce.sum() / max(norm[k], 1)
         total = total + step_weight**k * (loss * weight)
-        hit = model.to_target(logits.argmax(-1)) == target
-        stats.append(
-            torch.stack(
-                [
-                    ce.detach().sum(),
-                    ce.new_tensor(float(ce.numel())),
-                    hit.sum().float(),
-                    ce.new_tensor(float(b.numel())),
-                ]
-            )
-        )
-        if per_row:
-            rows_hit.append(
-                torch.stack([torch.bincount(b, hit.float(), B), torch.bincount(b, minlength=B).float()], -1)
-            )
-    return (total, torch.stack(stats)) + ((torch.stack(rows_hit),) if per_row else ())
+        per_step.append(_step_stats(model, logits, target, ce, b, batch.ids.shape[0] if per_row else None))
+    return total, StepStats.stacked(per_step)
 
 
 class TTT(nn.Module):
     """The drafter with its objective, the module DDP wraps: ``forward(batch)`` is ``ttt_forward``'s (loss, stats)."""
 
-    def __init__(self, model: draft.Eagle3Draft, steps: int, step_weight: float):
+    def __init__(self, model: Eagle3Draft, steps: int, step_weight: float):
         super().__init__()
         self.draft, self.steps, self.step_weight = model, steps, step_weight
 
-    def forward(self, batch: dict):
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, StepStats]:
         return ttt_forward(self.draft, batch, self.steps, self.step_weight)

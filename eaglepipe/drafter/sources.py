@@ -1,0 +1,97 @@
+"""What train trains on: the samples (``load_samples``: ids and masks, kept in memory) and where a batch's states
+come from, read or computed when it is collated (``features_of``). ``train.features: offline`` reads them from
+``data/hidden`` (hidden/layout.py's ``Stored``); ``online`` has the frozen target compute them from
+``data/sequences`` (``Online``) with hidden's extraction and params, and writes nothing."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from eaglepipe.core import records
+from eaglepipe.core.errors import UserError
+from eaglepipe.core.fingerprint import code_key
+from eaglepipe.dataset import shards
+from eaglepipe.drafter.eagle3.ttt import chain_masks
+from eaglepipe.hidden import extract, layout
+from eaglepipe.target import families
+
+log = logging.getLogger(__name__)
+
+
+class Online:
+    """Online features: the frozen target ``model`` computes, per batch of ``folder``'s sequences
+    (``data/sequences``), what hidden would store with ``params`` (config.Hidden); a sequence it cannot run is a
+    UserError."""
+
+    def __init__(self, folder, model, params):
+        self.folder, self.model, self.params = Path(folder), model.eval().requires_grad_(False), params
+        index = shards.load_index(self.folder)
+        self.layers = layout.layer_ids(params.layers, families.text_config(model.config).num_hidden_layers)
+        self.splits = [s for s in shards.SPLITS if s in index]
+
+    def identity(self) -> dict:
+        return {
+            "data": shards.dataset_hash(self.folder),
+            "hidden": self.params.tracked(),
+            "layers": self.layers,
+            "model_dtype": str(self.model.dtype),
+            "code": code_key(extract.RESULT_CODE),
+        }
+
+    def states(self, samples: list[layout.Sample]) -> list[dict]:
+        tensors, failed = extract.extract_shard(
+            self.model,
+            [(s.id, s.ids, s.mask) for s in samples],
+            self.layers,
+            self.params.batch_tokens,
+            self.params.dtype,
+        )
+        if failed:
+            raise UserError(
+                f"{self.folder}: the target cannot run {failed[0]['id']} ({failed[0]['reason']}); online "
+                "training has no way to leave a sequence out (hidden leaves it out: train offline)"
+            )
+        off = tensors["offsets"].tolist()
+        names = layout.columns(self.params.dtype)
+        return [
+            layout.decode({name: tensors[name][off[i] : off[i + 1]] for name in names}) for i in range(len(samples))
+        ]
+
+
+def features_of(feats) -> layout.Stored | Online:
+    """``feats`` itself, or ``Stored(feats)`` for a folder."""
+    return feats if isinstance(feats, (layout.Stored, Online)) else layout.Stored(feats)
+
+
+def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[layout.Sample]:
+    """Every sample of ``split`` with a trained position (those without are counted in the log). ``positions``:
+    "generated" runs chains over the loss mask only; "all" over every token of a prompt's first sample, prompt
+    included (further answers to it, ``infer.samples``, over their own tokens only). ``keep(id)`` picks the samples
+    to load."""
+    folder, samples, prompts, untrained = Path(folder), [], set(), 0
+    for entry, spans, t in shards.columns(folder, split, ("input_ids", "loss_mask")):
+        for sid, (start, end) in zip(entry["ids"], spans):
+            if keep is not None and not keep(sid):
+                continue
+            mask = t["loss_mask"][start:end].bool()
+            prompt = records.prompt_of(sid)
+            chain = torch.ones_like(mask) if positions == "all" and prompt not in prompts else mask
+            prompts.add(prompt)
+            if not chain_masks(chain, 1)[0].any():
+                untrained += 1
+                continue
+            samples.append(layout.Sample(sid, t["input_ids"][start:end], mask, chain, folder / entry["file"], start))
+    if untrained:
+        log.info("%s: %d samples left out, no position to train (an answer of one token)", split, untrained)
+    return samples
+
+
+def token_counts(samples: list[layout.Sample]) -> Counter:
+    """How often each id occurs among the loss-masked tokens."""
+    ids = torch.cat([s.ids[s.mask] for s in samples]) if samples else torch.zeros(0, dtype=torch.int64)
+    values, counts = torch.unique(ids, return_counts=True)
+    return Counter(dict(zip(values.tolist(), counts.tolist())))

@@ -1,0 +1,137 @@
+"""docs/benchmarks.md and the README's figures are what ``make results-page`` (eaglepipe/tools/benchmarks_page.py)
+writes from the committed results/, so they cannot drift; the page stays within its size; a malformed record stops
+the page with the file, the line and the field."""
+
+import datetime
+import json
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from eaglepipe.tools import benchmarks_page, results
+from eaglepipe.tools.results import Machine, Record, Value
+
+ROOT = Path(__file__).resolve().parents[2]
+README_COPY = (
+    "# a README\n<!-- results: headline -->\nold\n<!-- /results -->\n<!-- results: cost -->\n<!-- /results -->\n"
+)
+
+
+def written_to(folder: Path) -> list[str]:
+    """make results-page's options for reading results from ``folder`` and writing its page and README there."""
+    (folder / "README.md").write_text(README_COPY)
+    return ["--results", str(folder), "--page", str(folder / "page.md"), "--readme", str(folder / "README.md")]
+
+
+def committed() -> list[Record]:
+    return results.load(ROOT / "results")
+
+
+def test_the_committed_page_is_what_the_committed_results_make():
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert page == benchmarks_page.page(committed()), "docs/benchmarks.md differs from results/: make results-page"
+
+
+def test_the_page_is_at_most_12_kb():
+    assert len((ROOT / "docs" / "benchmarks.md").read_bytes()) <= 12 * 1024 == benchmarks_page.LIMIT
+
+
+def test_the_readmes_figures_are_what_the_committed_results_make():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = benchmarks_page.readme_blocks(committed())
+    assert benchmarks_page.fill_blocks(readme, blocks) == readme, "README.md's figures differ: make results-page"
+    headline = " ".join(blocks["headline"].split())
+    assert "| HumanEval |" in headline and "x plain decoding's tokens/s" in headline
+
+
+def test_the_page_names_every_current_record_and_its_command():
+    page = benchmarks_page.page(committed())
+    words = " ".join(page.split())  # a command may be wrapped over two lines
+    for record in committed():
+        assert f"`{record.command}`" in words, record.name
+    for anchor in ("## The result: `make bench`", "## Acceptance against trained tokens", "### hidden (`bench/"):
+        assert anchor in page  # other pages link to these headings
+
+
+def bench_record(diffs: dict[str, tuple[float, float]], machine: Machine, day="2026-12-05") -> Record:
+    values = {f"diff.{name} - ngram": Value(value=d, se=se) for name, (d, se) in diffs.items()}
+    values |= {"speedup.heldout.eagle3": Value(value=0.6), "speedup.heldout.ngram": Value(value=1.2)}
+    return Record(
+        name="make bench",
+        values=values,
+        machine=machine,
+        commit="abcdef1",
+        params_hash=None,
+        command="make bench",
+        date=datetime.date.fromisoformat(day),
+    )
+
+
+def test_the_headline_says_where_the_drafter_stands_plainly():
+    epyc = Machine(cpu="AMD EPYC", flags=("avx2", "avx512f"), cores=2)
+    diffs = {"heldout.eagle3": (0.2, 0.05), "mtbench.eagle3": (-0.05, 0.05), "humaneval.eagle3": (-0.3, 0.05)}
+    text = benchmarks_page.standing(bench_record(diffs, epyc).values)
+    assert text.startswith(
+        "The drafter beats prompt lookup beyond twice the error on held-out, trails it within twice the error on "
+        "MT-bench, and loses to it beyond twice the error on HumanEval."
+    )
+    assert "0.60x to 0.60x plain decoding's tokens/s, prompt lookup at 1.20x to 1.20x." in text
+
+
+def test_the_headline_takes_the_machine_whose_repro_made_the_metrics_in_git():
+    epyc = Machine(cpu="AMD EPYC", flags=("avx2", "avx512f"), cores=2)
+    xeon = Machine(cpu="Intel Xeon", flags=("avx2", "avx512f", "amx_tile"), cores=2)
+    here, newer = bench_record({}, epyc), bench_record({}, xeon, day="2026-12-07")
+    evaluation = here.model_copy(update={"name": "evaluate"})
+    assert benchmarks_page.committed_bench([here, newer, evaluation]) == here
+    assert benchmarks_page.committed_bench([here, newer]) == newer
+
+
+def test_a_malformed_record_stops_the_page_naming_file_line_and_field(tmp_path):
+    lines = (ROOT / "results" / "repro.jsonl").read_text().splitlines()
+    broken = json.loads(lines[1])
+    broken["values"]["seconds.wall"]["value"] = "twenty minutes"
+    (tmp_path / "repro.jsonl").write_text("\n".join([lines[0], json.dumps(broken)]) + "\n")
+    out = CliRunner().invoke(benchmarks_page.main, written_to(tmp_path))
+    assert out.exit_code == 1
+    assert f"{tmp_path / 'repro.jsonl'}:2: values.seconds.wall.value: Input should be a valid number" in out.output
+
+
+def test_a_page_over_its_size_is_refused(tmp_path):
+    template = json.loads((ROOT / "results" / "bench.jsonl").read_text().splitlines()[0])
+    for n in range(20):  # twenty machines' tables
+        template["machine"]["cores"] = n + 1
+        results.append(Record.model_validate_json(json.dumps(template)), tmp_path / "bench.jsonl")
+    out = CliRunner().invoke(benchmarks_page.main, written_to(tmp_path))
+    assert out.exit_code == 1 and "over its 12,288: fewer records or words" in out.output
+    assert (tmp_path / "README.md").read_text() == README_COPY and not (tmp_path / "page.md").exists()
+
+
+def test_the_page_and_the_readme_are_written_where_asked(tmp_path):
+    results.append(committed()[0], tmp_path / "a.jsonl")
+    out = CliRunner().invoke(benchmarks_page.main, written_to(tmp_path))
+    assert out.exit_code == 0, out.output
+    assert (tmp_path / "page.md").read_text().startswith("# Benchmarks")
+    assert "**Result**" not in (tmp_path / "README.md").read_text()  # no make bench record: no headline yet
+    assert "No `make bench` figures yet." in (tmp_path / "README.md").read_text()
+
+
+def test_a_readme_without_its_markers_is_an_error():
+    with pytest.raises(click.ClickException, match="no <!-- results: headline -->"):
+        benchmarks_page.fill_blocks("# a page\n", {"headline": "text"})
+
+
+def test_a_crossing_make_bench_appended_renders_by_its_ratio():
+    """make bench --against big=... --crossing big=2.5 records the ratio, not the trained tokens."""
+    epyc = Machine(cpu="AMD EPYC", flags=("avx2", "avx512f"), cores=2)
+    record = bench_record({"heldout.eagle3:big": (0.3, 0.05)}, epyc)
+    values = record.values | {
+        "ratio.eagle3:big": Value(value=2.5),
+        "tau.heldout.eagle3:big": Value(value=1.6, se=0.03),
+        "slope.heldout.eagle3:big": Value(value=0.1, se=0.02),
+    }
+    lines = benchmarks_page.scaling_section([record.model_copy(update={"values": values})])
+    assert "| 2.5x | - | - | 1.600 ± 0.030 | - | - | - | - | - |" in lines
+    assert "| held-out | +0.300 ± 0.050* | +0.100 ± 0.020* | - |" in lines
