@@ -84,7 +84,7 @@ def test_ngram_drafting_is_lossless(model, cases, stops):
     assert stats.accepted[0] > 0, "counting 1..40 repeats n-grams: some drafts are accepted"
 
 
-@pytest.mark.parametrize("num_steps,max_new", [(3, 40), (1, 24), (5, 40)])
+@pytest.mark.parametrize("num_steps,max_new", [(3, 40), (1, 24), pytest.param(5, 40, marks=pytest.mark.slow)])
 def test_ngram_replay_gives_the_counts_of_decoding(model, tokenizer, stops, num_steps, max_new):
     """The n-gram baseline replayed from the plain greedy output counts exactly what decoding with the target does:
     steps, tokens, per-position proposals and acceptances, through stop tokens and max_new_tokens cuts."""
@@ -107,7 +107,7 @@ def test_ngram_replay_gives_the_counts_of_decoding(model, tokenizer, stops, num_
     assert stopped, "one answer ends on a stop token inside max_new_tokens"
 
 
-@pytest.mark.parametrize("max_new", [8, 40])
+@pytest.mark.parametrize("max_new", [8, pytest.param(40, marks=pytest.mark.slow)])
 def test_greedy_check_accepts_the_greedy_output_and_finds_where_another_departs(model, tokenizer, stops, max_new):
     """One forward tells the plain greedy output from any other: a changed token, an answer cut short, one that
     runs past its stop id or past max_new_tokens."""

@@ -123,6 +123,7 @@ def test_rows_leaving_the_batch_keep_every_answer_exact(model, tokenizer, target
     assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
 
 
+@pytest.mark.slow
 def test_samples_per_prompt_are_distinct_records_and_grow_incrementally(model, tokenizer, target_folder, tmp_path):
     ps = prompts(QUESTIONS[:3])
     responses, report = run(ps, model, tokenizer, target_folder, tmp_path, Knobs(samples=2, temperature=1.0))
@@ -147,6 +148,7 @@ def test_adding_a_source_generates_only_its_prompts(model, tokenizer, target_fol
     assert len(responses) == 5 and report["per_source"] == {"a": 3, "b": 2}
 
 
+@pytest.mark.slow
 def test_a_sampled_answer_depends_on_its_record_alone(model, tokenizer, target_folder, tmp_path):
     """Under sampling, each answer is a function of the model, the sampling params, the seed and its record id:
     the same bytes whatever the batch size, and when the prompts come in two increments."""

@@ -549,6 +549,7 @@ def test_a_target_the_pipeline_cannot_serve_is_refused_naming_why(case, tmp_path
         compat.check(tmp_path)
 
 
+@pytest.mark.slow
 def test_each_stage_refuses_it_in_seconds_before_loading_anything(tmp_path):
     """hidden, train and evaluate, run as a user runs them (side by side) on a 3-layer target: one line naming the
     layer count and exit code 1 within seconds. The folder holds a config and no weights, so a stage that tried to
