@@ -24,6 +24,7 @@ import torch
 from eaglepipe.core import config
 from eaglepipe.dataset import sequences
 from eaglepipe.hidden import extract as hidden
+from eaglepipe.hidden import hf_source
 from eaglepipe.hidden import layout as features
 from eaglepipe.hidden import vllm_source as states
 from eaglepipe.target import model as target
@@ -45,7 +46,7 @@ def load_samples(folder, n, seed):
 def bare(model, samples, batch_tokens, base_only):
     """The same batches through a bare forward with all hidden states (full model, or the decoder stack only)."""
     lengths = [len(s[1]) for s in samples]
-    fwd = hidden.base_model(model) if base_only else model
+    fwd = hf_source.base_model(model) if base_only else model
     for batch in sequences.plan_batches(lengths, batch_tokens):
         width = lengths[batch[0]]
         ids = torch.zeros((len(batch), width), dtype=torch.long)

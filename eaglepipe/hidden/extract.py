@@ -29,8 +29,6 @@ from eaglepipe.core.errors import UserError
 from eaglepipe.core.fingerprint import code_key
 from eaglepipe.dataset import sequences, shards
 from eaglepipe.hidden import hf_source, layout, publish, store
-from eaglepipe.hidden.hf_source import base_model, forward_states  # noqa: F401  imported from here by bench, tests
-from eaglepipe.hidden.store import content, shard_name  # noqa: F401  imported from here by tests/core/
 from eaglepipe.target import families
 
 log = logging.getLogger(__name__)

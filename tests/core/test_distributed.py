@@ -23,7 +23,7 @@ from eaglepipe.core import config, runtime
 from eaglepipe.core.errors import UserError
 from eaglepipe.dataset import sequences, shards
 from eaglepipe.drafter import train
-from eaglepipe.hidden import extract as hidden
+from eaglepipe.hidden import hf_source, store
 from eaglepipe.target import model as target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,13 +117,11 @@ def test_the_launcher_refuses_a_bad_process_count(monkeypatch):
 
 
 def test_the_target_loads_onto_its_device_or_spread_by_a_device_map(target_folder, model):
-    """runtime.load_target puts the target straight on the device, frozen; accelerate's device_map (auto, or module
+    """target.load_target puts the target straight on the device, frozen; accelerate's device_map (auto, or module
     by module) loads the same model, whose states are the plain load's. Only one CPU here: the map cannot spread the
     layers over devices, so this proves the loading path and the states, not a split across GPUs."""
-    from eaglepipe.hidden import extract as hidden
-
     ids, layers = torch.tensor([[1, 504, 3821, 30, 12, 7]]), [2, 15, 27]
-    want = hidden.forward_states(model, ids, layers)
+    want = hf_source.forward_states(model, ids, layers)
     by_module = {
         "model.embed_tokens": "cpu",
         "model.layers": "cpu",
@@ -134,7 +132,7 @@ def test_the_target_loads_onto_its_device_or_spread_by_a_device_map(target_folde
     for device_map in (None, "auto", by_module):
         loaded = target.load_target(target_folder, "float32", runtime.Runtime(), device_map)
         assert loaded.device == torch.device("cpu") and not any(p.requires_grad for p in loaded.parameters())
-        for got, expected in zip(hidden.forward_states(loaded, ids, layers), want):
+        for got, expected in zip(hf_source.forward_states(loaded, ids, layers), want):
             assert torch.equal(got, expected), device_map
         del loaded
     with pytest.raises(UserError, match="this job runs 2 processes"):
@@ -287,7 +285,7 @@ def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
     )
     deadline = time.monotonic() + 300
     plan = json.loads(next((project / "world1-cache").glob("*/plans/*.json")).read_text())  # the same plan
-    first_of_rank_1 = hidden.shard_name(plan[1])  # shards go round-robin
+    first_of_rank_1 = store.shard_name(plan[1])  # shards go round-robin
     while not list(cache.glob(f"*/{first_of_rank_1}")):
         assert agent.poll() is None and time.monotonic() < deadline, agent.stderr.read()[-3000:]
         time.sleep(0.02)
@@ -313,7 +311,7 @@ def test_e2e_a_rank_killed_mid_run_loses_only_its_unfinished_shard(reference):
     assert [p.name for p in (project / "online").iterdir()] == ["index.json"]
     assert "skipped" in json.loads((project / "online.json").read_text())
     timings = json.loads((project / "killed-timings.json").read_text())
-    retried = any(hidden.content(work / name)["failed"] for name in kept)  # the poison ones, in a shard of their own
+    retried = any(store.content(work / name)["failed"] for name in kept)  # the poison ones, in a shard of their own
     assert timings["reused_shards"] == len(kept) and timings["computed_shards"] == total - len(kept) + retried
     for name, mtime in kept.items():  # reused as they were, not rewritten
         assert (project / "killed" / name).stat().st_mtime_ns == mtime

@@ -40,6 +40,7 @@ from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
 from eaglepipe.dataset import benchmarks, sequences
 from eaglepipe.drafter import train
+from eaglepipe.drafter.eagle3 import attention
 from eaglepipe.drafter.eagle3 import init as draft_init
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.engines import Sampling, vllm
@@ -447,7 +448,7 @@ def test_the_mla_drafter_started_from_a_dense_deepseek_layer_computes_that_layer
     assert (
         cfg.mla
         == {"q_lora_rank": 32, "kv_lora_rank": 512, "qk_nope_head_dim": 8, "qk_rope_head_dim": 64, "v_head_dim": 16}
-        and draft.yarn_mscale(cfg.rope_parameters) > 1
+        and attention.yarn_mscale(cfg.rope_parameters) > 1
     )  # the scale is exercised
 
 

@@ -77,7 +77,6 @@ from eaglepipe.drafter.eagle3.attention import (
     Attention,
     MLAttention,
     RMSNorm,
-    yarn_mscale,  # noqa: F401  tests/target/test_families.py reads it here
 )
 from eaglepipe.target import families
 
