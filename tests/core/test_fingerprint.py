@@ -109,7 +109,7 @@ NO_RESULT = {
     "core.fingerprint": "computes the keys: its SCHEME is part of each",
     "core.uncertainty": "standard errors of the report's figures",
     "dataset": "the subpackage's docstring",
-    "engines.launch": "starting a server: its identity is hashed from what it reports",
+    "engines.launch": "starting a server: the engine modules predict its identity, hashed as data",
     "engines.pool": "the choice of a server, failover",
     "engines.server": "the transport: requests in flight, retries",
     "engines.table": "which engine a name builds",
