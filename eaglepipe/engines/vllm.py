@@ -34,6 +34,7 @@ from eaglepipe.engines import Sampling, seed_for
 from eaglepipe.engines.launch import ROOT, LaunchedServer, flag_value
 from eaglepipe.engines.pool import Server, ServerError, ServerPool
 from eaglepipe.engines.server import BadAnswer, ServerEngine, check_ids
+from eaglepipe.target import remote
 from eaglepipe.target.families import composite, load_config, of
 
 VENV = ROOT / ".venv-vllm"
@@ -82,10 +83,11 @@ def model_flags(model_path: str, args: list[str], cpu: bool) -> list[str]:
     ``--language-model-only`` for a composite target (families.COMPOSITES); on the CPU build (``cpu``) with AMX, for
     an MLA model at ``--dtype float32`` and no backend in ``args``, ``--attention-backend CPU_MLA`` (else vLLM picks
     its AMX MLA kernels and fails to start). A speculative MLA drafter gets AMX MLA whatever the flag
-    (serve.refusal)."""
+    (serve.refusal). The folder's remote code runs here when ``args`` let the server run it."""
     if not (Path(model_path) / "config.json").exists():
         return []
-    config = load_config(model_path)
+    folder = remote.TrustedFolder(model_path) if "--trust-remote-code" in args else Path(model_path)
+    config = load_config(folder)
     flags = ["--language-model-only"] if composite(config) and "--language-model-only" not in args else []
     if (
         cpu

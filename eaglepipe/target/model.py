@@ -46,8 +46,7 @@ def resolve(model: str, trust_remote_code: bool = False) -> Path:
     refused unless ``trust_remote_code`` (remote.py)."""
     gguf = embedded_gguf() if model == EMBEDDED else Path(model)
     if gguf.is_dir():
-        remote.admit(gguf, trust_remote_code)
-        return gguf
+        return remote.admit(gguf, trust_remote_code)
     if gguf.suffix != ".gguf" or not gguf.exists():
         raise FileNotFoundError(f"target.model={model!r} is neither 'embedded', a model folder, nor a .gguf file")
     folder = CACHE / "models" / file_hash(gguf)[:16]

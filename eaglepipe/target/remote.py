@@ -1,8 +1,10 @@
 """Remote code: the Python files a model folder's ``auto_map`` entries name, run only when trusted.
 
 ``target.trust_remote_code`` decides, in ``admit``: off, a folder that needs code stops the stage before anything is
-loaded, naming the files and the key; on, the folder is recorded as trusted, every loader passes
-``trust_remote_code=trusted(folder)`` and a server launched for the target gets ``--trust-remote-code``. The ``.py``
+loaded, naming the files and the key; on, ``admit`` returns the folder as a ``TrustedFolder``. The decision travels
+with that value, not with the process: every loader passes ``trust_remote_code=trusted(folder)`` and a server launched
+for it gets ``--trust-remote-code``, while the same folder reached any other way (a string, ``Path(folder)``) is not
+trusted and transformers refuses its code. The ``.py``
 files are part of ``target.fingerprint``, their sha256 (``hashes``) of infer's engine.json. Code from another
 repository (``repo--module.Class``) is refused.
 """
@@ -20,7 +22,10 @@ log = logging.getLogger(__name__)
 
 CONFIGS = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
 """The files whose ``auto_map`` names classes in remote code."""
-_TRUSTED: set[Path] = set()
+
+
+class TrustedFolder(type(Path())):
+    """A model folder whose remote code ``admit`` was told to run (a ``Path`` in every other respect)."""
 
 
 def files(folder) -> list[str]:
@@ -42,13 +47,13 @@ def files(folder) -> list[str]:
     return sorted(needed)
 
 
-def admit(folder, trust: bool) -> None:
-    """Stop here (a UserError naming the files and the key) when ``folder`` needs remote code and ``trust`` is off;
-    with ``trust`` on, record the folder as trusted."""
+def admit(folder, trust: bool) -> Path:
+    """``folder`` as a ``Path`` when it needs no remote code, as a ``TrustedFolder`` when it does and ``trust`` is on;
+    stop here (a UserError naming the files and the key) when it does and ``trust`` is off."""
     folder = Path(folder)
     needed = files(folder)
     if not needed:
-        return
+        return folder
     missing = [f for f in needed if not (folder / f).exists()]
     if missing:
         raise UserError(f"{folder}: auto_map names code that is not in the folder: {', '.join(missing)}")
@@ -57,13 +62,13 @@ def admit(folder, trust: bool) -> None:
             f"{folder} needs remote code ({', '.join(needed)}), which runs only when asked: read it, then "
             "set target.trust_remote_code: true"
         )
-    _TRUSTED.add(folder.resolve())
     log.info("target.trust_remote_code: running %s's %s", folder, ", ".join(needed))
+    return TrustedFolder(folder)
 
 
 def trusted(folder) -> bool:
-    """Whether ``admit`` trusted ``folder`` in this process (what every ``from_pretrained`` of it passes)."""
-    return Path(folder).resolve() in _TRUSTED
+    """Whether ``folder`` is one that ``admit`` trusted (what every ``from_pretrained`` of it passes)."""
+    return isinstance(folder, TrustedFolder)
 
 
 def hashes(folder) -> dict[str, str]:

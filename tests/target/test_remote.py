@@ -5,6 +5,7 @@ servers launched for it."""
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -49,13 +50,21 @@ def custom(target_folder, tmp_path):
 def test_remote_code_is_refused_unless_trusted_then_runs(custom, target_folder):
     with pytest.raises(UserError, match=r"needs remote code \(tokenization_probe.py\).*target.trust_remote_code: true"):
         target.resolve(str(custom))
-    assert not remote.trusted(custom)
-    assert target.resolve(str(custom), trust_remote_code=True) == custom and remote.trusted(custom)
-    tok = target.load_tokenizer(custom)
+    folder = target.resolve(str(custom), trust_remote_code=True)
+    assert folder == custom and remote.trusted(folder)
+    tok = target.load_tokenizer(folder)
     assert type(tok).__name__ == "ProbeTokenizer" and tok.probe == "remote code ran"
     text = "Hello, world! <|im_start|>user\nhi<|im_end|>"
     assert tok(text)["input_ids"] == target.load_tokenizer(target_folder)(text)["input_ids"]
     assert target.resolve(str(target_folder)) == target_folder  # a folder without code needs nothing
+
+
+def test_trust_goes_with_the_resolved_folder_not_with_the_process(custom):
+    trusted = target.resolve(str(custom), trust_remote_code=True)
+    assert remote.trusted(trusted) and remote.trusted(trusted.resolve())
+    assert not remote.trusted(custom) and not remote.trusted(str(trusted)) and not remote.trusted(Path(trusted))
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        target.load_tokenizer(custom)  # the same folder, resolved and trusted above, reached another way
 
 
 def test_the_code_is_part_of_the_fingerprint(custom):
@@ -80,10 +89,12 @@ def test_code_from_elsewhere_or_missing_is_refused(custom):
 def test_launched_servers_trust_remote_code_only_for_a_trusted_target(custom, target_folder, tokenizer):
     section = config.Servers(launch=config.Launch(model_path="m", extra_args="--foo 1"))
     assert launch.servers(section, target_folder) is section
-    target.resolve(str(custom), trust_remote_code=True)
-    argv = SGLangEngine(launch.servers(section, custom), tokenizer)._launcher().argv()
+    assert launch.servers(section, custom) is section
+    trusted = target.resolve(str(custom), trust_remote_code=True)
+    argv = SGLangEngine(launch.servers(section, trusted), tokenizer)._launcher().argv()
     assert argv[-3:] == ["--foo", "1", "--trust-remote-code"]
-    assert "--trust-remote-code" in serve.Served(custom, tokenizer, config.Serve()).engine.launch.extra_args
+    assert "--trust-remote-code" in serve.Served(trusted, tokenizer, config.Serve()).engine.launch.extra_args
+    assert "--trust-remote-code" not in serve.Served(custom, tokenizer, config.Serve()).engine.launch.extra_args
     assert "--trust-remote-code" not in serve.Served(target_folder, tokenizer, config.Serve()).engine.launch.extra_args
 
 
