@@ -20,6 +20,7 @@ from pathlib import Path
 
 import click
 import yaml
+from harness import train_command
 
 from eaglepipe.dataset import shards
 
@@ -59,26 +60,7 @@ def replicate(hidden: Path, out: Path, times: int) -> int:
 
 def peak_rss_mb(work: Path, hidden: Path, name: str, steps: int) -> float:
     """Run the stage on ``hidden`` until its first checkpoint (after ``steps`` steps); its peak RSS in MB."""
-    cmd = [
-        sys.executable,
-        "stages/train.py",
-        "--params",
-        str(work / "params.yaml"),
-        "--hidden",
-        str(hidden),
-        "--sequences",
-        "data/sequences",
-        "--out",
-        str(work / name),
-        "--metrics",
-        str(work / f"{name}.json"),
-        "--plots",
-        str(work / f"{name}-p.json"),
-        "--timings",
-        str(work / f"{name}-t.json"),
-        "--checkpoints",
-        str(work / f"{name}-checkpoints"),
-    ]
+    cmd = [sys.executable, *train_command(work, hidden, name)]
     with open(work / f"{name}.log", "wb") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, env=dict(os.environ, OMP_NUM_THREADS="1"))
     while not (work / f"{name}-checkpoints" / "state.pt").exists():

@@ -24,6 +24,7 @@ from pathlib import Path
 import click
 import torch
 import yaml
+from harness import train_command
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,28 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_stage(work: Path, hidden: Path, nproc: int, threads: int) -> dict:
     name = f"nproc{nproc}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "eaglepipe.core.runtime",
-        "stages/train.py",
-        "--params",
-        str(work / "params.yaml"),
-        "--hidden",
-        str(hidden),
-        "--sequences",
-        "data/sequences",
-        "--out",
-        str(work / name),
-        "--metrics",
-        str(work / f"{name}.json"),
-        "--plots",
-        str(work / f"{name}-plots.json"),
-        "--timings",
-        str(work / f"{name}-timings.json"),
-        "--checkpoints",
-        str(work / f"{name}-checkpoints"),
-    ]
+    cmd = [sys.executable, "-m", "eaglepipe.core.runtime", *train_command(work, hidden, name)]
     env = dict(os.environ, EAGLEPIPE_NPROC=str(nproc), OMP_NUM_THREADS=str(threads))
     start = time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

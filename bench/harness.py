@@ -165,3 +165,27 @@ def env(cache=None, **extra) -> dict:
 def distributed(commands: dict[str, list[str]]) -> list[str]:
     """The stages whose dvc.yaml command starts them through eaglepipe.core.runtime (torchrun under EAGLEPIPE_NPROC)."""
     return [name for name, cmd in commands.items() if cmd[1:3] == ["-m", "eaglepipe.core.runtime"]]
+
+
+def train_command(work: Path, hidden: Path, name: str) -> list[str]:
+    """The train stage's arguments (after the interpreter) on ``hidden`` and data/sequences, every output named
+    ``name`` in ``work``: the model folder, metrics, plots, timings and checkpoints."""
+    return [
+        "stages/train.py",
+        "--params",
+        str(work / "params.yaml"),
+        "--hidden",
+        str(hidden),
+        "--sequences",
+        "data/sequences",
+        "--out",
+        str(work / name),
+        "--metrics",
+        str(work / f"{name}.json"),
+        "--plots",
+        str(work / f"{name}-plots.json"),
+        "--timings",
+        str(work / f"{name}-timings.json"),
+        "--checkpoints",
+        str(work / f"{name}-checkpoints"),
+    ]
