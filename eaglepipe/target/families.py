@@ -3,7 +3,7 @@
 ``load_config`` is the one reader of a target's config; ``text_config`` the one place its language model's (widths,
 layer count, norm, context length) is read from. ``FAMILIES``: families by ``model_type``; ``of`` gives a config's,
 or ``OTHER`` (served on compat.py's checks alone). A new family is one entry here, with a tiny random target of it in
-tests/target/test_families.py.
+tests/tiny_targets.py (tests/target/test_families.py runs it).
 """
 
 from __future__ import annotations

@@ -1,93 +1,24 @@
-"""infer: token-exact records, resumable after Ctrl-C or kill -9, incremental, never mixing fingerprints."""
+"""infer: token-exact records, incremental, never mixing fingerprints; batches, budgets and prompts that cannot train;
+the hf engine's sampling. Every turn answered is in test_infer_turns.py, the stage resumable after Ctrl-C or kill -9
+in test_infer_stage.py."""
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from infer_helpers import GATES, QUESTIONS, Knobs, prompts, run
 
 from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
-from eaglepipe.core.records import (
-    Prompt,
-    content_id,
-    prompt_of,
-    read_jsonl,
-    response_from_json,
-    to_json,
-    write_jsonl,
-)
+from eaglepipe.core.records import Prompt, prompt_of, to_json
 from eaglepipe.engines import Failure, Sampling
 from eaglepipe.engines.hf import HFEngine
 from eaglepipe.infer.cache import Cache
 from eaglepipe.infer.gates import Gates
-from eaglepipe.infer.run import InferRun, Limits, Plan, fingerprint
+from eaglepipe.infer.run import InferRun, Limits, Plan
 from eaglepipe.target import chat
 from eaglepipe.target import model as target
-from eaglepipe.text import derive, turns
-
-ROOT = Path(__file__).resolve().parents[2]
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name a primary color.",
-    "What is 2 plus 2?",
-    "Say hello in Spanish.",
-    "Name a planet.",
-    "What do bees make?",
-    "Spell 'cat' backwards.",
-    "What is the opposite of hot?",
-]
-NONE = derive.spec_from_params("none")
-GATES = {"warmup": 4, "every": 4, "min_reasoning": 0.9, "max_truncated": 1.0, "max_empty": 0.5}
-
-
-def prompts(questions, source="t"):
-    out = []
-    for q in questions:
-        messages = [{"role": "user", "content": q}]
-        out.append(Prompt(content_id(messages, None), source, messages))
-    return out
-
-
-@dataclass(frozen=True)
-class Knobs:
-    """What a test's infer run varies: the sampling, the hf engine's batch size, infer.samples and infer.turns."""
-
-    max_new_tokens: int = 12
-    batch_size: int = 4
-    samples: int = 1
-    temperature: float = 0.0
-    turns: str = "last"
-
-
-def run(prompt_list, model, tokenizer, folder, cache_dir, knobs: Knobs = Knobs()):
-    """InferRun.run with the hf engine over ``model``, in the cache under ``cache_dir`` its fingerprint names."""
-    engine = HFEngine(model, tokenizer.pad_token_id, knobs.batch_size)
-    sampling = Sampling(
-        temperature=knobs.temperature,
-        max_new_tokens=knobs.max_new_tokens,
-        stop_token_ids=tuple(target.stop_ids(folder, tokenizer)),
-    )
-    spec = derive.spec_from_params("none")
-    fp = fingerprint(
-        target.fingerprint(folder), "hf", engine.identity(), sampling, {}, spec if knobs.turns == "all" else None
-    )
-    return InferRun(
-        engine,
-        tokenizer,
-        sampling,
-        spec,
-        Gates(config.Gates(**GATES), False),
-        Cache(Path(cache_dir) / fp),
-        Plan({}, samples=knobs.samples, turns=knobs.turns),
-    ).run(prompt_list)
+from eaglepipe.text import derive
 
 
 def test_records_are_token_exact(model, tokenizer, target_folder, tmp_path):
@@ -254,210 +185,6 @@ def test_other_params_never_reuse_a_cache(model, tokenizer, target_folder, tmp_p
     _, report = run(ps, model, tokenizer, target_folder, tmp_path, Knobs(max_new_tokens=7))
     assert report["run"]["generated"] == 2
     assert len(list(tmp_path.iterdir())) == 2
-
-
-# ---------------------------------------------------------------------------------------------- every turn answered
-def chats():
-    """A three-turn conversation (the dataset's answers in it), a two-turn one whose first answer calls a tool, and a
-    single-turn prompt."""
-    three = [
-        {"role": "user", "content": "Name a planet."},
-        {"role": "assistant", "content": "DATASET ANSWER ONE"},
-        {"role": "user", "content": "Name another one."},
-        {"role": "assistant", "content": "DATASET TWO"},
-        {"role": "user", "content": "Which is larger?"},
-    ]
-    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
-    tool = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
-        {"role": "assistant", "content": "DATASET SUN"},
-        {"role": "user", "content": "And tomorrow?"},
-    ]
-    return [Prompt(content_id(m, None), "t", m) for m in (three, tool)] + prompts(QUESTIONS[:1])
-
-
-def test_every_turn_is_answered_after_the_targets_own_earlier_answers(model, tokenizer, target_folder, tmp_path):
-    ps = chats()
-    responses, report = run(ps, model, tokenizer, target_folder, tmp_path, Knobs(turns="all"))
-    assert [(r.id, r.turn) for r in responses] == [
-        (f"{ps[0].id}@1", 1),
-        (f"{ps[0].id}@2", 2),
-        (f"{ps[0].id}@3", 3),
-        (f"{ps[1].id}@1", 1),
-        (f"{ps[1].id}@2", 2),
-        (f"{ps[2].id}@1", 1),
-    ]
-    stops = target.stop_ids(target_folder, tokenizer)
-    by_id = {r.id: r for r in responses}
-    for p in ps:
-        asks, answers = turns.asks(p.messages), []
-        for t in range(1, len(asks) + 1):
-            r = by_id[f"{p.id}@{t}"]
-            assert r.prompt_ids == chat.prompt_ids(tokenizer, turns.interleave(asks, answers))
-            answers.append(derive.answer_message(tokenizer, r.prompt_ids, r.output_ids, NONE, stops))
-            assert answers[-1]["content"] and answers[-1]["content"] in r.text
-    text = tokenizer.decode(by_id[f"{ps[0].id}@3"].prompt_ids)
-    assert "DATASET" not in text and by_id[f"{ps[0].id}@1"].content.removesuffix("<|im_end|>") in text
-    tool_turn = tokenizer.decode(by_id[f"{ps[1].id}@1"].prompt_ids)  # the call and its result stay, as context
-    assert "sunny" in tool_turn and "DATASET SUN" not in tool_turn
-    assert report["turns"] == {"mode": "all", "answered": {1: 3, 2: 2, 3: 1}, "unanswered": 0, "ended_at_tool_call": 0}
-    _, again = run(ps, model, tokenizer, target_folder, tmp_path, Knobs(turns="last"))  # another cache: nothing shared
-    assert again["run"]["generated"] == 3 and "turns" not in again
-
-
-def test_a_conversation_cut_after_turn_2_resumes_at_turn_3(model, tokenizer, target_folder, tmp_path):
-    """The cache as a kill after turn 2 leaves it (every finished answer is fsync'd before the next starts): the
-    rerun generates turn 3 only and publishes what an uninterrupted run does."""
-    ps = chats()
-    full, _ = run(ps, model, tokenizer, target_folder, tmp_path / "full", Knobs(turns="all", temperature=0.8))
-    run(ps, model, tokenizer, target_folder, tmp_path / "cut", Knobs(turns="all", temperature=0.8))
-    cache = next((tmp_path / "cut").glob("*/generations.jsonl"))
-    lines = cache.read_text().splitlines()
-    cache.write_text("".join(line + "\n" for line in lines if json.loads(line)["id"] != f"{ps[0].id}@3"))
-    resumed, report = run(ps, model, tokenizer, target_folder, tmp_path / "cut", Knobs(turns="all", temperature=0.8))
-    assert report["run"]["generated"] == 1
-    assert [to_json(r) for r in resumed] == [to_json(r) for r in full]
-
-
-@pytest.mark.parametrize("template, joined", [(None, True), ("rewrites history", False)])
-def test_turns_share_a_training_sequence_only_where_the_ids_extend(
-    model, tokenizer, target_folder, tmp_path, template, joined
-):
-    """SmolLM's template renders the target's answers back to the ids it generated: merge joins a conversation's
-    turns into one sequence with a masked segment per turn. A template that rewrites history (here, every earlier
-    answer shown as its length) cannot: each turn is its own sequence. Either way every masked token is an output
-    id, in the context it was generated in."""
-    from copy import deepcopy
-
-    from eaglepipe.dataset import merge, sequences
-
-    tok = deepcopy(tokenizer)
-    if template:
-        tok.chat_template = (
-            "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
-            "[an answer of {{ m.content | length }} characters]"
-            "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-        )
-    ps = chats()[:1]
-    responses, _ = run(ps, model, tok, target_folder, tmp_path / "cache", Knobs(turns="all", max_new_tokens=16))
-    write_jsonl(tmp_path / "responses.jsonl", responses)
-    eot = target.end_of_turn_id(target_folder, tokenizer)
-    stats = merge.run(
-        tmp_path / "responses.jsonl",
-        tmp_path / "seq",
-        tok,
-        NONE,
-        eot,
-        config.Merge(valid_fraction=0.0, max_length=1024),
-    )
-    seqs = list(sequences.read(tmp_path / "seq", "train"))
-    by_id = {r.id: r for r in responses}
-    if joined:
-        assert stats["turns"] == {"joined": 2, "apart": 0} and [s[0] for s in seqs] == [f"{ps[0].id}@3"]
-    else:
-        assert stats["turns"] == {"joined": 0, "apart": 2} and len(seqs) == 3
-    for rid, _, ids, mask in seqs:
-        last = by_id[rid]
-        assert ids.tolist() == last.prompt_ids + last.output_ids
-        covered = [r for r in responses if r.turn <= last.turn] if joined else [last]
-        assert ids[mask.bool()].tolist() == [t for r in covered for t in r.output_ids]
-
-
-def write_params(tmp_path, **infer_overrides):
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["infer"].update(
-        {"engine": "hf", "batch_size": 1, "max_new_tokens": 24, "samples": 1, "temperature": 0.0, **infer_overrides}
-    )
-    params["infer"]["gates"].update(GATES)
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return path
-
-
-def stage(tmp_path, params, name="out"):
-    return [
-        sys.executable,
-        str(ROOT / "stages/infer.py"),
-        "--params",
-        str(params),
-        "--prompts",
-        str(tmp_path / "prompts.jsonl"),
-        "--out",
-        str(tmp_path / name),
-        "--report",
-        str(tmp_path / "report.json"),
-        "--timings",
-        str(tmp_path / "timings.json"),
-        "--cache",
-        str(tmp_path / f"cache-{name}"),
-    ]
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
-def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
-    """Under sampling, a run interrupted and resumed publishes the very bytes an uninterrupted run publishes."""
-    ps = prompts(QUESTIONS)
-    write_jsonl(tmp_path / "prompts.jsonl", ps)
-    params = write_params(tmp_path, batch_size=4, samples=2, temperature=0.8)
-    cmd = stage(tmp_path, params)
-    # A shell running the tests in the background leaves SIGINT ignored in its children; a user's Ctrl-C is not.
-    restore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=restore_sigint)
-    deadline = time.time() + 120
-    cache_file = None
-    while time.time() < deadline and proc.poll() is None:  # wait until some, not all, records are in the cache
-        files = list((tmp_path / "cache-out").glob("*/generations.jsonl"))
-        if files and 2 <= len(files[0].read_text().splitlines()) <= len(ps):  # at most half of the 2 x 8 answers
-            cache_file = files[0]
-            break
-        time.sleep(0.05)
-    assert cache_file is not None, "the stage never reached the middle of its run"
-    os.kill(proc.pid, sig)
-    proc.wait(timeout=60)
-    assert proc.returncode != 0
-    assert not (tmp_path / "out" / "responses.jsonl").exists()
-    done_before = len({json.loads(line)["id"] for line in cache_file.read_text().splitlines() if line.endswith("}")})
-
-    subprocess.run(cmd, check=True, capture_output=True)
-    records = [response_from_json(obj) for _, obj in read_jsonl(tmp_path / "out" / "responses.jsonl")]
-    assert sorted(r.id for r in records) == sorted(i for p in ps for i in (p.id, f"{p.id}.1"))
-    timings = json.loads((tmp_path / "timings.json").read_text())
-    assert timings["generated"] == 2 * len(ps) - done_before
-    subprocess.run(stage(tmp_path, params, "uninterrupted"), check=True, capture_output=True)
-    published = (tmp_path / "out" / "responses.jsonl").read_bytes()
-    assert published == (tmp_path / "uninterrupted" / "responses.jsonl").read_bytes()
-
-
-@pytest.mark.e2e
-def test_the_stage_checks_the_limits_before_generating(tmp_path):
-    """The real stage on a prompt too long for merge.max_length: one line naming it under fail; left out and counted
-    under skip, the other prompts generated."""
-    long_prompt = [{"role": "user", "content": "Summarise: " + "the cat sat on the mat. " * 40}]
-    ps = [*prompts(QUESTIONS[:2]), Prompt(content_id(long_prompt, None), "wordy", long_prompt)]
-    write_jsonl(tmp_path / "prompts.jsonl", ps)
-    for on_error in ("fail", "skip"):
-        params = yaml.safe_load(write_params(tmp_path, max_new_tokens=4, on_error=on_error).read_text())
-        params["merge"]["max_length"] = 64
-        (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-        out = subprocess.run(stage(tmp_path, tmp_path / "params.yaml", on_error), capture_output=True, text=True)
-        if on_error == "fail":
-            assert out.returncode == 1, out.stderr
-            assert (
-                out.stderr.strip()
-                .splitlines()[-1]
-                .startswith(f"Error: {tmp_path / 'prompts.jsonl'}:3: prompt {ps[2].id} of source wordy: ")
-            ), out.stderr
-            assert "leave no room for an answer within merge.max_length 64" in out.stderr
-            assert not list((tmp_path / "cache-fail").glob("*/generations.jsonl"))  # nothing generated
-        else:
-            assert out.returncode == 0, out.stderr
-            report = json.loads((tmp_path / "report.json").read_text())
-            assert report["left_out"] == {"no_room_in_max_length": 1} and report["completions"] == 2
-            assert report["left_out_ids"] == {"no_room_in_max_length": [ps[2].id]}
 
 
 def test_hf_engine_ignores_sampling_defaults_of_the_model_folder(target_folder, tokenizer, tmp_path):
