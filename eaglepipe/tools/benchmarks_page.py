@@ -172,8 +172,8 @@ def cost_section(records: list[Record]) -> list[str]:
         stages = " | ".join(number(record.values.get(f"seconds.{stage}")) for stage in STAGES)
         lines.append(f"| {machine(record)} | {record.name} | {minutes(record.values['seconds.wall'])} | {stages} |")
     lines += [""] + [paragraph(f"- {record.machine.label}: {source(record)}", "  ") for record in runs]
-    tests = results.latest_per_machine(results.named(records, ".ci/run"))
-    lines += ["", "Every test (`.ci/run`, both environments built first):", ""]
+    tests = test_runs(records)
+    lines += ["", "The tests (`.ci/run`: every test, both environments built first; `make test`):", ""]
     lines += ["| machine | wall | tests passed | command; commit; date |", "| --- | ---: | ---: | --- |"]
     lines += [
         f"| {machine(record)} | {minutes(record.values['seconds.wall'])} | "
@@ -322,16 +322,28 @@ def headline(records: list[Record]) -> str:
     return "\n".join([paragraph(intro), "", *bench_table(record), "", paragraph(standing(record.values))])
 
 
+def test_runs(records: list[Record]) -> list[Record]:
+    """The newest ``.ci/run`` (every test) and ``make test`` of each machine."""
+    every = results.latest_per_machine(results.named(records, ".ci/run"))
+    quick = results.latest_per_machine(results.named(records, "make test"))
+    return every + quick
+
+
+def timed(records: list[Record]) -> str:
+    """``records``' wall times, each with its machine."""
+    return ", ".join(f"{minutes(r.values['seconds.wall'])} on {machine(r)}" for r in records)
+
+
 def cost(records: list[Record]) -> str:
-    """The README's cost paragraph: the newest ``make repro`` and the newest run of every test on each machine."""
+    """The README's cost paragraph: the newest ``make repro``, ``.ci/run`` and ``make test`` on each machine."""
     runs = results.latest_per_machine(results.named(records, "make repro"))
-    tests = results.latest_per_machine(results.named(records, ".ci/run"))
+    every = results.latest_per_machine(results.named(records, ".ci/run"))
+    quick = results.latest_per_machine(results.named(records, "make test"))
     text = (
         "How long `make repro` takes from a fresh clone with nothing installed, the environments' set-up included: "
         + ", ".join(f"**{minutes(r.values['seconds.wall'])}** on {machine(r)}" for r in runs)
-        + ". Every test (`.ci/run`): "
-        + ", ".join(f"{minutes(r.values['seconds.wall'])} on {machine(r)}" for r in tests)
-        + "."
+        + f". Every test (`.ci/run`): {timed(every)}."
+        + (f" `make test` (the unit tier and one smoke run of every stage): {timed(quick)}." if quick else "")
     )
     return paragraph(text)
 
