@@ -47,12 +47,15 @@ $(STAGES): venv vllm-venv
 
 # The tests in tiers (pyproject.toml's markers). `make test`: the unit tier and one end-to-end smoke run of every
 # stage on tiny params (minutes). `make test-all` (what .ci/run runs): every tier, the slow tests and those that ask the
-# package registry included.
+# package registry included. TEST_WORKERS processes (pytest-xdist) take a test file each at a time, one torch thread
+# apiece (tests/conftest.py): on two cores, two.
+TEST_WORKERS ?= 2
+PYTEST := python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 test: venv vllm-venv
-	python -m pytest -q --durations=10 -m "(unit and not slow) or smoke" tests
+	$(PYTEST) --durations=10 -m "(unit and not slow) or smoke" tests
 
 test-all: venv vllm-venv
-	python -m pytest -q --durations=25 tests
+	$(PYTEST) --durations=25 tests
 
 # One tier alone.
 test-fast: venv

@@ -1,10 +1,22 @@
-"""Shared fixtures: the embedded target (tokenizer and model loaded once per test session); each test's tier."""
+"""Shared fixtures: the embedded target (tokenizer and model loaded once per test session); each test's tier; one
+torch thread per pytest-xdist worker."""
+
+import os
 
 import pytest
+import torch
 
 from eaglepipe.target import model as target
 
 TIERS = ("unit", "e2e", "engine")
+
+
+def pytest_configure(config):
+    """A pytest-xdist worker (``make test`` runs one per core) and every process it starts use one torch thread, so
+    the workers share the cores without oversubscribing them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

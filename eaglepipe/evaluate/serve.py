@@ -94,9 +94,9 @@ def eagle3(draft, num_steps: int) -> dict:
 
 
 class Served:
-    """A vLLM server of the target (with a ``speculative`` config, when given) for a ``with`` block, always stopped
-    on leaving; ``decode`` runs prompts with ``concurrency`` requests in flight. ``run`` names the run in messages and
-    the log file (``.cache/vllm/serve-<run>.log``); after the block, ``log`` holds what the server wrote in this run."""
+    """A vLLM server of the target (with a ``speculative`` config, when given) for a ``with`` block, always stopped on
+    leaving; ``decode`` runs prompts with ``concurrency`` requests in flight. ``run`` names the run in messages and the
+    log (``.cache/vllm/serve-<run>-<port>.log``, one per listening server); after the block, ``log`` holds the run's."""
 
     def __init__(
         self,
@@ -110,7 +110,8 @@ class Served:
         flags = list(p.extra_args)
         if speculative is not None:
             flags += ["--speculative-config", json.dumps(speculative), "--per-request-spec-decode-metrics", "summary"]
-        launch = config.Launch(host=p.host, port=p.port, extra_args=flags, log=str(CACHE / "vllm" / f"serve-{run}.log"))
+        log_path = CACHE / "vllm" / f"serve-{run}-{p.port}.log"
+        launch = config.Launch(host=p.host, port=p.port, extra_args=flags, log=str(log_path))
         section = servers(
             config.Servers(
                 launch=launch, concurrency=concurrency, retries=2, timeout_s=600.0, health_timeout_s=p.health_timeout_s

@@ -299,7 +299,7 @@ def test_e2e_ctrl_c_stops_the_server(served, tmp_path):
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["serve"] = {"python": str(VLLM), "port": 8014}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    log = config.CACHE / "vllm" / "serve-eagle.log"
+    log = config.CACHE / "vllm" / "serve-eagle-8014.log"
     start = log.stat().st_size if log.exists() else 0
     proc = subprocess.Popen(
         [
