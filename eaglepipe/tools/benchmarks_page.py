@@ -241,7 +241,7 @@ def scaling_section(records: list[Record]) -> list[str]:
     return lines + ["", paragraph(source(record))]
 
 
-MAIN = {"make bench", "evaluate", "make repro", "make gpu-check", ".ci/run"}
+MAIN = {"make bench", "evaluate", "make repro", "make gpu-check", ".ci/run", "make test"}
 
 
 def components_section(records: list[Record]) -> list[str]:
