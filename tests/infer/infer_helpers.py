@@ -4,6 +4,8 @@ the hf engine over the embedded model, its knobs in one dataclass."""
 from dataclasses import dataclass
 from pathlib import Path
 
+import e2e
+
 from eaglepipe.core import config
 from eaglepipe.core.records import Prompt, content_id
 from eaglepipe.engines import Sampling
@@ -14,16 +16,7 @@ from eaglepipe.infer.run import InferRun, Plan, fingerprint
 from eaglepipe.target import model as target
 from eaglepipe.text import derive
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name a primary color.",
-    "What is 2 plus 2?",
-    "Say hello in Spanish.",
-    "Name a planet.",
-    "What do bees make?",
-    "Spell 'cat' backwards.",
-    "What is the opposite of hot?",
-]
+QUESTIONS = [*e2e.QUESTIONS, "Spell 'cat' backwards.", "What is the opposite of hot?"]
 NONE = derive.spec_from_params("none")
 GATES = {"warmup": 4, "every": 4, "min_reasoning": 0.9, "max_truncated": 1.0, "max_empty": 0.5}
 
