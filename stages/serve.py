@@ -37,17 +37,18 @@ def main(params, decoded, draft_folder, report, timings):
     folder = target.resolve(cfg.target.model, cfg.target.trust_remote_code)
     tokenizer = target.load_tokenizer(folder)
     rows = serve.load_decoded(decoded)
-    metrics = serve.check(
-        folder.resolve(),
-        tokenizer,
-        draft_folder,
-        rows,
-        target.stop_ids(folder, tokenizer),
-        cfg.serve,
-        cfg.evaluate.num_steps,
-        cfg.evaluate.max_new_tokens,
-        lambda: target.load_model(folder, "float32", cfg.runtime.device_map or runtime.device(cfg.runtime.device)),
-    )
+    with runtime.start(cfg.runtime.device) as rt:
+        metrics = serve.check(
+            folder.resolve(),
+            tokenizer,
+            draft_folder,
+            rows,
+            target.stop_ids(folder, tokenizer),
+            cfg.serve,
+            cfg.evaluate.num_steps,
+            cfg.evaluate.max_new_tokens,
+            lambda: target.load_target(folder, "float32", rt, cfg.runtime.device_map),
+        )
     cli.publish(metrics, report, timings)
     logging.info(
         "vLLM: acceptance length %.4f (evaluate %.4f), outputs equal %s; %.1f tokens/s with the drafter",

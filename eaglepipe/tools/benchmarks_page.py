@@ -126,7 +126,7 @@ def bench_section(records: list[Record]) -> list[str]:
             "otherwise; the newest run of each machine. Speeds: tokens/s and their ratio to plain decoding's."
         ),
     ]
-    for record in results.latest_per_machine(results.named(records, "make bench")):
+    for record in latest(records, "make bench"):
         lines += ["", f"### {machine(record)}", "", *bench_table(record), "", paragraph(source(record))]
     return lines
 
@@ -152,7 +152,7 @@ def evaluate_section(records: list[Record]) -> list[str]:
             "errors (the whole sets: `make bench` above)."
         ),
     ]
-    for record in results.latest_per_machine(results.named(records, "evaluate")):
+    for record in latest(records, "evaluate"):
         lines += ["", *evaluate_table(record), "", paragraph(source(record, with_machine=True))]
     return lines
 
@@ -322,11 +322,14 @@ def headline(records: list[Record]) -> str:
     return "\n".join([paragraph(intro), "", *bench_table(record), "", paragraph(standing(record.values))])
 
 
+def latest(records: list[Record], name: str) -> list[Record]:
+    """The newest record named ``name`` of each machine."""
+    return results.latest_per_machine(results.named(records, name))
+
+
 def test_runs(records: list[Record]) -> list[Record]:
     """The newest ``.ci/run`` (every test) and ``make test`` of each machine."""
-    every = results.latest_per_machine(results.named(records, ".ci/run"))
-    quick = results.latest_per_machine(results.named(records, "make test"))
-    return every + quick
+    return latest(records, ".ci/run") + latest(records, "make test")
 
 
 def timed(records: list[Record]) -> str:
@@ -336,9 +339,9 @@ def timed(records: list[Record]) -> str:
 
 def cost(records: list[Record]) -> str:
     """The README's cost paragraph: the newest ``make repro``, ``.ci/run`` and ``make test`` on each machine."""
-    runs = results.latest_per_machine(results.named(records, "make repro"))
-    every = results.latest_per_machine(results.named(records, ".ci/run"))
-    quick = results.latest_per_machine(results.named(records, "make test"))
+    runs = latest(records, "make repro")
+    every = latest(records, ".ci/run")
+    quick = latest(records, "make test")
     text = (
         "How long `make repro` takes from a fresh clone with nothing installed, the environments' set-up included: "
         + ", ".join(f"**{minutes(r.values['seconds.wall'])}** on {machine(r)}" for r in runs)
