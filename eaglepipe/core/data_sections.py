@@ -144,6 +144,21 @@ class Gates(Section):
     max_empty: float = Field(0.02, ge=0, le=1, description="most share with neither reasoning nor answer text")
 
 
+class Preflight(Section):
+    mode: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="before generating, a few prompts' first tokens through the engine compared with a float32 "
+        "transformers forward of the target (eaglepipe/infer/preflight.py): on | off | auto (on where the target "
+        "runs on this machine: the hf engine, or weights under max_weights_gib)",
+    )
+    prompts: int = Field(4, ge=1, description="prompts asked (the run's first ones, with their own seeds)")
+    tokens: int = Field(8, ge=1, description="tokens generated for each")
+    max_mean_abs_diff: float = Field(
+        0.05, gt=0, description="most mean |engine - transformers| log-probability over those tokens, in nats"
+    )
+    max_weights_gib: float = Field(2.0, gt=0, description="auto: the largest checkpoint loaded for the check")
+
+
 class Launch(Section):
     model_path: str | None = Field(
         None, min_length=1, description="the model the server serves [default: the target's folder]"
@@ -244,6 +259,9 @@ class Infer(Section):
         0.0, "the stage fails when more prompts than this share fail permanently", ge=0, le=1
     )
     gates: Gates = Field(Gates(), description="checked while infer runs; a breach stops it and publishes nothing")
+    preflight: Preflight = speed(
+        Preflight(), "the engine checked against transformers before it generates (a refusal publishes nothing)"
+    )
     sglang: Servers = speed(Servers(), "infer.engine: sglang (docs/engines.md); other engines ignore it")
     vllm: Servers = speed(
         Servers(launch=Launch(extra_args=["--enforce-eager"])),

@@ -13,6 +13,31 @@ from eaglepipe.core.section import Section, speed
 
 
 # ------------------------------------------------------------------------------------------------------------ hidden
+class Agreement(Section):
+    mode: Literal["on", "warn", "off"] = Field(
+        "on",
+        description="on: the stage stops when the answers' engine and the states' model disagree | warn: it "
+        "logs it and goes on | off: no check (eaglepipe/hidden/agreement.py)",
+    )
+    max_mean_abs_diff: Literal["auto"] | float = Field(
+        "auto",
+        description="most mean |engine - target| log-probability of the answer tokens, in nats, over the checked "
+        "sequences; auto: measured on the embedded target, tighter when both sides compute in float32 "
+        "(eaglepipe/hidden/agreement.py)",
+    )
+    min_greedy_agreement: float = Field(
+        0.9, ge=0, le=1, description="greedy answers: least share of answer tokens that are the target's argmax"
+    )
+    min_sequences: int = Field(8, ge=1, description="sequences checked before the verdict (all, when fewer)")
+
+    @field_validator("max_mean_abs_diff")
+    @classmethod
+    def _positive(cls, value):
+        if value != "auto" and value <= 0:
+            raise ValueError(f"should be auto or a positive number of nats, got {value}")
+        return value
+
+
 class Hidden(Section):
     engine: Literal["hf", "vllm"] = Field(
         "hf",
@@ -47,6 +72,11 @@ class Hidden(Section):
         "left out of its shard, with its reason in failures.jsonl)",
         ge=0,
         le=1,
+    )
+
+    agreement: Agreement = speed(
+        Agreement(),
+        "the answers' engine log-probabilities checked against the states' model (also in online training)",
     )
 
     _servers_for_the_engine = model_validator(mode="after")(servers_for_the_engine)

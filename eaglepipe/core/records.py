@@ -12,6 +12,9 @@ Generation (one line of the infer cache; what an engine returned, nothing derive
     sample (which of the prompt's ``infer.samples`` answers: 0, 1, ...), turn (0: the answer to the last turn in the
     dataset's context; t >= 1 under ``infer.turns: all``: turn t in the target's own context, turns.py).
     ``id`` (``record_id``): the prompt's id for sample 0, ``<prompt id>.<sample>`` after, plus ``@<turn>`` for t >= 1.
+    logprobs: the engine's own raw log-probability (float32 log-softmax of its logits, before temperature and the
+    filters) of each output id, rounded to 5 decimals, as long as ``output_ids``; ``null`` for a token the engine
+    gave no figure, and for the whole list in answers cached before engines reported them (engines/logprobs.py).
 
 Response (``data/responses/responses.jsonl``, written by infer)
     id, source, prompt_ids, output_ids, finish_reason, sample, turn     exactly as the engine produced them
@@ -22,6 +25,7 @@ Response (``data/responses/responses.jsonl``, written by infer)
     tool_calls    calls parsed out of ``content`` for families with known markers (may be empty)
     sampling      the sampling parameters used
     meta          engine metadata (engine name, token counts; not ``derive.PER_RUN``: infer's cache keeps those)
+    logprobs      as in Generation (hidden checks them against the states' model: hidden/agreement.py)
 
 Training sequences (``data/sequences/{train,valid}/``, written by merge) are binary, see ``sequences.py``:
     per sample ``input_ids`` (= prompt_ids + output_ids) and ``loss_mask`` (1 exactly on output ids).
@@ -107,6 +111,7 @@ class Generation:
     meta: dict = field(default_factory=dict)
     sample: int = 0
     turn: int = 0
+    logprobs: list | None = None
 
 
 @dataclass
@@ -125,6 +130,7 @@ class Response:
     meta: dict
     sample: int = 0
     turn: int = 0
+    logprobs: list | None = None
 
 
 def _check(path, line, rec: dict, name: str, kind, nonempty: bool = False):
@@ -143,6 +149,23 @@ def _check_ids(path, line, rec: dict, name: str, nonempty: bool):
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise RecordError(path, line, name, "should hold non-negative integer token ids")
     return ids
+
+
+def _check_logprobs(path, line, rec: dict) -> list | None:
+    """The optional ``logprobs``: absent or null, or one number (or null) per output id."""
+    figures = rec.get("logprobs")
+    if figures is None:
+        return None
+    if not isinstance(figures, list) or len(figures) != len(rec["output_ids"]):
+        raise RecordError(
+            path, line, "logprobs", f"should be null or a list as long as output_ids ({len(rec['output_ids'])})"
+        )
+    for x in figures:
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or x > 0):
+            raise RecordError(
+                path, line, "logprobs", f"should hold log-probabilities (numbers <= 0) or null, got {x!r}"
+            )
+    return figures
 
 
 def prompt_from_json(rec: dict, path="<prompt>", line=None) -> Prompt:
@@ -199,6 +222,7 @@ def generation_from_json(rec: dict, path="<generation>", line=None) -> Generatio
         rec.get("meta") or {},
         sample,
         turn,
+        _check_logprobs(path, line, rec),
     )
 
 
@@ -224,6 +248,7 @@ def response_from_json(rec: dict, path="<response>", line=None) -> Response:
         gen.meta,
         gen.sample,
         gen.turn,
+        gen.logprobs,
     )
 
 
