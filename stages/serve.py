@@ -11,7 +11,7 @@ import click
 
 from eaglepipe.core import cli, runtime
 from eaglepipe.core.errors import UserError
-from eaglepipe.evaluate import serve
+from eaglepipe.evaluate import serve, ties
 from eaglepipe.target import model as target
 
 
@@ -38,16 +38,18 @@ def main(params, decoded, draft_folder, report, timings):
     tokenizer = target.load_tokenizer(folder)
     rows = serve.load_decoded(decoded)
     with runtime.start(cfg.runtime.device) as rt:
+        judge = ties.Judge(
+            lambda: target.load_target(folder, "float32", rt, cfg.runtime.device_map), cfg.serve.tie_margin
+        )
         metrics = serve.check(
             folder.resolve(),
             tokenizer,
             draft_folder,
             rows,
-            target.stop_ids(folder, tokenizer),
             cfg.serve,
             cfg.evaluate.num_steps,
             cfg.evaluate.max_new_tokens,
-            lambda: target.load_target(folder, "float32", rt, cfg.runtime.device_map),
+            judge,
         )
     cli.publish(metrics, report, timings)
     logging.info(

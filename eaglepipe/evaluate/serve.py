@@ -22,7 +22,6 @@ import re
 import time
 import urllib.request
 from collections import defaultdict
-from collections.abc import Callable
 from itertools import zip_longest
 
 from eaglepipe.core import config
@@ -36,7 +35,7 @@ from eaglepipe.engines.vllm import VLLMEngine, amx, cpu_build
 from eaglepipe.evaluate import ties
 from eaglepipe.evaluate.decode import first_difference
 from eaglepipe.target import compat, families, quant
-from eaglepipe.target.model import load_model
+from eaglepipe.target.model import stop_ids as stop_ids_of
 
 log = logging.getLogger(__name__)
 
@@ -351,24 +350,24 @@ def refusal(folder, target_config: dict, drafter, p: config.Serve) -> str | None
     return next((why for refused, why in rows if refused), None)
 
 
-def check(  # noqa: PLR0913 (the engine tests call it with the first eight; load_target is the stage's, optional)
+def check(
     folder,
     tokenizer,
     draft,
     rows: list[dict],
-    stop_ids,
     p: config.Serve,
     num_steps: int,
     max_new_tokens: int,
-    load_target: Callable | None = None,
+    judge: ties.Judge,
 ) -> dict:
     """``compare`` of the run with the drafter (as evaluate decoded ``rows``: ``evaluate.num_steps`` draft tokens per
-    step, ``evaluate.max_new_tokens``) and, where an output differs, the plain run, each difference judged by the
-    target (``load_target`` returns it, in float32; by default on the CPU) against ``serve.tie_margin``; UserError
-    with ``refusal``'s reason first where vLLM cannot run the check."""
+    step, ``evaluate.max_new_tokens``, the target's stop ids) and, where an output differs, the plain run, each
+    difference judged by ``judge`` (the target against ``serve.tie_margin``); UserError with ``refusal``'s reason
+    first where vLLM cannot run the check."""
     target_config = families.load_config(folder)
     if why := refusal(folder, target_config, read_config(draft), p):
         raise UserError(why)
+    stop_ids = stop_ids_of(folder, tokenizer)
     sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stop_ids)))
     num_layers = families.text_config(target_config).num_hidden_layers
     eagle = decode(folder, tokenizer, p, rows, sampling, eagle3(draft, num_steps), "eagle")
@@ -376,7 +375,6 @@ def check(  # noqa: PLR0913 (the engine tests call it with the first eight; load
     if differences(rows, eagle["outputs"], "eagle"):
         log.info("an output with the drafter differs from evaluate's: decoding without it too")
         plain = decode(folder, tokenizer, p, rows, sampling)
-    judge = ties.Judge(load_target or (lambda: load_model(folder)), p.tie_margin)
     metrics = compare(rows, eagle, p.tolerance, num_layers, plain, judge)
     for mismatch in metrics["mismatches"]:
         if mismatch["tie"]:

@@ -25,7 +25,7 @@ from eaglepipe.engines import Sampling
 from eaglepipe.engines.server import BadAnswer
 from eaglepipe.engines.vllm import check_answer
 from eaglepipe.evaluate import run as evaluate
-from eaglepipe.evaluate import serve
+from eaglepipe.evaluate import serve, ties
 from eaglepipe.target import model as target
 from eaglepipe.text import reasoning
 
@@ -196,9 +196,8 @@ def served(tmp_path_factory, target_folder, tokenizer, model):
 
 
 def check(s, target_folder, tokenizer, rows, draft_folder):
-    return serve.check(
-        target_folder.resolve(), tokenizer, draft_folder, rows, s["stops"], s["p"], 3, s["max_new_tokens"]
-    )
+    judge = ties.Judge(lambda: target.load_model(target_folder), s["p"].tie_margin)
+    return serve.check(target_folder.resolve(), tokenizer, draft_folder, rows, s["p"], 3, s["max_new_tokens"], judge)
 
 
 def bench_vllm():

@@ -17,6 +17,7 @@ from eaglepipe.drafter import train
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.engines import Sampling, vllm
 from eaglepipe.evaluate import run as evaluate
+from eaglepipe.evaluate import ties
 from eaglepipe.hidden import extract
 from eaglepipe.target import compat, families
 from eaglepipe.target import model as target
@@ -116,6 +117,7 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
         "heldout"
     ]
     p = config.Serve(python=str(ROOT / ".venv-vllm/bin/python"), port=8015, extra_args=["--enforce-eager"])
+    judge = ties.Judge(lambda: target.load_model(folder), p.tie_margin)
     no_torchvision = (
         vllm._no_torchvision(p.python, vllm.cpu_env(p.python))
         and "cannot serve the composite target .* import torchvision, which fails"
@@ -142,7 +144,7 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
     if refusal:
         start = time.monotonic()
         with pytest.raises(UserError, match=refusal):
-            serve.check(folder, tokenizer, tmp_path / "draft", rows, stops, p, e.num_steps, e.max_new_tokens)
+            serve.check(folder, tokenizer, tmp_path / "draft", rows, p, e.num_steps, e.max_new_tokens, judge)
         assert time.monotonic() - start < 60
         if family == "deepseek_v3":  # the target alone it serves (infer.engine: vllm), token-exact
             plain = serve.decode(
@@ -154,7 +156,7 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
             )
             assert plain["outputs"] == [r["output_ids"] for r in rows]
         return
-    m = serve.check(folder, tokenizer, tmp_path / "draft", rows, stops, p, e.num_steps, e.max_new_tokens)
+    m = serve.check(folder, tokenizer, tmp_path / "draft", rows, p, e.num_steps, e.max_new_tokens, judge)
     assert m["outputs_equal"] and m["counters_agree"] and m["passed"], m
     assert m["engine_layers"] == m["layers"] == [1, 2, 3]
     assert m["acceptance_length"] > 2 or drafter != "deepseek_mla"  # measured 2.444, evaluate's too
