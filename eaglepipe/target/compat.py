@@ -133,7 +133,7 @@ def check(folder: Path):
     _whole_head_rotary(folder, text, rope)
     _computed_rope(folder, rope, families.composite(config))
     stored = weights(folder)
-    _float_weights(folder, stored, getattr(config, "tie_word_embeddings", False))
+    _float_weights(folder, stored, _tied(config))
     _decoder_layers(folder, stored)
     _embedding_shape(folder, stored, text)
     return text
