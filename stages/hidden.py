@@ -1,6 +1,8 @@
 """hidden: the target's hidden states on the merged sequences, for training the drafter (format and layer
 convention: eaglepipe/hidden/layout.py), from an in-process forward (hidden.engine: hf) or a vLLM server (vllm:
 eaglepipe/hidden/vllm_source.py). Finished shards are kept in the cache as they are written, so a rerun resumes.
+Every sequence's answer is checked against the engine's own log-probabilities (eaglepipe/hidden/agreement.py): a
+disagreement stops the stage before it publishes anything; the figures go into the report.
 The hf engine runs as one process or under torchrun, whose ranks share the shards (eaglepipe/core/runtime.py). With
 train.features: online it extracts nothing (train computes the states itself) and publishes an index saying so."""
 

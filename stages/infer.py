@@ -1,6 +1,7 @@
 """infer: the target regenerates `infer.samples` answers to every prompt (to its last turn, or to every turn in order
 under infer.turns: all), token-exact, resumable and incremental (eaglepipe/infer/run.py); records as in
-eaglepipe/core/records.py (Response)."""
+eaglepipe/core/records.py (Response). Before the first answer is generated, infer.preflight checks the engine's
+log-probabilities against a float32 transformers forward (eaglepipe/infer/preflight.py)."""
 
 import logging
 from pathlib import Path
@@ -13,6 +14,7 @@ from eaglepipe.core.records import read_prompts, write_json, write_jsonl
 from eaglepipe.engines import Sampling, table
 from eaglepipe.infer.cache import Cache
 from eaglepipe.infer.gates import Gates
+from eaglepipe.infer.preflight import Check
 from eaglepipe.infer.run import InferRun, Limits, Plan, fingerprint
 from eaglepipe.target import compat, remote
 from eaglepipe.target import model as target
@@ -55,7 +57,8 @@ def main(params, prompts, out, report, timings, cache):
                 gates = Gates(p.gates, spec.expects_reasoning, derive.markup(tokenizer))
                 limits = Limits(target.context_length(folder), cfg.merge.max_length, p.on_error, prompts)
                 plan = Plan(template_kwargs, p.max_failure_rate, p.samples, limits, p.turns)
-                run = InferRun(engine, tokenizer, sampling, spec, gates, Cache(work), plan)
+                preflight = Check(engine, sampling, folder, rt, p.preflight)
+                run = InferRun(engine, tokenizer, sampling, spec, gates, Cache(work), plan, before_generating=preflight)
                 responses, rep = run.run(prompt_list)
         except UserError as e:
             raise UserError(f"{e}. Nothing was published; the records are in {work}") from None
@@ -64,6 +67,7 @@ def main(params, prompts, out, report, timings, cache):
         described = engine.describe()
         # the servers asked, if any were (none when every answer was cached): what this run met, not what it published
         rep["run"]["servers"] = described.pop("servers", None)
+        rep["run"]["preflight"] = preflight.report
         write_json(Path(out) / "engine.json", {"fingerprint": fp, **described, **code})
     cli.publish(rep, report, timings)
     logging.info("wrote %d records to %s: %s", len(responses), out, rep["finish_reason"])

@@ -1,7 +1,8 @@
 """What train trains on: the samples (``load_samples``: ids and masks, kept in memory) and where a batch's states
 come from, read or computed when it is collated (``features_of``). ``train.features: offline`` reads them from
 ``data/hidden`` (hidden/layout.py's ``Stored``); ``online`` has the frozen target compute them from
-``data/sequences`` (``Online``) with hidden's extraction and params, and writes nothing."""
+``data/sequences`` (``Online``) with hidden's extraction and params, and writes nothing; it checks each sequence it
+computes against the engine's figures as hidden would (hidden/agreement.py, ``hidden.agreement``)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import torch
 from eaglepipe.core import records
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.fingerprint import code_key
-from eaglepipe.dataset import shards
+from eaglepipe.dataset import sequences, shards
 from eaglepipe.drafter.eagle3.ttt import chain_masks
-from eaglepipe.hidden import extract, layout
+from eaglepipe.hidden import agreement, extract, layout
+from eaglepipe.hidden.comparison import Context
 from eaglepipe.target import families
 
 log = logging.getLogger(__name__)
@@ -25,13 +27,17 @@ log = logging.getLogger(__name__)
 class Online:
     """Online features: the frozen target ``model`` computes, per batch of ``folder``'s sequences
     (``data/sequences``), what hidden would store with ``params`` (config.Hidden); a sequence it cannot run is a
-    UserError."""
+    UserError. Each sequence is checked against the engine's figures (their dtype: ``folder``'s policy,
+    hidden/comparison.Context) the first time it is computed (``agreement`` gives the figures)."""
 
     def __init__(self, folder, model, params):
         self.folder, self.model, self.params = Path(folder), model.eval().requires_grad_(False), params
         index = shards.load_index(self.folder)
         self.layers = layout.layer_ids(params.layers, families.text_config(model.config).num_hidden_layers)
         self.splits = [s for s in shards.SPLITS if s in index]
+        target_dtype = extract.source_of(model).compute_dtype
+        self.context = Context.of(params.agreement, index.get("policy"), target_dtype)
+        self.live = agreement.live(self.context, sum(index[s]["samples"] for s in self.splits))
 
     def identity(self) -> dict:
         return {
@@ -49,6 +55,7 @@ class Online:
             self.layers,
             self.params.batch_tokens,
             self.params.dtype,
+            self.live.bound(samples) if self.live is not None else None,
         )
         if failed:
             raise UserError(
@@ -60,6 +67,15 @@ class Online:
         return [
             layout.decode({name: tensors[name][off[i] : off[i + 1]] for name in names}) for i in range(len(samples))
         ]
+
+    def agreement(self, rt) -> dict:
+        """The agreement figures over the sequences every rank (``rt``: core/runtime.Runtime) checked, each once; the
+        verdict first given on what came in, when fewer than ``min_sequences`` did."""
+        if self.live is None:
+            return {"mode": "off"}
+        self.live.finish()
+        checked = {f.id: f for figures in rt.gather(list(self.live.checked.values())) for f in figures}
+        return agreement.summary(agreement.aggregate(list(checked.values())), self.context)
 
 
 def features_of(feats) -> layout.Stored | Online:
@@ -73,7 +89,8 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
     included (further answers to it, ``infer.samples``, over their own tokens only). ``keep(id)`` picks the samples
     to load."""
     folder, samples, prompts, untrained = Path(folder), [], set(), 0
-    for entry, spans, t in shards.columns(folder, split, ("input_ids", "loss_mask")):
+    figures = (sequences.ENGINE_LOGPROB,) if sequences.holds_figures(folder) else ()
+    for entry, spans, t in shards.columns(folder, split, ("input_ids", "loss_mask", *figures)):
         for sid, (start, end) in zip(entry["ids"], spans):
             if keep is not None and not keep(sid):
                 continue
@@ -84,7 +101,8 @@ def load_samples(folder, split: str, positions: str = "generated", keep=None) ->
             if not chain_masks(chain, 1)[0].any():
                 untrained += 1
                 continue
-            samples.append(layout.Sample(sid, t["input_ids"][start:end], mask, chain, folder / entry["file"], start))
+            ids, engine_logprob = t["input_ids"][start:end], t[figures[0]][start:end] if figures else None
+            samples.append(layout.Sample(sid, ids, mask, chain, folder / entry["file"], start, engine_logprob))
     if untrained:
         log.info("%s: %d samples left out, no position to train (an answer of one token)", split, untrained)
     return samples

@@ -328,8 +328,11 @@ def epoch(t: Training, path: Path, rt: runtime.Runtime) -> None:
 
 
 def report(t: Training, seconds: float, rt: runtime.Runtime) -> dict:
-    """The run's figures: data, vocabulary coverage, the last epoch's train and valid rows, and its speed."""
+    """The run's figures: data, vocabulary coverage, the last epoch's train and valid rows, and its speed; online,
+    the agreement of the states' model with the answers' engine over the sequences this run computed
+    (hidden/agreement.py; under ``run``: a resumed run computes fewer)."""
     in_vocab = sum(c for tok, c in t.counts.items() if t.model.t2d[tok])
+    checked = {"agreement": t.feats.agreement(rt)} if isinstance(t.feats, Online) else {}
     return {
         "features": "online" if isinstance(t.feats, Online) else "offline",
         "epochs": len(t.plans),
@@ -345,6 +348,7 @@ def report(t: Training, seconds: float, rt: runtime.Runtime) -> dict:
             "device": str(rt.device),
             "autocast": t.p.autocast,
             "tokens_per_s": round(t.trained_tokens / seconds, 1) if t.trained_tokens else None,
+            **checked,
         },
         "train": last_epoch(t.progress.history, "train"),
         "valid": last_epoch(t.progress.history, "valid"),

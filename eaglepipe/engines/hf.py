@@ -5,7 +5,8 @@ identical prompts share one prefill; only the explicit ``Sampling`` touches the 
 ``generation_config.json``). Prompts are left-padded and position ids count real tokens, so a row sees the positions
 it would alone. Sampling runs on the CPU, each row with its own seeded generator, and keeps the tokens SGLang's
 temperature, top-k, top-p, min-p keep (``pick`` applies min-p first: it cuts only the tail, below a share of the top
-probability, so no order changes the kept set).
+probability, so no order changes the kept set). Each answer is ``Scored``: the raw log-probability of every id, the
+float32 log-softmax of the logits it was picked from (before temperature and the filters; engines/logprobs.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import logging
 import torch
 from transformers import DynamicCache
 
-from eaglepipe.engines import Failure, Output, Sampling, seed_for
+from eaglepipe.engines import Failure, Sampling, seed_for
+from eaglepipe.engines.logprobs import Scored, clean
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class HFEngine:
         return {"engine": self.name, "model": type(self.model).__name__, **self.identity()}
 
     def stream(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
-        """Yield (index, Output) as rows finish, or (index, Failure) for a record that fails alone (``isolated``).
+        """Yield (index, Scored) as rows finish, or (index, Failure) for a record that fails alone (``isolated``).
         Batches go longest first, at most ``batch_size`` rows and ``batch_tokens`` of KV cache (rows x (longest prompt
         + max_new_tokens))."""
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: duplicates stay adjacent
@@ -78,22 +80,25 @@ class HFEngine:
 
     @torch.inference_mode()
     def _decode(self, prompts: list[list[int]], sampling: Sampling, rids: list[str]):
-        """Yield (row, Output) for one batch, each row as it finishes."""
+        """Yield (row, Scored) for one batch, each row as it finishes."""
         rngs = [torch.Generator().manual_seed(seed_for(sampling.seed, rid)) for rid in rids]  # one per record
         meta = {"engine": self.name}
         stops = set(sampling.stop_token_ids)
         dev = self.model.device
         cache, logits, attention, position = self._prefill(prompts)
         rows = list(range(len(prompts)))  # batch row -> prompt row, None once finished
-        outputs = [[] for _ in prompts]
+        outputs, figures = [[] for _ in prompts], [[] for _ in prompts]
         while True:
-            tokens = pick(logits.float().cpu(), sampling, rngs).tolist()  # each row's generator is on the CPU
+            scores = logits.float().cpu()  # each row's generator is on the CPU
+            chosen = pick(scores, sampling, rngs)
+            raw, tokens = chosen_logprobs(scores, chosen).tolist(), chosen.tolist()
             for j, (row, token) in enumerate(zip(rows, tokens)):
                 if row is None:
                     continue
                 outputs[row].append(token)
+                figures[row].append(clean(raw[j]))
                 if token in stops or len(outputs[row]) >= sampling.max_new_tokens:
-                    yield row, Output(outputs[row], "stop" if token in stops else "length", dict(meta))
+                    yield row, Scored(outputs[row], "stop" if token in stops else "length", dict(meta), figures[row])
                     rows[j] = None
             live = [j for j, row in enumerate(rows) if row is not None]
             if not live:
@@ -142,6 +147,12 @@ class HFEngine:
         if len(unique) < len(prompts):
             cache.batch_select_indices(index)
         return cache, logits[index], attention[index], positions[index, -1]
+
+
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The raw log-probability of ``tokens[i]`` in row i of the float32 ``logits``: its log-softmax, at temperature
+    1, before any filter."""
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
 
 
 def pick(logits: torch.Tensor, sampling: Sampling, rngs: list) -> torch.Tensor:

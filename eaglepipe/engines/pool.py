@@ -61,7 +61,7 @@ class Fault(Enum):
     BUSY = "http"  # HTTP 408, 429 or 5xx, named http<status>; a 503 takes the server out of rotation
     CLIENT = "http4xx"  # any other HTTP status but 200: retried once
     MALFORMED = "malformed"  # a body that is not JSON
-    CHECK = "check"  # an answer that fails the api's checks (server.BadAnswer)
+    CHECK = "check"  # an answer that fails the api's checks (server.BadAnswer) or its figures' (logprobs.BadFigures)
 
 
 @dataclass

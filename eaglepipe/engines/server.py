@@ -8,6 +8,10 @@ malformed JSON, a failed check) goes to the pool's ``after``, which says whether
 (with a fresh request id); when it gives up, the prompt is a ``Failure`` with every attempt's reason. A request given
 up on (timeout) or left behind when the run stops early (a gate, Ctrl-C) is cancelled on the server.
 
+An engine built to ``scores`` (infer's: table.py) also asks every server for the raw log-probability of each
+generated id and keeps them in its answers (logprobs.py: what is asked and read, and a launched server made to give
+them raw); hidden's vLLM states source and the serve check ask for none.
+
 Nothing starts before it is needed: ``identity`` of a launched server is predicted from its launch arguments and the
 engine version installed where its launcher runs (checked against what the server reports once it runs), so a run
 whose answers are all cached starts no server; servers given by url are asked (they run already).
@@ -26,8 +30,9 @@ import aiohttp
 import orjson
 
 from eaglepipe.core.config import CACHE
-from eaglepipe.engines import Failure, Output, Sampling
+from eaglepipe.engines import Failure, Output, Sampling, logprobs
 from eaglepipe.engines.launch import LaunchedServer
+from eaglepipe.engines.logprobs import Scored
 from eaglepipe.engines.pool import JSON, Failed, Fault, Server, ServerError, ServerPool
 
 log = logging.getLogger(__name__)
@@ -95,10 +100,12 @@ class ServerEngine:
     """The engine over ``api``'s servers; ``params``: its ``infer`` section (config.Servers). A context manager:
     entering starts it (``start``: launches the server if asked, checks every server), leaving closes the connections
     and stops a launched server. ``stream``, and ``identity`` of servers given by url, start it when needed;
-    ``close`` of one never started stops nothing (table.create hands the stages such an engine)."""
+    ``close`` of one never started stops nothing (table.create hands the stages such an engine). ``scores``: every
+    answer also carries the engine's raw log-probability of each id (a ``Scored``; logprobs.py)."""
 
-    def __init__(self, api: Api, params, tokenizer):
+    def __init__(self, api: Api, params, tokenizer, scores: bool = False):
         self.api, self.name, self.title = api, api.name, api.title
+        self.scores = scores
         self.launch = params.launch
         self.concurrency = params.concurrency
         self.timeout_s = params.timeout_s
@@ -119,9 +126,11 @@ class ServerEngine:
         return False
 
     def _launcher(self) -> LaunchedServer:
-        """The server ``launch`` describes (``launched``), built once."""
+        """The server ``launch`` describes (``launched``), built once; one that scores, made to give raw figures."""
         if self.launched is None:
             self.launched = self.api.launcher(self.launch)
+            if self.scores:
+                logprobs.prepare_launch(self.name, self.launched)
         return self.launched
 
     def start(self) -> ServerEngine:
@@ -282,21 +291,25 @@ class ServerEngine:
 
     async def _attempt(self, prompt_ids: list, sampling: Sampling, record_id: str, n: int) -> Output:
         """Attempt ``n`` at a prompt (request id ``<record id>#<n>`` from the second on) on the server the pool picks;
-        its checked Output, or Failed."""
+        its checked Output (Scored, with the figures checked against the ids, when the engine scores), or Failed."""
         rid = record_id if n == 1 else f"{record_id}#{n}"
         server = await self.pool.acquire()
         path, body = self.api.request(prompt_ids, sampling, record_id, rid)
+        if self.scores:
+            body = logprobs.ask(self.name, body)
         start = time.perf_counter()
         status, raw = await self._post(server, path, orjson.dumps(body), rid)
         latency = time.perf_counter() - start
         answer = self._answer(server, status, raw)
         try:
             ids, reason, meta = self.api.check(answer, prompt_ids, sampling, rid)
-        except BadAnswer as e:
+            figures = logprobs.read(self.name, answer, ids) if self.scores else None
+        except (BadAnswer, logprobs.BadFigures) as e:
             raise Failed(Fault.CHECK, server, f"{e} ({server.url})") from None
         self.stats["ok"] += 1
         head = {"engine": self.name, "server": server.url, "rid": rid, "attempts": n}
-        return Output(ids, reason, {**head, **meta, "latency_s": round(latency, 4)})
+        meta = {**head, **meta, "latency_s": round(latency, 4)}
+        return Scored(ids, reason, meta, figures) if self.scores else Output(ids, reason, meta)
 
     async def _post(self, server: Server, path: str, body: bytes, rid: str) -> tuple[int, bytes]:
         """(HTTP status, body) of one request; Failed when no answer came (a timeout cancels ``rid`` on the server,

@@ -1,4 +1,5 @@
 """The engines ``infer.engine`` chooses from (``ENGINES``: name -> builder from the ``infer`` params), and ``create``.
+Every engine built here gives the raw log-probability of each id it generates (engines/logprobs.py).
 
 A new engine is an entry here, its module, and its name in config.py's ``infer.engine`` (a server engine also gets an
 ``infer.<name>`` section); tests/core/test_config.py checks both agree.
@@ -23,15 +24,18 @@ def _hf(params, folder, tokenizer, rt):
 
 
 def _server(engine):
-    """The builder of server engine class ``engine`` over ``infer.<infer.engine>`` (completed by ``servers``). Its
-    context closes the engine without starting it: the engine starts when it generates (or is asked the identity of
-    servers given by url), so a run whose answers are all cached starts no server."""
+    """The builder of server engine class ``engine`` over ``infer.<infer.engine>`` (completed by ``servers``), which
+    keeps every answer's log-probabilities (``scores``, engines/logprobs.py). Its context closes the engine without
+    starting it: the engine starts when it generates (or is asked the identity of servers given by url), so a run
+    whose answers are all cached starts no server."""
 
     def build(params, folder, tokenizer, rt):
         from eaglepipe.core import runtime
 
         section = getattr(params, params.engine)
-        return closing(engine(servers(section, folder, runtime.compute_dtype(params.dtype, rt.device)), tokenizer))
+        built = engine(servers(section, folder, runtime.compute_dtype(params.dtype, rt.device)), tokenizer)
+        built.scores = True
+        return closing(built)
 
     return build
 

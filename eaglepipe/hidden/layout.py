@@ -20,6 +20,9 @@ Layout (a sharded dataset, format: ``shards.py``):
         top        int32 [T]      the target's greedy next token at position t: the argmax of its ``lm_head`` over
                                   the full vocabulary, from the unrounded final state (from the bf16 ``final`` the
                                   argmax differs at some positions; acc_k is scored on this)
+        target_logprob  float32 [T]  log p(input_ids[t] | input_ids[:t]) under the target: the float32 log-softmax
+                                  of the head's logits at t - 1, from the same unrounded states as ``top``; NaN at
+                                  t = 0 (hidden's agreement check, agreement.py; train does not read it)
 The folder holds data only (no fingerprint, no code version): the same sequences, model and ``hidden`` params,
 extracted from an empty store, give the same bytes.
 
@@ -56,6 +59,8 @@ SCALED = ("float8_e4m3fn",)
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
 STATES = ("aux", "final", "top")
 """A sample's states as train reads them (decoded: ``decode``)."""
+TARGET_LOGPROB = "target_logprob"
+"""The column of the target's log-probability of each id (the agreement check's; not a state train reads)."""
 SCALES = ("aux_scale", "final_scale")
 
 
@@ -122,7 +127,7 @@ def bytes_per_token(hidden_size: int, dtype: str) -> int:
 def read(folder, split: str) -> Iterator[dict]:
     """Yield one dict per sample of ``split``, in stored order (the order of ``data/sequences``):
     ``id`` str, ``input_ids`` int32 [n], ``loss_mask`` uint8 [n], ``aux`` [n, 3H], ``final`` [n, H] (``decode``d),
-    ``top`` int32 [n], each read from its shard's rows."""
+    ``top`` int32 [n], ``target_logprob`` float32 [n], each read from its shard's rows."""
     for entry, i, rows in shards.samples(folder, split):
         yield {"id": entry["ids"][i], **decode(rows)}
 
@@ -138,6 +143,7 @@ class Sample:
     chain: torch.Tensor  # bool [n], the tokens chains may run over: the loss mask, or every token (train.load_samples)
     file: Path
     start: int
+    engine_logprob: torch.Tensor | None = None  # float32 [n], read from data/sequences where it has them (online)
 
 
 class Stored:

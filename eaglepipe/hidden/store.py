@@ -29,12 +29,14 @@ from eaglepipe.dataset import sequences, shards
 
 @dataclass(frozen=True)
 class KeyedSequence:
-    """A sample of ``data/sequences`` and its content key (``sequence_key``)."""
+    """A sample of ``data/sequences`` and its content key (``sequence_key``: ids and mask only, never the engine's
+    figures, so that states stay content-addressed)."""
 
     id: str
     ids: torch.Tensor  # int32 [n]
     mask: torch.Tensor  # uint8 [n], the loss mask
     key: str
+    engine_logprob: torch.Tensor | None = None  # float32 [n] (dataset/sequences.py); None in older data/sequences
 
 
 Splits = dict[str, list[KeyedSequence]]
@@ -92,8 +94,8 @@ def read_sequences(seq_folder: Path) -> Splits:
     index = shards.load_index(seq_folder)
     return {
         split: [
-            KeyedSequence(rid, ids, mask, sequence_key(ids, mask))
-            for rid, _source, ids, mask in sequences.read(seq_folder, split)
+            KeyedSequence(s.id, s.ids, s.mask, sequence_key(s.ids, s.mask), s.engine_logprob)
+            for s in sequences.read_samples(seq_folder, split)
         ]
         for split in shards.SPLITS
         if split in index

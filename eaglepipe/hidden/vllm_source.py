@@ -4,8 +4,9 @@ The server runs vLLM's ``extract_hidden_states`` with the project's KV connector
 sequence is one request through infer's vLLM client (``StatesApi``) for one greedy token, naming the file its states
 go to. The server captures the inputs of the ``layout.layer_ids`` layers and the last layer's output; ``VLLMStates``
 turns them into what the hf engine computes: ``aux`` the three layers' states, ``final`` the last one through the
-target's final RMS norm, ``top`` the argmax of the head over it (norm and head from the checkpoint, float32). Ids or
-layers other than those sent fail the sequence. The server's greedy last token is compared with ``top``:
+target's final RMS norm, ``top`` the argmax of the head over it and ``target_logprob`` each id's log-probability
+under it (norm and head from the checkpoint, float32; hf_source.head_figures). Ids or layers other than those sent
+fail the sequence. The server's greedy last token is compared with ``top``:
 disagreements are counted (``last_token_disagreements``) and, above ``MOST_DISAGREEMENTS`` of 8 or more sequences,
 stop the stage. A server given by url must share this machine's filesystem and run with ``server_args``. A launched
 server starts only when states are asked for: the cache key needs only its version, read where it would run.
@@ -31,6 +32,7 @@ from eaglepipe.engines.server import BadAnswer, ServerEngine
 from eaglepipe.engines.vllm import VLLM
 from eaglepipe.hidden import layout
 from eaglepipe.hidden.connector import NAME, PATH_KEY, read
+from eaglepipe.hidden.hf_source import head_figures
 from eaglepipe.target import compat, families
 
 log = logging.getLogger(__name__)
@@ -129,6 +131,7 @@ class VLLMStates:
         self._params, self._folder, self._dtype, self._interpreter = params, folder, compute_dtype, interpreter
         self._tokenizer = load_tokenizer(folder)
         self.engine = None
+        self.compute_dtype = compute_dtype
         self.report = {"last_token_disagreements": 0}
         self.code = ("hidden.vllm_source", "hidden.connector")
 
@@ -157,9 +160,13 @@ class VLLMStates:
             self.engine = ServerEngine(api, section, self._tokenizer)
         return self.engine
 
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the checkpoint's head over normed final states [n, H] (the agreement check's fallback)."""
+        return final.float() @ self.head.T
+
     def states(self, samples: list, layers: list[int], batch_tokens: int):
-        """Yield (index into ``samples`` = [(key, ids, mask)], (aux, final, top) or the reason it failed), as the
-        server answers, ``hidden.vllm.concurrency`` in flight (``batch_tokens`` is the hf engine's)."""
+        """Yield (index into ``samples`` = [(key, ids, mask)], (aux, final, top, target_logprob) or the reason it
+        failed), as the server answers, ``hidden.vllm.concurrency`` in flight (``batch_tokens`` is the hf engine's)."""
         engine = self._engine()
         if layers != self.layers:
             raise ValueError(f"the server captures layers {self.layers}, not {layers}")
@@ -185,10 +192,10 @@ class VLLMStates:
                 )
                 continue
             final = F.rms_norm(got[:, 3].float(), self.norm.shape, self.norm, self.eps)  # every served family's
-            top = torch.cat([(final[r : r + 512] @ self.head.T).argmax(-1) for r in range(0, len(final), 512)])
+            top, target_logprob = head_figures(self.logits, final, sent)
             self.report["last_token_disagreements"] += int(top[-1]) != out.output_ids[0]
             done += 1
-            yield i, (got[:, :3].flatten(1), final, top)
+            yield i, (got[:, :3].flatten(1), final, top, target_logprob)
         if self.report["last_token_disagreements"] > MOST_DISAGREEMENTS * max(done, 1) and done >= 8:
             raise UserError(
                 f"hidden (vllm): the head over the normed last state picks the server's own next token on "

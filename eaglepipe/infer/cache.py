@@ -1,5 +1,6 @@
 """infer's store of finished answers: one folder per ``run.fingerprint``, appended and fsync'd answer by answer, so
-that a run killed at any point resumes with every finished answer once."""
+that a run killed at any point resumes with every finished answer once. A line is a ``Generation`` (core/records.py),
+the engine's log-probabilities included; a line written before engines gave them reads with ``logprobs`` None."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ are capped at ``infer.max_new_tokens``, sequences at ``merge.max_length``; train
 ``1 - merge.valid_fraction`` of the tokens.
 
 Bytes per token stored by hidden (eaglepipe/hidden/layout.py): ``aux`` 3·H and ``final`` H in ``hidden.dtype``
-(float8_e4m3fn: 1 byte each plus a float32 scale per token and state), plus 9 bytes of ``input_ids``, ``loss_mask``
-and ``top``; not shard headers and offsets (hidden's measured ``bytes_per_token`` counts them). Online training
-stores nothing.
+(float8_e4m3fn: 1 byte each plus a float32 scale per token and state), plus 13 bytes of ``input_ids``,
+``loss_mask``, ``top`` and ``target_logprob``; not shard headers and offsets (hidden's measured ``bytes_per_token``
+counts them). Online training stores nothing.
 
 Time: tokens / (tokens/s) per stage, from the ``--*-tokens-per-s`` options, else this machine's last run of the
 params' own target (metrics/timings/*.json, same condition as the means); each figure says where it came from.
@@ -33,7 +33,7 @@ from eaglepipe.core import config
 from eaglepipe.hidden import layout
 from eaglepipe.target.model import resolve
 
-IDS_MASK_TOP = 4 + 1 + 4  # input_ids int32, loss_mask uint8, top int32: bytes per token
+PER_TOKEN_COLUMNS = 4 + 1 + 4 + 4  # input_ids int32, loss_mask uint8, top int32, target_logprob float32: bytes/token
 TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")
 
 
@@ -53,7 +53,7 @@ def text_config(path) -> dict:
 
 def bytes_per_token(hidden_size: int, dtype: str) -> float:
     """Bytes hidden stores per token for a target of width ``hidden_size`` in ``dtype``."""
-    return layout.bytes_per_token(hidden_size, dtype) + IDS_MASK_TOP
+    return layout.bytes_per_token(hidden_size, dtype) + PER_TOKEN_COLUMNS
 
 
 def load_params(path, sets: tuple[str, ...]) -> config.Params:

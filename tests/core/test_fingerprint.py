@@ -113,6 +113,13 @@ NO_RESULT = {
     "engines.pool": "the choice of a server, failover",
     "engines.server": "the transport: requests in flight, retries",
     "engines.table": "which engine a name builds",
+    "engines.logprobs": "asks for and reads the engine's log-probabilities, a check's input compared within a "
+    "tolerance far above their rounding; no id depends on it",
+    "infer.report": "the report's counts",
+    "infer.preflight": "checks the engine against transformers before generating; it refuses, changes no answer",
+    "hidden.agreement": "checks the answers' engine against the states' model: it stops a run, changes no state",
+    "hidden.comparison": "likewise",
+    "hidden.fallback": "likewise",
     "infer": "the subpackage's docstring",
     "infer.gates": "quality gates stop a run and change no answer",
     "text": "the subpackage's docstring",

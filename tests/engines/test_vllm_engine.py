@@ -34,6 +34,10 @@ pytestmark = [
 ]
 
 
+def without_figures(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "logprobs"} for r in records]
+
+
 def params(folder: Path, engine: str, sampled: bool = False, **servers) -> Path:
     cfg = yaml.safe_load((ROOT / "params.yaml").read_text())
     infer = cfg["infer"]
@@ -103,7 +107,7 @@ def test_e2e_a_launched_server_gives_the_same_records_and_its_dtype_decides_the_
 
 def test_e2e_sampled_records_depend_on_the_seeds_only(work, server, tmp_path):
     # per-record seeds: the same records, meta included, from two runs with other concurrency (vLLM's CPU build needs
-    # CPU_FLAGS here), and the same engine.json (so data/responses hashes the same in DVC)
+    # CPU_FLAGS here), but for the last decimals of vLLM's log-probabilities, and the same engine.json
     outs, engines = [], []
     for run, concurrency in (("a", 4), ("b", 1)):
         folder = tmp_path / run
@@ -114,7 +118,11 @@ def test_e2e_sampled_records_depend_on_the_seeds_only(work, server, tmp_path):
         outs.append(records(folder))
         engines.append((folder / "out" / "engine.json").read_text())
         time.sleep(1.1)  # another second on vLLM's clock
-    assert len(outs[0]) == 2 * len(PROMPTS) and outs[0] == outs[1]
+    assert len(outs[0]) == 2 * len(PROMPTS) and without_figures(outs[0]) == without_figures(outs[1])
+    apart = max(
+        abs(a - b) for one, other in zip(*outs) for a, b in zip(one["logprobs"], other["logprobs"], strict=True)
+    )
+    assert apart < 1e-3  # vLLM's figures of the same ids in other batches (concurrency 4, then 1)
     assert engines[0] == engines[1]
     assert any(a["output_ids"] != b["output_ids"] for a, b in zip(outs[0][::2], outs[0][1::2]))  # samples differ
 

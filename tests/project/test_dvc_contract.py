@@ -147,6 +147,18 @@ def make_repro(project: Path, *args) -> str:
     return out.stdout
 
 
+def assert_sequences_whose_engine_and_states_agree(project: Path) -> None:
+    """merge wrote sequences; vLLM wrote each answer with its log-probabilities, and hidden's model agrees with them."""
+    index = json.loads((project / "data/sequences/index.json").read_text())
+    assert index["train"]["samples"] + index["valid"]["samples"] > 0
+    figures = json.loads((project / "metrics/infer.json").read_text())["logprobs"]
+    assert figures["records_with"] > 0 and figures["records_without"] == 0, figures
+    agreement = json.loads((project / "metrics/hidden.json").read_text())["agreement"]
+    assert agreement["verdict"] == "pass" and agreement["engines"] == ["vllm"], agreement
+    logprobs = agreement["logprobs"]
+    assert logprobs["tokens"] > 0 and logprobs["max_sequence_mean_abs_diff"] <= logprobs["max_mean_abs_diff"], agreement
+
+
 @pytest.mark.e2e
 @pytest.mark.smoke
 def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
@@ -165,8 +177,7 @@ def test_repro_then_nothing_then_only_downstream_of_a_changed_module(project):
         and "models/draft/" in summary
         and "make metrics" in summary
     )
-    index = json.loads((project / "data/sequences/index.json").read_text())
-    assert index["train"]["samples"] + index["valid"]["samples"] > 0
+    assert_sequences_whose_engine_and_states_agree(project)
 
     second = make_repro(project)
     assert "every stage is up to date" in second and "Running stage" not in second, second

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -21,15 +22,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, log: Path, *args) -> subprocess.Popen:
-    """The double (tests/sglang_server.py) on a loopback port; returns once /health answers 200."""
+def start_server(port: int, log: Path, *args, env: dict | None = None) -> subprocess.Popen:
+    """The double (tests/sglang_server.py) on a loopback port, ``env`` added to its environment; returns once /health
+    answers 200."""
     with open(log, "ab") as out:  # the server keeps its own copy of the descriptor
         proc = subprocess.Popen(
             [sys.executable, str(SCRIPT), "--port", str(port), *map(str, args)],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         )
     wait_healthy(f"http://127.0.0.1:{port}", proc, log)
     return proc
@@ -57,6 +59,18 @@ def configure(url: str, **knobs) -> dict:
     )
     with urllib.request.urlopen(req, timeout=10) as r:
         return loads(r.read())
+
+
+def post(url: str, path: str, body) -> tuple[int, object]:
+    """(HTTP status, JSON answer) of POST ``path`` with the JSON ``body``: a request as any client sends it."""
+    req = urllib.request.Request(
+        url + path, data=dumps(body), method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, loads(e.read())
 
 
 def stats(url: str) -> dict:

@@ -1,11 +1,22 @@
 """POST /generate of the SGLang double: GenerateReqInput parsed and checked as SGLang does, the injected faults, and
-the answer computed under SGLang's finish rules (by the embedded model, or made up with --no-compute)."""
+the answer computed under SGLang's finish rules (by the embedded model, or made up with --no-compute).
+
+Asked for log-probabilities (``return_logprob``), an answer's meta_info has ``output_token_logprobs``: ``[logprob,
+token_id, text or null]`` for every completion id (a matched stop id included, also where ``exclude_stop`` leaves it
+out of output_ids), ``output_top_logprobs`` (such triples, ``top_logprobs_num`` per id) when asked, and
+``input_token_logprobs: []`` (the double computes none for the prompt). The figures come from one float32 forward of
+the model over the prompt and the whole completion (less the ids it has no embedding for, whose figures are null), so
+they are the model's for the ids served, think blocks of --reasoning included: raw (log-softmax of the logits) when
+the request is greedy (temperature 0 or top_k 1) or SGLANG_RETURN_ORIGINAL_LOGPROB is true in the double's
+environment, otherwise after temperature (log-softmax of logits / temperature), as SGLang's sampler gives them; plus
+the knob ``logprob_offset`` (an engine that computes another model). --no-compute answers null figures."""
 
 import asyncio
 import logging
 import time
 import zlib
 
+import torch
 from aiohttp import web
 
 from sglang_double.protocol import (
@@ -15,6 +26,7 @@ from sglang_double.protocol import (
     RequestError,
     dumps,
     loads,
+    logprob_fields,
     request_ids,
     sglang_error,
 )
@@ -48,7 +60,8 @@ class GenerateEndpoint:
         return kind
 
     def parse_items(self, body) -> tuple[bool, list[dict]]:
-        """GenerateReqInput, normalised as SGLang does: (is_single, [{input_ids, sampling_params, rid}])."""
+        """GenerateReqInput, normalised as SGLang does: (is_single, [{input_ids, sampling_params, rid, and the
+        protocol's LOGPROB_FIELDS}])."""
         single, inputs = self.parse_inputs(body)
         n = len(inputs)
         rids = request_ids(body.get("rid"), single, n)
@@ -56,9 +69,10 @@ class GenerateEndpoint:
         sps = [sps] * n if isinstance(sps, dict) else sps
         if not isinstance(sps, list) or len(sps) != n:
             raise RequestError("sampling_params should be a dict or one dict per request")
+        figures = logprob_fields(body, single, inputs)
         return single, [
-            {"input_ids": list(i), "sampling_params": self.sampling(sp), "rid": r}
-            for i, sp, r in zip(inputs, sps, rids)
+            {"input_ids": list(i), "sampling_params": self.sampling(sp), "rid": r, **f}
+            for i, sp, r, f in zip(inputs, sps, rids, figures)
         ]
 
     def parse_inputs(self, body) -> tuple[bool, list[list[int]]]:
@@ -140,19 +154,54 @@ class GenerateEndpoint:
         text_ids = gen[:-1] if finish["type"] == "stop" and not sp["no_stop_trim"] else gen
         text = self.tokenizer.decode(text_ids, skip_special_tokens=sp["skip_special_tokens"]) if self.engine else ""
         out_ids = gen[:-1] if finish["type"] == "stop" and self.knobs["exclude_stop"] else gen
-        return {
-            "text": text,
-            "output_ids": out_ids,
-            "meta_info": {
-                "id": rid,
-                "finish_reason": finish,
-                "prompt_tokens": len(ids),
-                "weight_version": self.args.weight_version,
-                "completion_tokens": len(gen),
-                "cached_tokens": 0,
-                "e2e_latency": round(time.perf_counter() - start, 6),
-            },
+        meta = {
+            "id": rid,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "weight_version": self.args.weight_version,
+            "completion_tokens": len(gen),
+            "cached_tokens": 0,
         }
+        if item["return_logprob"]:
+            meta.update(self.logprob_info(item, gen))
+        meta["e2e_latency"] = round(time.perf_counter() - start, 6)
+        return {"text": text, "output_ids": out_ids, "meta_info": meta}
+
+    def logprob_info(self, item: dict, gen: list) -> dict:
+        """What meta_info holds of the completion ``gen``'s log-probabilities (the module docstring); None for an id
+        the model has no embedding for (a marker the test tokenizer adds)."""
+        text = item["return_text_in_logprobs"]
+        info = {"input_token_logprobs": []}
+        readable = [k for k, t in enumerate(gen) if t < self.embeddings] if self.engine is not None else []
+        if not readable:
+            info["output_token_logprobs"] = [self.logprob_entry(None, t, text) for t in gen]
+            return info
+        figures = self.completion_logprobs(item, [gen[k] for k in readable]) + self.knobs["logprob_offset"]
+        chosen = figures.gather(-1, torch.tensor([gen[k] for k in readable])[:, None])[:, 0].tolist()
+        by_position = dict(zip(readable, chosen))
+        info["output_token_logprobs"] = [self.logprob_entry(by_position.get(k), t, text) for k, t in enumerate(gen)]
+        if item["top_logprobs_num"] > 0:
+            top = figures.topk(item["top_logprobs_num"], -1)
+            rows = zip(top.values.tolist(), top.indices.tolist())
+            tops = {k: [self.logprob_entry(f, t, text) for f, t in zip(*row)] for k, row in zip(readable, rows)}
+            info["output_top_logprobs"] = [tops.get(k, []) for k in range(len(gen))]
+        return info
+
+    def logprob_entry(self, figure: float | None, token: int, text: bool) -> list:
+        """[logprob, token id, its text (only when ``text``)], as SGLang's detokenize_logprob_tokens gives it."""
+        return [figure, token, self.tokenizer.decode([token]) if text else None]
+
+    @torch.inference_mode()
+    def completion_logprobs(self, item: dict, gen: list) -> torch.Tensor:
+        """[len(gen), vocabulary] log-probabilities of each position of the readable completion ``gen``, from one
+        float32 forward over the readable prompt and ``gen``: raw when greedy or original_logprob, else after
+        temperature."""
+        context = [t for t in item["input_ids"] if t < self.embeddings]
+        logits = self.engine.model(torch.tensor([context + gen])).logits[0, len(context) - 1 : -1].float()
+        sp = item["sampling_params"]
+        if not (sp["temperature"] == 0 or sp["top_k"] == 1 or self.original_logprob):
+            logits = logits / sp["temperature"]
+        return torch.log_softmax(logits, -1)
 
     def generated(self, model_ids: list, sp: dict, stops: set, budget: int, rid: str) -> list:
         """At most ``budget`` ids the model answers ``model_ids`` with under sampling params ``sp``."""

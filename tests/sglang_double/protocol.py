@@ -68,6 +68,7 @@ KNOBS = {
     "fail_rids": [],
     "fake_stop_after": None,
     "reasoning": None,
+    "logprob_offset": 0.0,
 }
 CLEAN = {**KNOBS, "reset_stats": True}  # POST /_test/config with CLEAN: every knob as at start, the stats from zero
 TAIL = 5  # SGLang's INIT_INCREMENTAL_DETOKENIZATION_OFFSET
@@ -75,6 +76,14 @@ KEEPALIVE_S = 5.0  # SGLang's uvicorn closes a connection idle this long (http_s
 REASONING_MODES = (None, "wrap", "drop")
 THOUGHT = "Let me think."  # the reasoning text of --reasoning wrap (short: it counts against max_new_tokens)
 VERSION = "0.0.0+eaglepipe-test-server"  # the version /server_info reports
+# GenerateReqInput's log-probability fields (top level, not sampling params) and SGLang's defaults for them
+LOGPROB_FIELDS = {
+    "return_logprob": False,
+    "logprob_start_len": -1,
+    "top_logprobs_num": 0,
+    "return_text_in_logprobs": False,
+}
+ORIGINAL_LOGPROB = "SGLANG_RETURN_ORIGINAL_LOGPROB"  # set true, figures are taken before temperature (sampler.py)
 
 
 class RequestError(Exception):
@@ -118,6 +127,39 @@ def request_ids(rid, single: bool, n: int) -> list:
     if len(set(rids)) != len(rids):
         raise RequestError(f"Duplicate request IDs in the batch: {rids}")
     return rids
+
+
+def logprob_fields(body: dict, single: bool, inputs: list) -> list[dict]:
+    """Each request's LOGPROB_FIELDS, as GenerateReqInput normalises them (one value for all, or a list with one per
+    request of a batch; SGLang's default where none is given) and checked as SGLang does."""
+    n = len(inputs)
+    columns = {}
+    for name, default in LOGPROB_FIELDS.items():
+        value = body.get(name)
+        if isinstance(value, list):
+            if single or len(value) != n:
+                raise RequestError(f"{name} should be one value, or a list with one per request of a batch")
+            columns[name] = [default if v is None else v for v in value]
+        else:
+            columns[name] = [default if value is None else value] * n
+    fields = [{name: column[i] for name, column in columns.items()} for i in range(n)]
+    for item, ids in zip(fields, inputs):
+        start, top = item["logprob_start_len"], item["top_logprobs_num"]
+        if type(start) is not int or start < -1:
+            raise RequestError(f"logprob_start_len should be -1 or a position in the prompt, got {start!r}")
+        if start > len(ids):
+            raise RequestError(
+                f"req.logprob_start_len={start} is higher than the number of input tokens "
+                f"len(req.origin_input_ids)={len(ids)}. Please use a smaller logprob_start_len."
+            )
+        if type(top) is not int or top < 0:
+            raise RequestError(f"top_logprobs_num should be a non-negative integer, got {top!r}")
+    return fields
+
+
+def original_logprob() -> bool:
+    """Whether the environment sets ORIGINAL_LOGPROB true (SGLang's get_bool_env_var)."""
+    return os.environ.get(ORIGINAL_LOGPROB, "false").lower() in ("true", "1")
 
 
 def sampling_defaults(folder: Path) -> dict:

@@ -19,6 +19,7 @@ from sglang_double.protocol import (
     THOUGHT,
     VERSION,
     new_stats,
+    original_logprob,
     sampling_defaults,
     sglang_error,
 )
@@ -39,6 +40,7 @@ class FakeSGLang(GenerateEndpoint):
         self.vocab_size = len(self.tokenizer)
         self.special = set(self.tokenizer.all_special_ids)
         self.defaults = sampling_defaults(self.folder)
+        self.original_logprob = original_logprob()  # read once at start, as SGLang's sampler does
         self.engine = None
         if not args.no_compute:
             import torch

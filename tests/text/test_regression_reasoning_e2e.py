@@ -159,6 +159,9 @@ def run_stage(folder: Path, served: Path, url: str, prompts: Path, template: dic
             "temperature": 0.0,
             "samples": 1,
             "max_failure_rate": 0.0,
+            # the double injects reasoning ids the target never generates (some past its embeddings): by design not
+            # the target's answers, so the pre-flight would refuse them, and its requests would enter the counts
+            "preflight": {"mode": "off"},
         }
     )
     cfg["infer"]["gates"].update({"warmup": E2E_WARMUP, "every": E2E_WARMUP})

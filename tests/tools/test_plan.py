@@ -26,7 +26,7 @@ def test_bytes_per_token_is_what_hidden_stored_for_the_embedded_target(target_fo
     measured = json.loads((ROOT / "metrics" / "hidden.json").read_text())
     H = plan.text_config(target_folder / "config.json")["hidden_size"]
     per_token = plan.bytes_per_token(H, config.load(PARAMS).hidden.dtype)
-    assert per_token - plan.IDS_MASK_TOP == measured["hidden_bytes_per_token"]
+    assert per_token - plan.PER_TOKEN_COLUMNS == measured["hidden_bytes_per_token"]
     # the measured figure is the bytes stored over the tokens stored: shard headers and offsets add under 0.1%
     assert per_token < measured["bytes_per_token"] < per_token * 1.001
 
