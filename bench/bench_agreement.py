@@ -21,6 +21,7 @@ import click
 import yaml
 from harness import env, params_for, stage_commands
 
+from eaglepipe.core.records import Prompt, content_id, read_jsonl, write_jsonl
 from eaglepipe.tools import provenance, results
 from eaglepipe.tools.results import Value
 
@@ -34,10 +35,10 @@ def run(command: list[str], cache: Path) -> None:
 
 
 def prompts_file(work: Path, n: int) -> Path:
-    """The first ``n`` held-out prompts (data/eval/heldout.jsonl)."""
-    lines = (ROOT / "data" / "eval" / "heldout.jsonl").read_text().splitlines()[:n]
+    """The first ``n`` held-out conversations (data/eval/heldout.jsonl) as prompt records."""
+    conversations = [obj for _, obj in read_jsonl(ROOT / "data" / "eval" / "heldout.jsonl")][:n]
     path = work / "prompts.jsonl"
-    path.write_text("\n".join(lines) + "\n")
+    write_jsonl(path, [Prompt(content_id(c["messages"], None), "heldout", c["messages"]) for c in conversations])
     return path
 
 
@@ -89,15 +90,19 @@ def main(n, max_new_tokens, engines, states, results_file, no_results):
         settings = {"prompts": prompts_file(work, n), "max_new_tokens": max_new_tokens}
         for engine in engines:
             for states_dtype, figures in measure(work, engine, list(states), settings).items():
-                label = f"{engine.replace(':', ' ')} vs states {states_dtype}"
+                label = f"{engine.replace(':', ' ')} / {states_dtype}"
                 print(f"{label}: {json.dumps(figures)}")
                 values[f"{label}: mean"] = Value(value=figures["mean_abs_diff"])
-                values[f"{label}: largest sequence mean"] = Value(value=figures["max_sequence_mean_abs_diff"])
+                values[f"{label}: worst sequence"] = Value(value=figures["max_sequence_mean_abs_diff"])
     if no_results:
         return
-    name = "hidden's agreement check: |engine - target| log-probability, nats (`bench/bench_agreement.py`)"
+    name = (
+        "hidden's agreement check: |engine - target| log-probability in nats, engine / states dtype "
+        "(`bench/bench_agreement.py`)"
+    )
     command = " ".join(["python bench/bench_agreement.py", *sys.argv[1:]])
-    results.append(provenance.stamp(name, values, command, ROOT / "params.yaml"), Path(results_file))
+    note = f"{n} held-out prompts, {max_new_tokens} new tokens"
+    results.append(provenance.stamp(name, values, command, ROOT / "params.yaml", note), Path(results_file))
 
 
 if __name__ == "__main__":

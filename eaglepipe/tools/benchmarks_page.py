@@ -245,12 +245,12 @@ MAIN = {"make bench", "evaluate", "make repro", "make gpu-check", ".ci/run", "ma
 
 
 def components_section(records: list[Record]) -> list[str]:
-    """Every other record, grouped by name, each a line of its figures and its source."""
-    lines = ["## Components", "", "Single stages and tools, each measured by its script."]
+    """Every other record's newest of each machine, grouped by name, each a line of its figures and its source."""
+    lines = ["## Components", "", "Single stages and tools, each measured by its script (older runs: results/)."]
     others = [record for record in records if record.name not in MAIN]
     for name in dict.fromkeys(record.name for record in others):
         lines += ["", f"### {name}", ""]
-        for record in results.named(others, name):
+        for record in latest(others, name):
             figures = "; ".join(f"{key}: {number(value)}" for key, value in record.values.items())
             lines.append(paragraph(f"- {figures}. {source(record, with_machine=True, with_params=False)}", "  "))
     return lines
