@@ -235,7 +235,7 @@ def test_kill_9_of_the_server_then_a_restart_loses_nothing(work, reference, targ
 def test_an_mla_moe_target_the_seeds_kind(tokenizer, tmp_path):
     """A tiny random DeepseekV3 (MLA attention, routed and shared experts, YaRN) through a launched server: its
     states equal the in-process forward's."""
-    from test_families import build_target
+    from tiny_targets import build_target
 
     from eaglepipe.target import model as target
 
