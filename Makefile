@@ -81,6 +81,7 @@ bench: venv vllm-venv
 .PHONY: results-page
 results-page: venv
 	python -m eaglepipe.tools.benchmarks_page
+	python -m eaglepipe.tools.recipes_table
 
 # On a GPU machine: the default pipeline end to end on CUDA in a folder of its own (nothing of the project's is
 # touched), hidden, train and evaluate under torchrun on every GPU; prints each stage's tokens/s and peak GPU memory.

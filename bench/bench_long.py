@@ -26,6 +26,7 @@ import torch
 
 from eaglepipe.core import config
 from eaglepipe.drafter import train
+from eaglepipe.drafter.eagle3 import config as draft_config
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.drafter.eagle3 import ttt
 from eaglepipe.hidden import layout as features
@@ -48,7 +49,7 @@ def one_step(params: str, length: int, chunk: int, device: torch.device) -> dict
     layers = features.layer_ids(cfg.hidden.layers, tc.num_hidden_layers)
     tgt = train.target_tensors(folder, layers[2])
     torch.manual_seed(p.seed)
-    model = draft.Eagle3Draft(draft.DraftConfig.from_target(tc, p.draft_vocab_size, layers), tgt["embed"])
+    model = draft.Eagle3Draft(draft_config.DraftConfig.from_target(tc, p.draft_vocab_size, layers), tgt["embed"])
     model.set_vocab(*draft.build_vocab(Counter(range(p.draft_vocab_size)), p.draft_vocab_size, tc.vocab_size))
     head_draft = tgt["head"][model.to_target(torch.arange(p.draft_vocab_size))].to(device)
     H, every = tc.hidden_size, torch.ones(length, dtype=torch.bool)

@@ -41,17 +41,24 @@ class Turns:
     def length(self) -> float:
         return sum(self.emitted) / sum(self.steps) if sum(self.steps) else 0.0
 
-    def __str__(self) -> str:
+    @property
+    def se(self) -> float | None:
         se = uncertainty.ratio_se(self.emitted, self.steps)
-        return f"{self.length:.3f}" + (f" ± {se:.3f}" if se is not None else "")
+        return None if se is None else round(se, 4)
+
+    def __str__(self) -> str:
+        return f"{self.length:.3f}" + (f" ± {self.se:.3f}" if self.se is not None else "")
 
     __repr__ = __str__
 
-    def against(self, first: "Turns") -> str:
-        """This length minus ``first``'s (measured on the same turns) with its paired standard error, starred where
-        the difference exceeds twice it."""
-        d = self.length - first.length
+    def difference(self, first: "Turns") -> tuple[float, float | None]:
+        """This length minus ``first``'s (measured on the same turns) and its paired standard error."""
         se = uncertainty.difference_se((self.emitted, self.steps), (first.emitted, first.steps))
+        return self.length - first.length, se
+
+    def against(self, first: "Turns") -> str:
+        """``difference`` in words, starred where it exceeds twice its standard error."""
+        d, se = self.difference(first)
         return f"Δ {d:+.3f} ± {se:.3f}" + ("*" if abs(d) > 2 * se else "") if se is not None else f"Δ {d:+.3f}"
 
 

@@ -200,21 +200,25 @@ def ranks_of(agent: int) -> dict[int, int]:
     return ranks
 
 
-def untrained_drafter(target_folder, layers: list[int], draft_vocab: int = 2048, drafter: str = "llama"):
-    """A ``drafter`` (draft.DRAFTERS) started from the target (its midlayer the target's last layer read,
-    ``draft_init.init_from_target``), its draft vocabulary the first ``draft_vocab`` ids: untrained, yet some of its
-    drafts are accepted."""
+def untrained_drafter(
+    target_folder, layers: list[int], draft_vocab: int = 2048, drafter: str = "llama", **toggles: bool
+):
+    """A ``drafter`` (draft_config.DRAFTERS; ``toggles``: EAGLE-3.1's) started from the target (its midlayer the
+    target's last layer read, ``draft_init.init_from_target``), its draft vocabulary the first ``draft_vocab`` ids:
+    untrained, yet some of its drafts are accepted."""
     from collections import Counter
 
     import torch
     from transformers import AutoConfig
 
     from eaglepipe.drafter import train
+    from eaglepipe.drafter.eagle3 import config as draft_config
     from eaglepipe.drafter.eagle3 import init as draft_init
     from eaglepipe.drafter.eagle3 import model as draft
 
     tgt = train.target_tensors(target_folder, layers[-1])
-    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), draft_vocab, layers, drafter)
+    target_config = AutoConfig.from_pretrained(target_folder)
+    cfg = draft_config.DraftConfig.from_target(target_config, draft_vocab, layers, drafter, **toggles)
     torch.manual_seed(0)
     drafter = draft.Eagle3Draft(cfg, tgt["embed"])
     drafter.set_vocab(*draft.build_vocab(Counter(range(draft_vocab)), draft_vocab, cfg.vocab_size))

@@ -90,7 +90,25 @@ class Hidden(Section):
 
 
 # ------------------------------------------------------------------------------------------------------------- train
+class Eagle31(Section):
+    fc_norm: bool = Field(True, description="an RMS norm per aux state before fc (config.json fc_norm)")
+    norm_output: bool = Field(
+        True, description="the next draft step reads the final norm's output, not its input (config.json norm_output)"
+    )
+
+
+METHOD_SECTIONS = {"eagle3.1": "eagle3_1"}
+"""train.method -> the train key holding that method's own knobs (a method without knobs: none)."""
+
+
 class Train(Section):
+    method: Literal["eagle3", "eagle3.1"] = Field(
+        "eagle3",
+        description="the drafter trained (eaglepipe/drafter/methods.py): eagle3, EAGLE-3's one layer over the "
+        "target's aux states | eagle3.1, the same with EAGLE-3.1's toggles (train.eagle3_1), which vLLM reads from "
+        "the checkpoint's config.json",
+    )
+    eagle3_1: Eagle31 = Field(Eagle31(), description="method eagle3.1's toggles; other methods ignore them")
     seed: int = Field(0, description="drafter init and batch order")
     draft_vocab_size: int = Field(2048, ge=1, description="the most frequent loss-masked token ids")
     ttt_steps: int = Field(
@@ -152,6 +170,14 @@ class Train(Section):
     @classmethod
     def _betas_from_yaml(cls, value):
         return tuple(value) if isinstance(value, list) else value  # YAML has lists, not tuples
+
+    def tracked(self) -> dict:
+        """The result knobs' values, without the knobs of a method other than ``method`` (they change nothing)."""
+        kept = super().tracked()
+        for method, key in METHOD_SECTIONS.items():
+            if method != self.method:
+                kept.pop(key)
+        return kept
 
 
 # ---------------------------------------------------------------------------------------------------------- evaluate

@@ -38,10 +38,11 @@ from eaglepipe.core import runtime, uncertainty
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.fingerprint import code_key
 from eaglepipe.dataset import sequences
-from eaglepipe.drafter import checkpoint
+from eaglepipe.drafter import checkpoint, methods
 from eaglepipe.drafter.checkpoint import Progress
 from eaglepipe.drafter.eagle3 import init
-from eaglepipe.drafter.eagle3.model import DraftConfig, Eagle3Draft, build_vocab
+from eaglepipe.drafter.eagle3.config import DraftConfig
+from eaglepipe.drafter.eagle3.model import Eagle3Draft, build_vocab
 from eaglepipe.drafter.eagle3.ttt import TTT, StepStats, collate, noisy, ttt_forward
 from eaglepipe.drafter.sources import Online, features_of, load_samples, token_counts
 from eaglepipe.hidden import layout
@@ -55,6 +56,8 @@ RESULT_CODE = (
     "drafter.train",
     "drafter.sources",
     "drafter.checkpoint",
+    "drafter.methods",
+    "drafter.eagle3.config",
     "drafter.eagle3.model",
     "drafter.eagle3.attention",
     "drafter.eagle3.init",
@@ -216,9 +219,8 @@ def setup(feats, target_folder, p, keep=None):
     runtime.seed(p.seed)
     counts = token_counts(train_set)
     config = families.load_config(target_folder)
-    cfg = DraftConfig.from_target(
-        config, p.draft_vocab_size, feats.layers, families.of(config).drafter if p.drafter == "auto" else p.drafter
-    )
+    layer = families.of(config).drafter if p.drafter == "auto" else p.drafter
+    cfg = DraftConfig.from_target(config, p.draft_vocab_size, feats.layers, layer, **methods.draft_options(p))
     model = Eagle3Draft(cfg, tgt["embed"])
     model.set_vocab(*build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
     if p.init == "target":

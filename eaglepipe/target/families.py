@@ -19,7 +19,7 @@ class Family:
     """What the pipeline knows about one family of targets."""
 
     name: str
-    layer: str | None  # the drafter layer (draft.DRAFTERS) its decoder layer is over the same weights (init exact)
+    layer: str | None  # the drafter layer (eagle3/config.py DRAFTERS) over its decoder layer's weights (init exact)
     drafter: str = "llama"  # train.drafter: auto's choice, the EAGLE-3 drafter vLLM's registry serves for it
     mla: bool = False  # multi-head latent attention (DeepSeek's): engines page its KV cache in their own blocks
 

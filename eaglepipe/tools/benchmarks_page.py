@@ -241,7 +241,9 @@ def scaling_section(records: list[Record]) -> list[str]:
     return lines + ["", paragraph(source(record))]
 
 
-MAIN = {"make bench", "evaluate", "make repro", "make gpu-check", ".ci/run", "make test"}
+RECIPES = "training recipes and drafter methods on the same data (`bench/bench_recipes.py`)"
+"""The name of bench/bench_recipes.py's records, whose table is docs/experiments.md's (tools/recipes_table.py)."""
+MAIN = {"make bench", "evaluate", "make repro", "make gpu-check", ".ci/run", "make test", RECIPES}
 
 
 def components_section(records: list[Record]) -> list[str]:
@@ -351,14 +353,14 @@ def cost(records: list[Record]) -> str:
     return paragraph(text)
 
 
-def fill_blocks(readme: str, blocks: dict[str, str]) -> str:
-    """``readme`` with the text between ``<!-- results: NAME -->`` and ``<!-- /results -->`` replaced by
-    ``blocks[NAME]``; a missing marker is an error."""
+def fill_blocks(readme: str, blocks: dict[str, str], path: Path = README) -> str:
+    """``readme`` (the text of ``path``) with the text between ``<!-- results: NAME -->`` and ``<!-- /results -->``
+    replaced by ``blocks[NAME]``; a missing marker is an error."""
     for name, text in blocks.items():
         pattern = re.compile(rf"(<!-- results: {name} -->\n).*?(<!-- /results -->)", re.S)
         found = pattern.search(readme)
         if not found:
-            raise click.ClickException(f"{README}: no <!-- results: {name} --> ... <!-- /results --> block")
+            raise click.ClickException(f"{path}: no <!-- results: {name} --> ... <!-- /results --> block")
         readme = readme[: found.start()] + found.group(1) + text + "\n" + found.group(2) + readme[found.end() :]
     return readme
 

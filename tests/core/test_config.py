@@ -115,6 +115,16 @@ def test_speed_knobs_are_not_tracked():
     assert a.tracked() == b.tracked() and a.tracked() != config.Train(lr=0.002).tracked()
 
 
+def test_a_methods_own_knobs_are_tracked_only_where_it_is_the_method():
+    """train.eagle3_1 changes nothing under method eagle3, so it stays out of that fingerprint (and its cache)."""
+    plain = config.Train()
+    assert plain.tracked() == config.Train(eagle3_1={"fc_norm": False, "norm_output": True}).tracked()
+    assert "eagle3_1" not in plain.tracked() and plain.tracked()["method"] == "eagle3"
+    eagle3_1 = config.Train(method="eagle3.1")
+    assert eagle3_1.tracked()["eagle3_1"] == {"fc_norm": True, "norm_output": True}
+    assert eagle3_1.tracked() != config.Train(method="eagle3.1", eagle3_1={"fc_norm": False}).tracked()
+
+
 def test_every_key_is_documented():
     out = subprocess.run(
         [sys.executable, "-m", "eaglepipe.core.config"], capture_output=True, text=True, check=True

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from eaglepipe.drafter import train
+from eaglepipe.drafter.eagle3 import config as draft_config
 from eaglepipe.drafter.eagle3 import init
 from eaglepipe.drafter.eagle3 import model as draft
 
@@ -48,7 +49,7 @@ def test_draft_vocab_most_frequent_sorted_and_padded():
 
 
 def test_config_layout_and_layer_convention(target_folder):
-    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), 4096, [2, 15, 27])
+    cfg = draft_config.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), 4096, [2, 15, 27])
     j = cfg.to_json()
     assert j["architectures"] == ["LlamaForCausalLMEagle3"] and j["model_type"] == "llama"
     assert j["num_hidden_layers"] == 1 and j["tie_word_embeddings"] is False
@@ -58,22 +59,31 @@ def test_config_layout_and_layer_convention(target_folder):
     # each engine's key where only it reads it: vLLM the HF indices, SGLang (which adds one) the indices minus one
     assert j["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     assert j["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
-    assert draft.DraftConfig.from_json(json.loads(json.dumps(j))) == cfg
+    assert draft_config.DraftConfig.from_json(json.loads(json.dumps(j))) == cfg
+    assert not set(draft_config.TOGGLES) & set(j)  # an EAGLE-3 config.json as before EAGLE-3.1's keys existed
+    toggled = draft_config.DraftConfig.from_target(
+        AutoConfig.from_pretrained(target_folder), 4096, [2, 15, 27], fc_norm=True, norm_output=True
+    )
+    assert toggled.to_json() == {**j, "fc_norm": True, "norm_output": True}
+    assert draft_config.DraftConfig.from_json(json.loads(json.dumps(toggled.to_json()))) == toggled
     one_engine = {k: v for k, v in j.items() if k != "eagle_aux_hidden_state_layer_ids"}
     with pytest.raises(ValueError, match="both engines"):
-        draft.DraftConfig.from_json(one_engine)
+        draft_config.DraftConfig.from_json(one_engine)
     with pytest.raises(ValueError, match="disagree"):
-        draft.DraftConfig.from_json({**j, "eagle_aux_hidden_state_layer_ids": [1, 14, 26]})
+        draft_config.DraftConfig.from_json({**j, "eagle_aux_hidden_state_layer_ids": [1, 14, 26]})
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory, target_folder):
-    """A drafter for the embedded target (random weights, seeded), saved; plus the target's embedding."""
+@pytest.fixture(scope="module", params=[{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
+def exported(request, tmp_path_factory, target_folder):
+    """A drafter for the embedded target (random weights, seeded; EAGLE-3 and EAGLE-3.1), saved; plus the target's
+    embedding."""
     from safetensors import safe_open
 
     with safe_open(str(target_folder / "model.safetensors"), framework="pt") as f:
         embed = f.get_tensor("model.embed_tokens.weight").float()
-    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(target_folder), 4096, [2, 15, 27])
+    cfg = draft_config.DraftConfig.from_target(
+        AutoConfig.from_pretrained(target_folder), 4096, [2, 15, 27], **request.param
+    )
     torch.manual_seed(0)
     model = draft.Eagle3Draft(cfg, embed)
     ids, freq = torch.randint(0, 49152, (20000,)), torch.randint(1, 50, (20000,))
@@ -101,8 +111,11 @@ def test_checkpoint_names_shapes_dtypes_and_vocab_invariants(exported):
         "V": config["vocab_size"],
         "Vd": config["draft_vocab_size"],
     }
-    assert set(tensors) == set(EXPECTED), "exactly the LlamaForCausalLMEagle3 names, no embed_tokens"
-    for name, shape in EXPECTED.items():
+    expected = dict(EXPECTED)
+    if config.get("fc_norm"):  # EAGLE-3.1: one norm per aux state, vLLM's model.fc_norm.{i}
+        expected |= {f"fc_norm.{i}.weight": lambda c: (c["H"],) for i in range(3)}
+    assert set(tensors) == set(expected), "exactly the LlamaForCausalLMEagle3 names, no embed_tokens"
+    for name, shape in expected.items():
         assert tuple(tensors[name].shape) == shape(c), name
         want = {"d2t": torch.int64, "t2d": torch.bool}.get(name, torch.float32)
         assert tensors[name].dtype == want, name
@@ -110,13 +123,14 @@ def test_checkpoint_names_shapes_dtypes_and_vocab_invariants(exported):
     target_ids = torch.arange(c["Vd"]) + d2t
     assert (target_ids[1:] > target_ids[:-1]).all() and target_ids.min() >= 0 and target_ids.max() < c["V"]
     assert int(t2d.sum()) == c["Vd"] and t2d[target_ids].all()
-    assert set(model.state_dict()) == set(EXPECTED)
-    assert dict(model.named_parameters()).keys() == set(EXPECTED) - {"d2t", "t2d"}
+    assert set(model.state_dict()) == set(expected)
+    assert dict(model.named_parameters()).keys() == set(expected) - {"d2t", "t2d"}
 
 
 def reference_forward(folder, embed, tokens, hiddens):
     """One draft layer over a whole sequence with plain torch ops, from config.json + model.safetensors only:
-    pairs (tokens[i], hiddens[i]) at positions 0..T-1, causal attention. Returns (draft logits, pre-norm out)."""
+    pairs (tokens[i], hiddens[i]) at positions 0..T-1, causal attention. Returns (draft logits, the state fed back:
+    the pre-norm output, or with config.json's norm_output the normed one)."""
     cfg = json.loads((folder / "config.json").read_text())
     w = load_file(str(folder / "model.safetensors"))
     nh, kvh, d, eps = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
@@ -145,7 +159,22 @@ def reference_forward(folder, embed, tokens, hiddens):
     m = rms(a, "midlayer.post_attention_layernorm.weight")
     gate, up = m @ w["midlayer.mlp.gate_proj.weight"].T, m @ w["midlayer.mlp.up_proj.weight"].T
     out = a + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
-    return rms(out, "norm.weight") @ w["lm_head.weight"].T, out, w
+    normed = rms(out, "norm.weight")
+    return normed @ w["lm_head.weight"].T, normed if cfg.get("norm_output") else out, w
+
+
+def reference_project(folder, aux):
+    """fc over the (low, mid, high) states; with config.json's fc_norm, each state RMS-normed by its own weight."""
+    cfg = json.loads((folder / "config.json").read_text())
+    w = load_file(str(folder / "model.safetensors"))
+    states = aux.float().chunk(3, -1)
+    if cfg.get("fc_norm"):
+        eps = cfg["rms_norm_eps"]
+        states = [
+            w[f"fc_norm.{i}.weight"] * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+            for i, x in enumerate(states)
+        ]
+    return torch.cat(states, -1) @ w["fc.weight"].T
 
 
 def test_independent_loader_gives_identical_chain(exported):
@@ -158,7 +187,7 @@ def test_independent_loader_gives_identical_chain(exported):
     tokens = torch.randint(0, 49152, (n,), generator=g)
     aux = torch.randn(n, 3 * H, generator=g).bfloat16()
     w = load_file(str(folder / "model.safetensors"))
-    hiddens = aux.float() @ w["fc.weight"].T  # project the (low, mid, high) features
+    hiddens = reference_project(folder, aux)
 
     with torch.no_grad():
         logits, h, cache = loaded(tokens[None], loaded.project(aux[None]))
@@ -182,7 +211,7 @@ def test_init_from_target_step_zero_is_the_target_layer(target_folder, model, to
     """With the init, the drafter's step 0 over the target's own states is exactly the target's decoder layer 27
     (its output is the target's hidden_states[28]); lm_head holds the target's rows of the draft vocabulary."""
     tgt = train.target_tensors(target_folder, 27)
-    cfg = draft.DraftConfig.from_target(model.config, 512, [2, 15, 27])
+    cfg = draft_config.DraftConfig.from_target(model.config, 512, [2, 15, 27])
     drafter = draft.Eagle3Draft(cfg, tgt["embed"])
     drafter.set_vocab(*draft.build_vocab(Counter({i * 7: 1 for i in range(512)}), 512, 49152))
     assert init.init_from_target(drafter, tgt).startswith("exact: the midlayer is target layer 27 (llama)")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from synthetic import LAYERS, V, synthetic_hidden, tiny_target
 from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
 from eaglepipe.dataset import sequences
-from eaglepipe.drafter import sources, train
+from eaglepipe.drafter import methods, sources, train
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.drafter.eagle3 import ttt
 from eaglepipe.hidden import layout
@@ -173,6 +174,18 @@ def test_loss_decreases_and_a_killed_run_resumes_exactly(data, tmp_path, autocas
     for (name, a), b in zip(uninterrupted.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert resumed_history == uninterrupted_history
+
+
+def test_every_method_is_registered_and_eagle3_1_trains_with_its_toggles(data, tmp_path):
+    assert set(methods.METHODS) == set(get_args(config.Train.model_fields["method"].annotation))
+    toggles = {"fc_norm": True, "norm_output": False}
+    params = config.Train(**{**PARAMS, "epochs": 1, "method": "eagle3.1", "eagle3_1": toggles})
+    model, report, _ = train.run(data / "hidden", data / "target", params, tmp_path / "checkpoints")
+    assert (model.cfg.fc_norm, model.cfg.norm_output) == (True, False)
+    assert all(not torch.equal(norm.weight, torch.ones_like(norm.weight)) for norm in model.fc_norm)  # trained
+    draft.save(model, tmp_path / "draft")
+    exported = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert exported["fc_norm"] is True and "norm_output" not in exported
 
 
 class _Payload:

@@ -11,6 +11,7 @@ from transformers import AutoConfig
 
 from eaglepipe.dataset import shards
 from eaglepipe.drafter import sources, train
+from eaglepipe.drafter.eagle3 import config as draft_config
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.drafter.eagle3 import ttt
 from eaglepipe.hidden import layout
@@ -49,12 +50,18 @@ def test_targets_aligned_with_shifted_predictions(tmp_path):
     assert [s for s in seen if s[0] == 2] == [(2, 2, 15, 16), (2, 3, 16, 17)]
 
 
-def test_ttt_step_equals_cached_inference_chain(data):
-    """Step k of training at position t gives the logits of a KV-cached chain: extend over 0..t, then k steps."""
+@pytest.mark.parametrize("toggles", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
+def test_ttt_step_equals_cached_inference_chain(data, toggles):
+    """Step k of training at position t gives the logits of a KV-cached chain: extend over 0..t, then k steps (with
+    EAGLE-3.1's toggles too, every norm's weights not ones)."""
     embed = train.target_tensors(data / "target", LAYERS - 3)["embed"]
-    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(data / "target"), 64, [2, 4, 5])
+    cfg = draft_config.DraftConfig.from_target(AutoConfig.from_pretrained(data / "target"), 64, [2, 4, 5], **toggles)
     torch.manual_seed(0)
     model = draft.Eagle3Draft(cfg, embed).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight") or name.startswith("fc_norm."):
+                weight.uniform_(0.5, 1.5)
     model.set_vocab(*draft.build_vocab(Counter(range(64)), 64, V))
     samples = sources.load_samples(data / "hidden", "train")
     s = samples[0]
@@ -88,7 +95,7 @@ def test_attention_in_blocks_gives_the_loss_and_gradients_of_one_block(data, mon
     """ttt.attention past CHUNK queries (blocks recomputed in backward, the bounded-memory form of long sequences)
     gives the loss, statistics and every gradient of the whole score matrix at once, within float rounding."""
     embed = train.target_tensors(data / "target", LAYERS - 3)["embed"]
-    cfg = draft.DraftConfig.from_target(AutoConfig.from_pretrained(data / "target"), 64, [2, 4, 5])
+    cfg = draft_config.DraftConfig.from_target(AutoConfig.from_pretrained(data / "target"), 64, [2, 4, 5])
     samples, steps = sources.load_samples(data / "hidden", "train", "all")[:3], 3
     results = []
     for chunk in (10**6, 7):

@@ -17,7 +17,6 @@ from e2e import (
     kill_9_then_resume,
     records,
     run_infer,
-    served,
     server_restart_mid_run,
     start_vllm,
 )
@@ -81,8 +80,8 @@ def reference(work):
 
 
 @pytest.fixture(scope="module")
-def server(work, target_folder):
-    yield from served(start_vllm(target_folder.resolve(), 8021, work / "server.log"))
+def server(plain_vllm):
+    return plain_vllm
 
 
 def test_e2e_a_clean_run_gives_the_embedded_engines_records(work, server, reference, tmp_path):

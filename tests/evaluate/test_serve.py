@@ -15,8 +15,10 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from e2e import port_closed, untrained_drafter
+from sglang_double.control import free_port
 
 from eaglepipe.core import config
 from eaglepipe.dataset import benchmarks
@@ -180,7 +182,12 @@ def served(tmp_path_factory, target_folder, tokenizer, model):
     """A drafter started from the target on LAYERS, saved, and what evaluate decoded with it on three held-out
     prompts."""
     folder = tmp_path_factory.mktemp("serve")
-    draft.save(untrained_drafter(target_folder, LAYERS), folder / "draft")
+    return decoded(folder, untrained_drafter(target_folder, LAYERS), target_folder, tokenizer, model, 8013)
+
+
+def decoded(folder, drafter, target_folder, tokenizer, model, port: int) -> dict:
+    """``drafter`` saved in ``folder``/draft and what evaluate decoded with it on three held-out prompts."""
+    draft.save(drafter, folder / "draft")
     conversations = benchmarks.heldout(ROOT / "data/eval/heldout.jsonl")[:3]
     e = config.Evaluate(max_new_tokens=16)
     stops = target.stop_ids(target_folder, tokenizer)
@@ -189,7 +196,7 @@ def served(tmp_path_factory, target_folder, tokenizer, model):
     return {
         "folder": folder,
         "rows": rows["heldout"],
-        "p": config.Serve(python=str(VLLM), port=8013),
+        "p": config.Serve(python=str(VLLM), port=port),
         "stops": stops,
         "max_new_tokens": e.max_new_tokens,
     }
@@ -254,9 +261,25 @@ def test_e2e_vllm_serves_the_drafter_with_evaluates_layers_acceptance_and_output
 
 @pytest.mark.engine
 @needs_vllm
+def test_e2e_vllm_serves_an_eagle3_1_drafter_as_evaluate_decodes_it(tmp_path, target_folder, tokenizer, model):
+    """EAGLE-3.1's toggles (fc_norm, its norms' weights not ones; norm_output): vLLM reads them from config.json and
+    drafts what evaluate drafts, step for step."""
+    drafter = untrained_drafter(target_folder, LAYERS, fc_norm=True, norm_output=True)
+    with torch.no_grad():
+        for norm in drafter.fc_norm:
+            norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+    s = decoded(tmp_path, drafter, target_folder, tokenizer, model, free_port())
+    m = check(s, target_folder, tokenizer, s["rows"], tmp_path / "draft")
+    assert m["outputs_equal"] and m["counters_agree"] and m["passed"], m
+    assert m["verification_steps"] == m["evaluate_verification_steps"]
+    assert m["evaluate_acceptance_length"] > 1.0  # some drafts accepted: the drafter's path was compared
+
+
+@pytest.mark.engine
+@needs_vllm
 def test_e2e_a_checkpoint_vllm_reads_with_other_layers_fails(served, target_folder, tokenizer):
     # the export SGLang alone reads right (its ids, minus one, and no vLLM key): vLLM takes them as HF indices (the
-    # stage refuses such a checkpoint before serving it: draft.aux_layers_of; here vLLM is given it anyway)
+    # stage refuses such a checkpoint before serving it: eagle3/config.py aux_layers_of; here vLLM is given it anyway)
     s = served
     doctored = s["folder"] / "sglang-only"
     shutil.copytree(s["folder"] / "draft", doctored)

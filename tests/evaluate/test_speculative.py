@@ -5,6 +5,7 @@ incremental cache equals recomputing it from scratch."""
 import pytest
 import torch
 
+from eaglepipe.drafter.eagle3 import config as draft_config
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.evaluate import decode
 from eaglepipe.target import chat
@@ -190,7 +191,7 @@ def test_ngram_proposals():
 
 
 def small_drafter(model, seed=0):
-    cfg = draft.DraftConfig.from_target(model.config, draft_vocab_size=4096, aux_layers=[2, 15, 27])
+    cfg = draft_config.DraftConfig.from_target(model.config, draft_vocab_size=4096, aux_layers=[2, 15, 27])
     torch.manual_seed(seed)
     m = draft.Eagle3Draft(cfg, model.get_input_embeddings().weight)
     for p in m.parameters():  # make it confident enough to propose varied tokens

@@ -10,6 +10,7 @@ from tiny_targets import FAMILIES, build_target, deviation
 
 from eaglepipe.drafter import train
 from eaglepipe.drafter.eagle3 import attention
+from eaglepipe.drafter.eagle3 import config as draft_config
 from eaglepipe.drafter.eagle3 import init as draft_init
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.hidden import layout
@@ -27,7 +28,7 @@ def test_the_mla_drafter_started_from_a_dense_deepseek_layer_computes_that_layer
     finally:
         del FAMILIES["deepseek_dense"]
     model = target.load_model(tmp_path / "target")
-    cfg = draft.DraftConfig.from_target(model.config, 256, [1, 2, 3], "deepseek_mla")
+    cfg = draft_config.DraftConfig.from_target(model.config, 256, [1, 2, 3], "deepseek_mla")
     drafter = draft.Eagle3Draft(cfg, model.get_input_embeddings().weight)
     drafter.set_vocab(*draft.build_vocab(Counter(range(256)), 256, cfg.vocab_size))
     text = draft_init.init_from_target(drafter, train.target_tensors(tmp_path / "target", 3))
@@ -59,7 +60,7 @@ def test_a_part_that_does_not_fit_starts_fresh_and_the_log_says_why():
     """By hand: a layer with the Llama names whose gate_proj has another size (MLP fresh: zero down_proj), one whose
     q_proj is stored quantized (attention fresh, the seeded default init), and a family not known to compute the
     Llama layer from the same weights (every weight copied, still not exact)."""
-    cfg = draft.DraftConfig(
+    cfg = draft_config.DraftConfig(
         hidden_size=64,
         intermediate_size=128,
         num_attention_heads=4,

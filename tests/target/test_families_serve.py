@@ -14,6 +14,7 @@ from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
 from eaglepipe.dataset import benchmarks
 from eaglepipe.drafter import train
+from eaglepipe.drafter.eagle3 import config as draft_config
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.engines import Sampling, vllm
 from eaglepipe.evaluate import run as evaluate
@@ -105,7 +106,7 @@ def test_e2e_the_serve_check_serves_the_family_or_refuses_saying_why(family, dra
         trained = untrained_drafter(folder, [1, 2, 3], draft_vocab=256, drafter=drafter)
     draft.save(trained, tmp_path / "draft")
     exported = json.loads((tmp_path / "draft" / "config.json").read_text())
-    assert exported["architectures"] == [draft.DRAFTERS[drafter][0]]
+    assert exported["architectures"] == [draft_config.DRAFTERS[drafter][0]]
     rope = exported["rope_parameters"]
     assert (
         "mrope_section" not in rope

@@ -10,7 +10,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from eaglepipe.tools import benchmarks_page, results
+from eaglepipe.tools import benchmarks_page, recipes_table, results
 from eaglepipe.tools.results import Machine, Record, Value
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,11 +46,19 @@ def test_the_readmes_figures_are_what_the_committed_results_make():
     assert "| HumanEval |" in headline and "x plain decoding's tokens/s" in headline
 
 
+def test_the_experiments_pages_recipes_table_is_what_the_committed_results_make():
+    text = (ROOT / "docs" / "experiments.md").read_text(encoding="utf-8")
+    table = recipes_table.table(committed())
+    assert benchmarks_page.fill_blocks(text, {"recipes": table}) == text, "docs/experiments.md: make results-page"
+    newest = results.named(committed(), benchmarks_page.RECIPES)
+    assert not newest or f"`{newest[-1].command}`" in " ".join(table.split())
+
+
 def test_the_page_names_every_current_record_and_its_command():
     page = benchmarks_page.page(committed())
     words = " ".join(page.split())  # a command may be wrapped over two lines
     records = committed()
-    for name in dict.fromkeys(record.name for record in records):
+    for name in dict.fromkeys(record.name for record in records if record.name != benchmarks_page.RECIPES):
         for record in benchmarks_page.latest(records, name):  # each machine's newest; older runs stay in results/
             assert f"`{record.command}`" in words, record.name
     for anchor in ("## The result: `make bench`", "## Acceptance against trained tokens", "### hidden (`bench/"):
@@ -137,3 +145,32 @@ def test_a_crossing_make_bench_appended_renders_by_its_ratio():
     lines = benchmarks_page.scaling_section([record.model_copy(update={"values": values})])
     assert "| 2.5x | - | - | 1.600 ± 0.030 | - | - | - | - | - |" in lines
     assert "| held-out | +0.300 ± 0.050* | +0.100 ± 0.020* | - |" in lines
+
+
+def test_the_recipes_table_has_a_row_per_point_in_run_order_and_prompt_lookups_last():
+    values = {
+        "eagle3: τ heldout": Value(value=1.5, se=0.05),
+        "eagle3: valid acc 0": Value(value=0.41),
+        "eagle3: valid acc 1": Value(value=0.2),
+        "eagle3.1: τ heldout": Value(value=1.6, se=0.05),
+        "eagle3.1: Δ τ heldout": Value(value=0.1, se=0.02),
+        "eagle3.1: valid acc 0": Value(value=0.43),
+        "eagle3.1: valid acc 1": Value(value=0.22),
+        "n-gram: τ heldout": Value(value=1.2, se=0.04),
+    }
+    epyc = Machine(cpu="AMD EPYC", flags=("avx2", "avx512f"), cores=2)
+    record = Record(
+        name=benchmarks_page.RECIPES,
+        values=values,
+        machine=epyc,
+        commit="abcdef1",
+        params_hash=None,
+        command="python bench/bench_recipes.py --point eagle3 --point eagle3.1",
+        date=datetime.date.fromisoformat("2026-12-07"),
+    )
+    lines = recipes_table.table([record]).splitlines()
+    assert lines[0] == "| point | τ held-out | valid acc per TTT step |"
+    assert lines[2] == "| `eagle3` | 1.500 ± 0.050 | 0.410 / 0.200 |"
+    assert lines[3] == "| `eagle3.1` | 1.600 ± 0.050 (+0.100 ± 0.020*) | 0.430 / 0.220 |"
+    assert lines[4] == "| prompt lookup (n-gram) | 1.200 ± 0.040 |  |"
+    assert "`python bench/bench_recipes.py --point eagle3 --point eagle3.1`" in " ".join(lines[6:])

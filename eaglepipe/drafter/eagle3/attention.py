@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from eaglepipe.drafter.eagle3.model import DraftConfig
+    from eaglepipe.drafter.eagle3.config import DraftConfig
 
 
 class RMSNorm(nn.Module):

@@ -21,7 +21,8 @@ import re
 
 import torch
 
-from eaglepipe.drafter.eagle3.model import DraftConfig, Eagle3Draft
+from eaglepipe.drafter.eagle3.config import DraftConfig
+from eaglepipe.drafter.eagle3.model import Eagle3Draft
 from eaglepipe.target import families
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
     init_head(model, target)
     source = f"target layer {target['layer_index']} ({target['model_type']})"
     family, drafter = families.FAMILIES.get(target["model_type"], families.OTHER), model.cfg.drafter
-    if not (why_attn or why_mlp or dropped) and family.layer == drafter:
+    if not (why_attn or why_mlp or dropped or model.cfg.fc_norm) and family.layer == drafter:
         text = f"exact: the midlayer is {source}, a {drafter} layer with every weight used; step 0 computes that layer"
     else:
         parts = [
@@ -135,6 +136,8 @@ def init_from_target(model: Eagle3Draft, target: dict) -> str:
             parts.append(f"dropped {', '.join(dropped)}")
         elif family.layer != drafter:
             parts.append(f"{target['model_type']}'s layer is not known to be the {drafter} drafter's layer")
+        if model.cfg.fc_norm:
+            parts.append("EAGLE-3.1's fc_norm norms the high state fc passes on")
         text = f"not exact: the midlayer starts from {source}: {'; '.join(parts)}"
     log.info("drafter init: %s", text)
     return text

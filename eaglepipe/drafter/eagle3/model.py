@@ -1,5 +1,5 @@
-"""The EAGLE-3 drafter: config, module, draft vocabulary, and the checkpoint SGLang and vLLM load (its attention
-variants: eagle3/attention.py; its init from the target's weights: eagle3/init.py).
+"""The EAGLE-3 drafter: module, draft vocabulary, and the checkpoint SGLang and vLLM load (its config:
+eagle3/config.py; its attention variants: eagle3/attention.py; its init from the target's weights: eagle3/init.py).
 
 One decoder layer over the target's features (as SafeAILab/EAGLE ``traineagle3/cnets.py``, SGLang
 ``models/llama_eagle3.py``)::
@@ -10,6 +10,8 @@ One decoder layer over the target's features (as SafeAILab/EAGLE ``traineagle3/c
                                             (qwen3: RMS norms q_norm, k_norm on each head before RoPE;
                                              deepseek_mla: DeepSeek's MLA, ``attention.MLAttention``)
     h' = a + mlp(post_attention_layernorm(a))                     pre-norm output, fed back as h
+                                            (EAGLE-3.1: fc_norm's norm per aux state before fc; norm_output
+                                             feeds back norm(h'))
     draft_logits = lm_head(norm(h'))                               [.., draft_vocab_size]
 
 ``embed_tokens`` is the target's input embedding: a frozen, non-persistent buffer, neither trained nor saved (the
@@ -23,7 +25,7 @@ Inference (chain drafting, top-1, batch rows share one length)::
     logits, h_out, cache = model(input_ids, hidden, cache=None, position_ids=None)
         input_ids [B, T] target ids; hidden [B, T, H] (project(aux) or a previous h_out); cache a DraftCache (None
         starts one); position_ids default to len(cache) + arange(T)
-        -> logits [B, T, draft_vocab_size] float32, h_out [B, T, H] pre-norm, cache (the same object, extended by T)
+        -> logits [B, T, draft_vocab_size] float32, h_out [B, T, H] fed_back(h'), cache (the same object, extended by T)
     model.to_target(draft_ids)         # target ids: draft_id + d2t[draft_id]
     cache.crop(n); len(cache)          # keep the first n positions / number of positions held
 
@@ -44,26 +46,14 @@ Checkpoint (``save``/``load``): ``model.safetensors`` holds exactly the float32 
 ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}``, ``midlayer.mlp.{gate,up,down}_proj``,
 ``midlayer.self_attn.{q,k,v,o}_proj`` weights (``<name>.weight``; qwen3: and ``self_attn.{q,k}_norm``; deepseek_mla,
 in place of q/k/v, DeepSeek's ``self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,
-kv_b_proj}``), ``d2t`` (int64) and ``t2d`` (bool). ``config.json``: ``architectures`` and ``model_type`` per
-``DRAFTERS`` (qwen3: vLLM's ``qwen3_eagle3.py``; deepseek_mla: its ``deepseek_eagle3.py``, with the target's
-``MLA_KEYS``), ``num_hidden_layers: 1``, ``tie_word_embeddings: false`` (else SGLang makes lm_head the embedding),
-``vocab_size`` (the target's), ``draft_vocab_size``, the target's Llama fields (sizes, heads, head_dim, rms_norm_eps,
-rope_theta/rope_scaling and rope_parameters, max_position_embeddings, hidden_act), and the aux layer ids once per
-engine, each in a key only that engine reads (they mean different ids):
-    ``eagle_aux_hidden_state_layer_ids`` (top level): the HF indices ([2, 15, 27]). vLLM 0.32 reads this key first, as
-        HF ``hidden_states`` indices (``gpu_model_runner._get_eagle3_aux_layers_from_config``; its newer runner reads
-        only this one); SGLang never reads it.
-    ``eagle_config.eagle_aux_hidden_state_layer_ids``: the HF indices minus one ([1, 14, 26]). SGLang reads only this
-        key and adds one (``set_eagle3_layers_to_capture`` counts layer outputs); vLLM reads it only when the
-        top-level key is absent.
-``load`` refuses a config whose two keys disagree, or that has only one of them.
+kv_b_proj}``; EAGLE-3.1's ``fc_norm``: ``fc_norm.{0,1,2}``), ``d2t`` (int64) and ``t2d`` (bool). Its
+``config.json``: eagle3/config.py.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
@@ -72,172 +62,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from eaglepipe.core.errors import UserError
 from eaglepipe.drafter.eagle3.attention import (
     Attention,
     MLAttention,
     RMSNorm,
 )
-from eaglepipe.target import families
-
-DRAFTERS = {
-    "llama": ("LlamaForCausalLMEagle3", "llama"),  # the Llama layer: SGLang and vLLM
-    "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3"),  # with q_norm/k_norm: vLLM only
-    "deepseek_mla": ("Eagle3DeepseekV2ForCausalLM", "deepseek_v2"),
-}  # MLA, dense MLP: vLLM only
-"""train.drafter's layers: name -> (config.json's ``architectures`` name, ``model_type``). deepseek_mla's is
-deepseek_v2 for V2 and V3 targets alike: vLLM makes a drafter of type deepseek_v3 its multi-token-prediction model."""
-MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-"""The MLA drafter's attention sizes, the target's (its config.json keys)."""
-MROPE = ("mrope_section", "mrope_interleaved")  # a multimodal target's RoPE keys: text positions make them 1-D RoPE
-
-
-@dataclass
-class DraftConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_parameters: dict
-    max_position_embeddings: int
-    hidden_act: str
-    vocab_size: int
-    draft_vocab_size: int
-    aux_layers: list  # HF output_hidden_states indices (state entering decoder layer i), low, mid, high
-    drafter: str = "llama"  # one of DRAFTERS
-    mla: dict | None = None  # the deepseek_mla drafter's MLA_KEYS (head_dim is then qk_rope_head_dim, RoPE's)
-
-    @property
-    def qk_norm(self) -> bool:
-        """Whether the drafter's attention norms each head's q and k before RoPE (Qwen3's q_norm, k_norm)."""
-        return self.drafter == "qwen3"
-
-    @classmethod
-    def from_target(cls, config, draft_vocab_size: int, aux_layers: list, drafter: str = "llama") -> DraftConfig:
-        """The ``drafter``'s config from the target's (a transformers config): same widths, heads and RoPE (an
-        M-RoPE made the 1-D RoPE of text positions)."""
-        c = families.text_config(config)
-        rope = {k: v for k, v in c.rope_parameters.items() if k not in MROPE}
-        mla = None
-        if drafter == "deepseek_mla":
-            mla = {k: getattr(c, k, None) for k in MLA_KEYS}
-            if None in mla.values():  # without q_lora_rank vLLM's loader would stack kv_a_proj_with_mqa into nothing
-                raise UserError(
-                    f"train.drafter deepseek_mla needs a target with MLA attention and a query "
-                    f"low-rank projection; its {c.model_type} config has no "
-                    f"{', '.join(k for k, v in mla.items() if v is None)}"
-                )
-        return cls(
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_attention_heads
-            if mla
-            else getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-            head_dim=mla["qk_rope_head_dim"]
-            if mla
-            else getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-            rms_norm_eps=float(c.rms_norm_eps),
-            rope_parameters=rope,
-            max_position_embeddings=c.max_position_embeddings,
-            hidden_act=c.hidden_act,
-            vocab_size=c.vocab_size,
-            draft_vocab_size=int(draft_vocab_size),
-            aux_layers=list(aux_layers),
-            drafter=drafter,
-            mla=mla,
-        )
-
-    def to_json(self) -> dict:
-        """config.json in the layout the engines load (module docstring, Checkpoint)."""
-        rope = dict(self.rope_parameters)
-        legacy_scaling = (
-            None
-            if rope.get("rope_type", "default") == "default"
-            else {k: v for k, v in rope.items() if k != "rope_theta"}
-        )
-        architecture, model_type = DRAFTERS[self.drafter]
-        return {
-            "architectures": [architecture],
-            "model_type": model_type,
-            "num_hidden_layers": 1,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "hidden_act": self.hidden_act,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": rope["rope_theta"],
-            "rope_scaling": legacy_scaling,
-            "rope_parameters": rope,
-            "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "tie_word_embeddings": False,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "torch_dtype": "float32",
-            "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
-            "eagle_config": {
-                "use_aux_hidden_state": True,
-                "eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.aux_layers],
-            },
-            **(self.mla or {}),
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> DraftConfig:
-        drafter = next((name for name, (arch, _) in DRAFTERS.items() if arch in d.get("architectures", [])), None)
-        if drafter is None or d.get("num_hidden_layers") != 1:
-            raise ValueError(
-                f"not a one-layer config of {', '.join(a for a, _ in DRAFTERS.values())}: {d.get('architectures')}"
-            )
-        rope = d.get("rope_parameters") or {
-            "rope_theta": d["rope_theta"],
-            **(d.get("rope_scaling") or {"rope_type": "default"}),
-        }
-        return cls(
-            **{
-                k: d[k]
-                for k in (
-                    "hidden_size",
-                    "intermediate_size",
-                    "num_attention_heads",
-                    "num_key_value_heads",
-                    "head_dim",
-                    "rms_norm_eps",
-                    "max_position_embeddings",
-                    "hidden_act",
-                    "vocab_size",
-                    "draft_vocab_size",
-                )
-            },
-            rope_parameters=rope,
-            aux_layers=aux_layers_of(d),
-            drafter=drafter,
-            mla={k: d[k] for k in MLA_KEYS} if drafter == "deepseek_mla" else None,
-        )
-
-
-def aux_layers_of(d: dict) -> list:
-    """The HF indices a checkpoint's config.json names in both engines' keys (module docstring); ValueError unless
-    both are there and agree."""
-    vllm_ids = d.get("eagle_aux_hidden_state_layer_ids")
-    sglang_ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if vllm_ids is None or sglang_ids is None:
-        raise ValueError(
-            "config.json should name the aux layers for both engines: eagle_aux_hidden_state_layer_ids "
-            "(vLLM, HF indices) and eagle_config.eagle_aux_hidden_state_layer_ids (SGLang, minus one)"
-        )
-    if [i + 1 for i in sglang_ids] != list(vllm_ids):
-        raise ValueError(
-            f"config.json's aux layers disagree: vLLM would read hidden_states {list(vllm_ids)}, "
-            f"SGLang {[i + 1 for i in sglang_ids]} (eagle_config's ids plus one)"
-        )
-    return list(vllm_ids)
+from eaglepipe.drafter.eagle3.config import DraftConfig
 
 
 def build_vocab(counts: Counter, size: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,6 +149,8 @@ class Eagle3Draft(nn.Module):
         self.aux_layers = list(cfg.aux_layers)
         H = cfg.hidden_size
         self.fc = nn.Linear(3 * H, H, bias=False)
+        if cfg.fc_norm:  # EAGLE-3.1 (eagle3/config.py)
+            self.fc_norm = nn.ModuleList(RMSNorm(H, cfg.rms_norm_eps) for _ in cfg.aux_layers)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
@@ -339,7 +171,13 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(t2d)
 
     def project(self, aux):
-        return self.fc(aux.float())
+        """The aux states [.., 3H] (any float dtype) -> fc's output [.., H] float32 (EAGLE-3.1's ``fc_norm``: each
+        state normed first)."""
+        aux = aux.float()
+        if self.cfg.fc_norm:
+            states = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(state) for norm, state in zip(self.fc_norm, states)], dim=-1)
+        return self.fc(aux)
 
     def embed(self, input_ids):
         return F.embedding(input_ids, self.embed_tokens)
@@ -350,7 +188,13 @@ class Eagle3Draft(nn.Module):
         return self.rotary(self.embed_tokens, position_ids)
 
     def logits(self, h):
+        """Draft logits from the layer's pre-norm output ``h``."""
         return self.lm_head(self.norm(h))
+
+    def fed_back(self, h):
+        """The state the next draft step reads from the layer's pre-norm output ``h``: ``h`` itself, or its final
+        norm's output under EAGLE-3.1's ``norm_output`` (vLLM's ``aux_output``)."""
+        return self.norm(h) if self.cfg.norm_output else h
 
     def to_target(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]
@@ -371,7 +215,7 @@ class Eagle3Draft(nn.Module):
         visible = steps[None, :] <= steps[past:, None]
         attn = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1) @ v
         h = layer.finish(layer.self_attn.merge(attn), hidden)
-        return self.logits(h), h, cache
+        return self.logits(h), self.fed_back(h), cache
 
 
 def save(model: Eagle3Draft, folder) -> None:

@@ -256,10 +256,11 @@ def ttt_forward(
     k0, v0, h, x = _step_zero(model, batch)
     own_kv, total, per_step = [], 0.0, []
     for k in range(steps):
-        h = _draft_step(model, batch, k, h, x, k0, v0, own_kv)
+        out = _draft_step(model, batch, k, h, x, k0, v0, own_kv)
+        h = model.fed_back(out)
         b, a = torch.nonzero(batch.masks[k], as_tuple=True)
         t = batch.act[b, a] + 1 + k  # the target's position whose logits predict x[act + 2 + k]
-        logits = model.logits(h[b, a])
+        logits = model.logits(out[b, a])
         target = batch.top[b, t]
         keep = model.t2d[target]
         ce = -(batch.probs[b, t] * torch.log_softmax(logits, -1)).sum(-1)[keep]

@@ -1,0 +1,36 @@
+"""The drafters ``train.method`` names, one entry each. Adding a method: its module (a folder per algorithm, as
+``eagle3/``), its entry in ``METHODS``, its name in ``train.method`` (core/model_sections.py) and, if it has knobs of
+its own, their section there (``METHOD_SECTIONS``, which keeps them out of other methods' fingerprints).
+
+    eagle3    EAGLE-3 (Li et al. 2025, arXiv:2503.01840): one decoder layer over three of the target's layers,
+              trained with training-time test (eagle3/). vLLM and SGLang serve it.
+    eagle3.1  the same layer with the EAGLE-3.1 toggles vLLM 0.32 reads from the checkpoint's config.json
+              (eagle3/config.py): ``fc_norm`` and ``norm_output``, each a knob in ``train.eagle3_1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from eaglepipe.core import config
+
+
+@dataclass(frozen=True)
+class Method:
+    options: Callable[[config.Train], dict]  # the DraftConfig fields it sets beyond EAGLE-3's (eagle3/config.py)
+
+
+def _eagle3_1_toggles(p: config.Train) -> dict:
+    return p.eagle3_1.model_dump()
+
+
+METHODS = {
+    "eagle3": Method(options=lambda p: {}),
+    "eagle3.1": Method(options=_eagle3_1_toggles),
+}
+
+
+def draft_options(p: config.Train) -> dict:
+    """The ``DraftConfig`` fields ``p.method`` sets beyond EAGLE-3's."""
+    return METHODS[p.method].options(p)
