@@ -43,15 +43,3 @@ def pytest_collection_modifyitems(items):
             raise pytest.UsageError(f"{item.nodeid} is marked {' and '.join(sorted(tiers))}: one tier per test")
         if not tiers:
             item.add_marker(pytest.mark.unit)
-
-
-@pytest.fixture(scope="session")
-def plain_vllm(tmp_path_factory, target_folder):
-    """The embedded target served by vLLM as the engine tests start it (tests/e2e.py ``start_vllm``: float32, eager),
-    once per pytest process for every test that only asks it (a test that kills, restarts or reconfigures its server
-    starts its own). Started when a test first asks for it."""
-    from e2e import served, start_vllm
-    from sglang_server import free_port
-
-    log = tmp_path_factory.mktemp("vllm-plain") / "server.log"
-    yield from served(start_vllm(target_folder.resolve(), free_port(), log))

@@ -17,6 +17,7 @@ from e2e import (
     kill_9_then_resume,
     records,
     run_infer,
+    served,
     server_restart_mid_run,
     start_vllm,
 )
@@ -80,8 +81,8 @@ def reference(work):
 
 
 @pytest.fixture(scope="module")
-def server(plain_vllm):
-    return plain_vllm
+def server(work, target_folder):
+    yield from served(start_vllm(target_folder.resolve(), 8021, work / "server.log"))
 
 
 def test_e2e_a_clean_run_gives_the_embedded_engines_records(work, server, reference, tmp_path):

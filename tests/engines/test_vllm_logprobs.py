@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e import QUESTIONS, ROOT
+from e2e import QUESTIONS, ROOT, served, start_vllm
+from sglang_server import free_port
 
 from eaglepipe.core import config
 from eaglepipe.engines import Sampling, vllm
@@ -30,8 +31,8 @@ TOLERANCE = 2e-4
 
 
 @pytest.fixture(scope="module")
-def server(plain_vllm):
-    return plain_vllm
+def server(tmp_path_factory, target_folder):
+    yield from served(start_vllm(target_folder.resolve(), free_port(), tmp_path_factory.mktemp("vllm") / "server.log"))
 
 
 def direct(model, prompt: list, answer: list) -> torch.Tensor:

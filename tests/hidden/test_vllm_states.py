@@ -33,9 +33,13 @@ pytestmark = [
 LAYERS = [2, 15, 27]  # auto for the embedded target's 30 layers
 
 
-def start(folder, port: int, log: Path) -> vllm.LaunchedServer:
-    """A server capturing LAYERS and the last layer's output through the project's connector."""
-    return start_vllm(folder, port, log, vllm_source.server_args([*LAYERS, 30]), {"PYTHONPATH": str(ROOT)})
+def start(folder, port: int, log: Path, capture: bool = True) -> vllm.LaunchedServer:
+    """A server capturing LAYERS and the last layer's output through the project's connector, unless not ``capture``."""
+    return (
+        start_vllm(folder, port, log, vllm_source.server_args([*LAYERS, 30]), {"PYTHONPATH": str(ROOT)})
+        if capture
+        else start_vllm(folder, port, log)
+    )
 
 
 def make_sequences(folder: Path, n: int = 12) -> list:
@@ -153,16 +157,20 @@ def test_the_vllm_states_equal_the_hf_engines(work, server, reference, target_fo
     assert not any((work / "cache").glob("states-*")), "the files in flight are removed at the end"
 
 
-def test_a_server_without_the_connector_is_refused(plain_vllm, tmp_path):
+def test_a_server_without_the_connector_is_refused(target_folder, tmp_path):
     make_sequences(tmp_path / "seq")
-    out = subprocess.run(
-        hidden_cmd(tmp_path, params_file(tmp_path, plain_vllm.url)),
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    plain = start(target_folder.resolve(), 8032, tmp_path / "plain.log", capture=False)
+    try:
+        out = subprocess.run(
+            hidden_cmd(tmp_path, params_file(tmp_path, plain.url)),
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        plain.stop()
     assert out.returncode == 1 and "captures no hidden states" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "out").exists()
 
