@@ -47,7 +47,7 @@ class Hidden(Section):
     )
     vllm: Servers = speed(
         Servers(concurrency=16, launch=Launch(extra_args=["--enforce-eager"])),
-        "hidden.engine: vllm: running servers started with engines/states.py's server_args on "
+        "hidden.engine: vllm: running servers started with hidden/vllm_source.py's server_args on "
         "this machine's filesystem, or one to start from .venv-vllm serving the target",
     )
     layers: Literal["auto"] | list[int] = Field(

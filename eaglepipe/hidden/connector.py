@@ -12,16 +12,19 @@ client first):
     states  [T, len(ids), H]  the served dtype; row t = prompt position t
     ids     int64 [T]         the prompt's token ids as vLLM ran them
     metadata ``layers``: the ids, JSON
-Its path is the request's ``kv_transfer_params.states_path`` (the server writes where a client asks: keep it on
-loopback), else ``<kv_connector_extra_config.folder>/<request id>.safetensors``; the answer's
-``kv_transfer_params.states_path`` names it. The vLLM classes are built on first use (``__getattr__``), so this
-module imports without vLLM.
+Its path is ``<folder>/<name>``: ``folder`` the server's ``kv_connector_extra_config.folder`` (``server_args``),
+``name`` the request's ``kv_transfer_params.states_path`` (a relative path), else ``<request id>.safetensors``. The
+server writes nowhere else (``confine``): an absolute name, ``..``, or a symlink leading out of the folder fails the
+request's states, nothing written, and its answer's ``kv_transfer_params.states_error`` says why; otherwise the
+answer's ``kv_transfer_params.states_path`` names the file written. The vLLM classes are built on first use
+(``__getattr__``), so this module imports without vLLM.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,8 +33,27 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+log = logging.getLogger(__name__)
 NAME = "StatesConnector"
 PATH_KEY = "states_path"
+ERROR_KEY = "states_error"
+DEFAULT_FOLDER = "/tmp/eaglepipe-states"
+
+
+def confine(folder: str, name: str) -> str:
+    """The path ``name`` names inside ``folder`` (a resolved folder), where it and its ``.tmp`` twin resolve inside it;
+    otherwise ValueError with the reason."""
+    if os.path.isabs(name):
+        raise ValueError(f"the states path {name!r} is not a name relative to the server's states folder")
+    if not name.endswith(".safetensors"):
+        raise ValueError(f"the states path {name!r} does not end in .safetensors")
+    if ".." in name.replace("\\", "/").split("/"):
+        raise ValueError(f"the states path {name!r} climbs out of the server's states folder ('..')")
+    path = os.path.join(folder, name)
+    for candidate in (path, path + ".tmp"):
+        if os.path.commonpath([folder, os.path.realpath(candidate)]) != folder:
+            raise ValueError(f"the states path {name!r} leads out of the server's states folder (a symlink)")
+    return path
 
 
 def rows(cache: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
@@ -86,7 +108,10 @@ class _WorkerSide:
         if self.has_connector_metadata():
             for rid, path, ids, blocks in self._get_connector_metadata().todo:
                 if self.writer:
-                    write(path, rows(self.cache, blocks, len(ids)), ids, self.layers)
+                    try:
+                        write(path, rows(self.cache, blocks, len(ids)), ids, self.layers)
+                    except OSError as error:  # the client times out on this file; the server serves on
+                        log.error("%s: states of %s not written to %s: %s", NAME, rid, path, error)
                 done.add(rid)
         return done or None, None
 
@@ -120,7 +145,9 @@ def _build():
             if spec is None or spec.method != "extract_hidden_states":
                 raise ValueError(f"{NAME} needs --speculative-config with method extract_hidden_states")
             self.layers = list(getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", []))
-            self.folder = self._kv_transfer_config.get_from_extra_config("folder", "/tmp/eaglepipe-states")
+            folder = self._kv_transfer_config.get_from_extra_config("folder", DEFAULT_FOLDER)
+            os.makedirs(folder, exist_ok=True)
+            self.folder = os.path.realpath(folder)
             groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
             self.group = next((i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)), 0)
             self.todo, self.cache, self.writer = [], None, True
@@ -138,9 +165,11 @@ def _build():
         def request_finished_all_groups(self, request, block_ids):
             if not 0 <= self.group < len(block_ids) or request.prompt_token_ids is None:
                 return False, None  # never scheduled: nothing cached
-            path = (request.kv_transfer_params or {}).get(PATH_KEY) or os.path.join(
-                self.folder, f"{request.request_id}.safetensors"
-            )
+            name = (request.kv_transfer_params or {}).get(PATH_KEY) or f"{request.request_id}.safetensors"
+            try:
+                path = confine(self.folder, str(name))
+            except ValueError as refused:
+                return False, {ERROR_KEY: str(refused)}
             self.todo.append((request.request_id, path, list(request.prompt_token_ids), list(block_ids[self.group])))
             return True, {PATH_KEY: path}
 

@@ -31,7 +31,7 @@ from eaglepipe.engines.pool import Server, ServerError, ServerPool
 from eaglepipe.engines.server import BadAnswer, ServerEngine
 from eaglepipe.engines.vllm import VLLM
 from eaglepipe.hidden import layout
-from eaglepipe.hidden.connector import NAME, PATH_KEY, read
+from eaglepipe.hidden.connector import DEFAULT_FOLDER, ERROR_KEY, NAME, PATH_KEY, read
 from eaglepipe.hidden.hf_source import head_figures
 from eaglepipe.target import compat, families
 
@@ -39,31 +39,37 @@ log = logging.getLogger(__name__)
 MOST_DISAGREEMENTS = 0.5  # the share of sequences whose last token may differ from the server's
 
 
-def server_args(layers: list[int]) -> list[str]:
+def server_args(layers: list[int], folder: str | Path = DEFAULT_FOLDER) -> list[str]:
     """The vLLM arguments that capture the states of ``layers`` (Hugging Face ``hidden_states`` ids; the layer count
-    is the last layer's output) and write them through the connector."""
+    is the last layer's output) and write them through the connector, inside ``folder`` only."""
     spec = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
         "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layers)}},
     }
-    kv = {"kv_connector": NAME, "kv_connector_module_path": "eaglepipe.hidden.connector", "kv_role": "kv_producer"}
+    kv = {
+        "kv_connector": NAME,
+        "kv_connector_module_path": "eaglepipe.hidden.connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"folder": str(folder)},
+    }
     return ["--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv)]
 
 
 class StatesApi(VLLM):
-    """vLLM's API with states: each request names its states file (``folder/<record id>.safetensors``) and each answer
-    must say where it was written; a launched server gets ``server_args`` and this repository on its PYTHONPATH."""
+    """vLLM's API with states: each request names its states file, ``<files' name>/<rid>.safetensors`` inside the
+    server's states folder, and each answer must say where it was written; a launched server gets ``server_args``
+    (its folder: ``files``' parent) and this repository on its PYTHONPATH."""
 
     title = "vLLM (hidden states)"
 
-    def __init__(self, layers: list[int], folder: Path, interpreter: str | None = None):
+    def __init__(self, layers: list[int], files: Path, interpreter: str | None = None):
         super().__init__(interpreter)
-        self.layers, self.folder = list(layers), Path(folder)
+        self.layers, self.files = list(layers), Path(files)
 
     def launcher(self, cfg) -> LaunchedServer:
         server = super().launcher(cfg)
-        server.extra_args += server_args(self.layers)
+        server.extra_args += server_args(self.layers, self.files.parent)
         server.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         return server
 
@@ -76,7 +82,7 @@ class StatesApi(VLLM):
         where = _states_path(answer)
         if not where:
             raise ServerError(
-                f"{server.url} captures no hidden states (its answer names no states file): start it "
+                f"{server.url} captures no hidden states ({_missing(answer)}): start it "
                 "with eaglepipe.hidden.vllm_source.server_args, as hidden.vllm.launch does"
             )
         try:
@@ -91,22 +97,31 @@ class StatesApi(VLLM):
 
     def request(self, prompt_ids: list, sampling: Sampling, record_id: str, rid: str) -> tuple[str, dict]:
         path, body = super().request(prompt_ids, sampling, record_id, rid)
-        return path, {**body, "kv_transfer_params": {PATH_KEY: str(self.folder / f"{rid}.safetensors")}}
+        return path, {**body, "kv_transfer_params": {PATH_KEY: f"{self.files.name}/{rid}.safetensors"}}
 
     def check(self, answer, prompt_ids: list, sampling: Sampling, rid: str) -> tuple[list, str, dict]:
         ids, reason, meta = super().check(answer, prompt_ids, sampling, rid)
         where = _states_path(answer)
         if not where:
-            raise BadAnswer(
-                "the answer names no states file (kv_transfer_params.states_path): start the server "
-                "with eaglepipe.hidden.vllm_source.server_args"
-            )
+            raise BadAnswer(f"{_missing(answer)}: start the server with eaglepipe.hidden.vllm_source.server_args")
         return ids, reason, {**meta, PATH_KEY: where}
+
+
+def _transfer(answer) -> dict:
+    return (answer.get("kv_transfer_params") or {}) if isinstance(answer, dict) else {}
 
 
 def _states_path(answer) -> str | None:
     """Where the server wrote an answer's states (its ``kv_transfer_params``), or None."""
-    return (answer.get("kv_transfer_params") or {}).get(PATH_KEY) if isinstance(answer, dict) else None
+    return _transfer(answer).get(PATH_KEY)
+
+
+def _missing(answer) -> str:
+    """Why an answer names no states file: the connector's refusal, or no connector."""
+    refused = _transfer(answer).get(ERROR_KEY)
+    if refused:
+        return f"the server refused to write the states: {refused}"
+    return "the answer names no states file (kv_transfer_params.states_path)"
 
 
 class VLLMStates:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,9 @@ from safetensors.torch import load_file
 from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
 from eaglepipe.dataset import sequences
-from eaglepipe.engines import vllm
-from eaglepipe.hidden import extract, vllm_source
+from eaglepipe.engines import Sampling, vllm
+from eaglepipe.engines.server import BadAnswer
+from eaglepipe.hidden import connector, extract, vllm_source
 
 pytestmark = [
     pytest.mark.engine,
@@ -34,12 +36,12 @@ LAYERS = [2, 15, 27]  # auto for the embedded target's 30 layers
 
 
 def start(folder, port: int, log: Path, capture: bool = True) -> vllm.LaunchedServer:
-    """A server capturing LAYERS and the last layer's output through the project's connector, unless not ``capture``."""
-    return (
-        start_vllm(folder, port, log, vllm_source.server_args([*LAYERS, 30]), {"PYTHONPATH": str(ROOT)})
-        if capture
-        else start_vllm(folder, port, log)
-    )
+    """A server capturing LAYERS and the last layer's output through the project's connector into ``log``'s folder's
+    ``states``, unless not ``capture``."""
+    if not capture:
+        return start_vllm(folder, port, log)
+    args = vllm_source.server_args([*LAYERS, 30], log.parent / "states")
+    return start_vllm(folder, port, log, args, {"PYTHONPATH": str(ROOT)})
 
 
 def make_sequences(folder: Path, n: int = 12) -> list:
@@ -154,7 +156,39 @@ def test_the_vllm_states_equal_the_hf_engines(work, server, reference, target_fo
         worst["target_logprob"] = max(worst.get("target_logprob", 0.0), gap)
         assert gap < 1e-3, (rid, gap)
     print(f"vLLM against hf, float32 states of {len(got)} sequences: (max abs, relative) {worst}")
-    assert not any((work / "cache").glob("states-*")), "the files in flight are removed at the end"
+    assert not any(p.is_file() for p in (work / "states").rglob("*")), "the files in flight are removed"
+
+
+ONE_TOKEN = Sampling(temperature=0.0, max_new_tokens=1)
+ASKED = [1, 2, 3, 4]
+
+
+def ask(url: str, name: str) -> dict:
+    """The server's answer to one request (ASKED, ONE_TOKEN, request id ``name``) for states written to ``name``."""
+    api = vllm_source.StatesApi([*LAYERS, 30], Path("unused"))
+    path, body = api.request(ASKED, ONE_TOKEN, name, name)
+    body["kv_transfer_params"] = {connector.PATH_KEY: name}
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=120).read())
+
+
+def test_the_connector_writes_only_inside_its_folder(work, server, tmp_path):
+    """An absolute path, ``..`` and a symlink leading out each fail the request's states with the reason (the
+    client's check names it) and write nothing; a relative name is written inside the server's folder."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (work / "states" / "door").symlink_to(outside, target_is_directory=True)
+    client = vllm_source.StatesApi([*LAYERS, 30], Path("unused"))
+    for name in [str(outside / "absolute.safetensors"), "../escaped.safetensors", "door/through.safetensors"]:
+        answer = ask(server.url, name)
+        transfer = answer["kv_transfer_params"]
+        assert connector.PATH_KEY not in transfer and name in transfer[connector.ERROR_KEY], answer
+        with pytest.raises(BadAnswer, match="the server refused to write the states"):
+            client.check(answer, ASKED, ONE_TOKEN, name)
+    kept = ask(server.url, "inside/kept.safetensors")["kv_transfer_params"][connector.PATH_KEY]
+    assert Path(kept) == (work / "states" / "inside" / "kept.safetensors").resolve()
+    assert connector.read(kept, 120)[2] == [*LAYERS, 30]  # written after the refused ones, in order
+    assert not any(outside.iterdir()) and not (work / "escaped.safetensors").exists()
 
 
 def test_a_server_without_the_connector_is_refused(target_folder, tmp_path):
