@@ -4,11 +4,11 @@ benchmark.
     python bench/bench_recipes.py [--point NAME ...] [--list] [--results FILE | --no-results]
 
 Each point is the train params of params.yaml with a few keys changed (POINTS below; the methods' points compare
-eagle3 with eagle3.1 and each of its toggles alone). For each point the drafter is trained on data/hidden in this
-process (what the train stage computes for those params) and its acceptance length (the evaluate params, EAGLE only)
-measured on every turn evaluate decoded (data/decoded/<benchmark>.jsonl); the n-gram baseline's once. Prints one row
-per point: validation acc per TTT step, acceptance per benchmark (with its difference from the first point's, paired),
-train seconds; and appends the figures to the results file (results/components.jsonl).
+eagle3 with eagle3.1, each of its toggles alone, and parallel drafting). For each point the drafter is trained on
+data/hidden in this process (what the train stage computes for those params) and its acceptance length (the evaluate
+params, EAGLE only) measured on every turn evaluate decoded (data/decoded/<benchmark>.jsonl); the n-gram baseline's
+once. Prints one row per point: validation acc per TTT step, acceptance per benchmark (with its difference from the
+first point's, paired), train seconds; and appends the figures to the results file (results/components.jsonl).
 """
 
 import sys
@@ -46,6 +46,7 @@ POINTS = {
     "eagle3.1": {"method": "eagle3.1", "eagle3_1": {"fc_norm": True, "norm_output": True}},
     "eagle3.1-fc_norm": {"method": "eagle3.1", "eagle3_1": {"fc_norm": True, "norm_output": False}},
     "eagle3.1-norm_output": {"method": "eagle3.1", "eagle3_1": {"fc_norm": False, "norm_output": True}},
+    "peagle": {"method": "peagle"},
 }
 
 

@@ -203,9 +203,9 @@ def ranks_of(agent: int) -> dict[int, int]:
 def untrained_drafter(
     target_folder, layers: list[int], draft_vocab: int = 2048, drafter: str = "llama", **toggles: bool
 ):
-    """A ``drafter`` (draft_config.DRAFTERS; ``toggles``: EAGLE-3.1's) started from the target (its midlayer the
-    target's last layer read, ``draft_init.init_from_target``), its draft vocabulary the first ``draft_vocab`` ids:
-    untrained, yet some of its drafts are accepted."""
+    """A ``drafter`` (draft_config.DRAFTERS; ``toggles``: EAGLE-3.1's, or ``parallel_drafting``) started from the
+    target (its midlayer the target's last layer read, ``draft_init.init_from_target``), its draft vocabulary the first
+    ``draft_vocab`` ids: untrained, yet some of its drafts are accepted."""
     from collections import Counter
 
     import torch

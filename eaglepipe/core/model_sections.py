@@ -102,11 +102,12 @@ METHOD_SECTIONS = {"eagle3.1": "eagle3_1"}
 
 
 class Train(Section):
-    method: Literal["eagle3", "eagle3.1"] = Field(
+    method: Literal["eagle3", "eagle3.1", "peagle"] = Field(
         "eagle3",
         description="the drafter trained (eaglepipe/drafter/methods.py): eagle3, EAGLE-3's one layer over the "
         "target's aux states | eagle3.1, the same with EAGLE-3.1's toggles (train.eagle3_1), which vLLM reads from "
-        "the checkpoint's config.json",
+        "the checkpoint's config.json | peagle, EAGLE-3 drafting all its tokens in one forward (vLLM's "
+        "parallel_drafting; Llama and Qwen3 layers)",
     )
     eagle3_1: Eagle31 = Field(Eagle31(), description="method eagle3.1's toggles; other methods ignore them")
     seed: int = Field(0, description="drafter init and batch order")

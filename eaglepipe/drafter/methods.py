@@ -6,6 +6,11 @@ its own, their section there (``METHOD_SECTIONS``, which keeps them out of other
               trained with training-time test (eagle3/). vLLM and SGLang serve it.
     eagle3.1  the same layer with the EAGLE-3.1 toggles vLLM 0.32 reads from the checkpoint's config.json
               (eagle3/config.py): ``fc_norm`` and ``norm_output``, each a knob in ``train.eagle3_1``.
+    peagle    parallel drafting (P-EAGLE, arXiv:2602.01469; vLLM 0.32's ``parallel_drafting``): the same layer
+              proposes all its tokens in one forward, the first from the last committed position and each further
+              one from a mask slot (a mask token and a learned ``mask_hidden``); trained as TTT with mask slots
+              in place of the fed-back steps (eagle3/ttt.py). vLLM serves it with the Llama and Qwen3 layers;
+              SGLang does not serve it.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from eaglepipe.core import config
+from eaglepipe.core.errors import UserError
 
 
 @dataclass(frozen=True)
 class Method:
     options: Callable[[config.Train], dict]  # the DraftConfig fields it sets beyond EAGLE-3's (eagle3/config.py)
+    layers: tuple = ("llama", "qwen3", "deepseek_mla")  # the drafter layers (train.drafter) vLLM serves it with
 
 
 def _eagle3_1_toggles(p: config.Train) -> dict:
@@ -28,7 +35,17 @@ def _eagle3_1_toggles(p: config.Train) -> dict:
 METHODS = {
     "eagle3": Method(options=lambda p: {}),
     "eagle3.1": Method(options=_eagle3_1_toggles),
+    "peagle": Method(options=lambda p: {"parallel_drafting": True}, layers=("llama", "qwen3")),
 }
+
+
+def check_layer(method: str, layer: str) -> None:
+    """UserError unless vLLM serves ``method`` with the drafter layer ``layer``."""
+    if layer not in METHODS[method].layers:
+        raise UserError(
+            f"train.method {method} cannot be served with the {layer} drafter layer (train.drafter, or the "
+            f"target family's): vLLM 0.32 serves it with {', '.join(METHODS[method].layers)} only"
+        )
 
 
 def draft_options(p: config.Train) -> dict:

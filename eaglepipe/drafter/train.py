@@ -220,6 +220,7 @@ def setup(feats, target_folder, p, keep=None):
     counts = token_counts(train_set)
     config = families.load_config(target_folder)
     layer = families.of(config).drafter if p.drafter == "auto" else p.drafter
+    methods.check_layer(p.method, layer)
     cfg = DraftConfig.from_target(config, p.draft_vocab_size, feats.layers, layer, **methods.draft_options(p))
     model = Eagle3Draft(cfg, tgt["embed"])
     model.set_vocab(*build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))

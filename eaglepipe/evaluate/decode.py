@@ -301,7 +301,8 @@ class EagleDrafter:
     eaglepipe/drafter/eagle3/model.py: the target's state at position t is paired with the token at t + 1, and the
     drafter's output there predicts the token at t + 2. The drafter's cache always holds exactly the positions built
     from the target's own states (the committed ones); draft steps extend it and are cropped away on the next
-    ``accept``."""
+    ``accept``. A parallel drafter (``cfg.parallel``) proposes its drafts after the first in one forward over mask
+    slots, as vLLM's ``parallel_drafting``."""
 
     needs_hidden = True
 
@@ -333,6 +334,11 @@ class EagleDrafter:
         tok = self.next
         h = self.h
         out = [tok]
+        if m.cfg.parallel and k > 1:  # one forward over k - 1 mask slots, as vLLM's parallel_drafting
+            logits = m.parallel_drafts(k - 1, self.cache)
+            out += m.to_target(logits[0].argmax(-1)).tolist()
+            self.last = out
+            return list(out)
         for _ in range(k - 1):
             logits, h, _ = m(torch.tensor([[tok]], device=h.device), h, self.cache)
             tok = int(m.to_target(logits[0, -1].argmax()))

@@ -88,8 +88,10 @@ def engine_layers(log_text: str, num_layers: int) -> list:
 
 
 def eagle3(draft, num_steps: int) -> dict:
-    """vLLM's ``--speculative-config`` for the trained drafter (without ``method`` vLLM silently picks another)."""
-    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_steps}
+    """vLLM's ``--speculative-config`` for the trained drafter (without ``method`` vLLM silently picks another;
+    ``parallel_drafting`` for a drafter with a mask token)."""
+    parallel = {"parallel_drafting": True} if read_config(draft).parallel else {}
+    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_steps, **parallel}
 
 
 class Served:

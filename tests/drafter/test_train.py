@@ -188,6 +188,23 @@ def test_every_method_is_registered_and_eagle3_1_trains_with_its_toggles(data, t
     assert exported["fc_norm"] is True and "norm_output" not in exported
 
 
+def test_a_parallel_drafter_trains_its_mask_hidden_and_exports_its_mask_token(data, tmp_path):
+    """train.method peagle: mask_hidden moves, config.json names the mask token (ptd_token_id) and the saved drafter
+    loads with it; with the deepseek_mla layer, which vLLM cannot serve in parallel, it is refused before training."""
+    params = config.Train(**{**PARAMS, "epochs": 1, "method": "peagle"})
+    model = train.run(data / "hidden", data / "target", params, tmp_path / "checkpoints")[0]
+    start = train.setup(data / "hidden", data / "target", params)[0]
+    assert not torch.equal(model.mask_hidden, start.mask_hidden)
+    draft.save(model, tmp_path / "draft")
+    exported = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert exported["ptd_token_id"] == model.cfg.mask_token_id
+    loaded = draft.load(tmp_path / "draft", model.embed_tokens)
+    assert loaded.cfg.parallel and torch.equal(loaded.mask_hidden, model.mask_hidden)
+    refused = config.Train(**{**PARAMS, "epochs": 1, "method": "peagle", "drafter": "deepseek_mla"})
+    with pytest.raises(UserError, match="train.method peagle cannot be served with the deepseek_mla drafter layer"):
+        train.run(data / "hidden", data / "target", refused, tmp_path / "refused")
+
+
 class _Payload:
     """What a doctored state file could carry: unpickling it would run a command."""
 

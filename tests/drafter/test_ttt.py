@@ -50,12 +50,11 @@ def test_targets_aligned_with_shifted_predictions(tmp_path):
     assert [s for s in seen if s[0] == 2] == [(2, 2, 15, 16), (2, 3, 16, 17)]
 
 
-@pytest.mark.parametrize("toggles", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
-def test_ttt_step_equals_cached_inference_chain(data, toggles):
-    """Step k of training at position t gives the logits of a KV-cached chain: extend over 0..t, then k steps (with
-    EAGLE-3.1's toggles too, every norm's weights not ones)."""
+def ttt_outputs(data, steps: int, **options) -> tuple:
+    """(drafter, sample, its aux states, batch, {step: the drafter's outputs at the step's loss positions}) of one
+    TTT forward over the first sample, the drafter's norm weights not ones; ``options``: DraftConfig.from_target's."""
     embed = train.target_tensors(data / "target", LAYERS - 3)["embed"]
-    cfg = draft_config.DraftConfig.from_target(AutoConfig.from_pretrained(data / "target"), 64, [2, 4, 5], **toggles)
+    cfg = draft_config.DraftConfig.from_target(AutoConfig.from_pretrained(data / "target"), 64, [2, 4, 5], **options)
     torch.manual_seed(0)
     model = draft.Eagle3Draft(cfg, embed).eval()
     with torch.no_grad():
@@ -63,12 +62,9 @@ def test_ttt_step_equals_cached_inference_chain(data, toggles):
             if name.endswith("norm.weight") or name.startswith("fc_norm."):
                 weight.uniform_(0.5, 1.5)
     model.set_vocab(*draft.build_vocab(Counter(range(64)), 64, V))
-    samples = sources.load_samples(data / "hidden", "train")
-    s = samples[0]
-    steps = 3
+    s = sources.load_samples(data / "hidden", "train")[0]
     states = layout.read_states([s])
     batch = ttt.collate([s], states, steps, embed[model.to_target(torch.arange(64))], model.t2d)
-    aux = states[0]["aux"]
     captured = {}
     original = model.logits
 
@@ -80,6 +76,15 @@ def test_ttt_step_equals_cached_inference_chain(data, toggles):
     with torch.no_grad():
         ttt.ttt_forward(model, batch, steps)
     model.logits = original
+    return model, s, states[0]["aux"], batch, captured
+
+
+@pytest.mark.parametrize("toggles", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])
+def test_ttt_step_equals_cached_inference_chain(data, toggles):
+    """Step k of training at position t gives the logits of a KV-cached chain: extend over 0..t, then k steps (with
+    EAGLE-3.1's toggles too)."""
+    steps = 3
+    model, s, aux, batch, captured = ttt_outputs(data, steps, **toggles)
     for k in range(steps):
         b, a = torch.nonzero(batch.masks[k], as_tuple=True)
         for row, t in enumerate(batch.act[b, a].tolist()):
@@ -88,7 +93,26 @@ def test_ttt_step_equals_cached_inference_chain(data, toggles):
                 for j in range(1, k + 1):
                     logits, h, cache = model(s.ids[None, t + 1 + j : t + 2 + j], h[:, -1:], cache)
             assert len(cache) == t + 1 + k
-            torch.testing.assert_close(original(captured[k][row]), logits[0, -1], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(model.logits(captured[k][row]), logits[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_parallel_ttt_step_equals_the_mask_slot_of_one_forward(data):
+    """Parallel drafting: step k of training at position t gives the logits of the k-th mask slot after an extend
+    over 0..t (the forward vLLM's parallel_drafting and evaluate run), and not those of a fed-back chain."""
+    steps = 3
+    model, s, aux, batch, captured = ttt_outputs(data, steps, parallel_drafting=True)
+    assert model.cfg.mask_token_id == 2  # the synthetic target's pad token
+    for k in range(1, steps):
+        b, a = torch.nonzero(batch.masks[k], as_tuple=True)
+        for row, t in enumerate(batch.act[b, a].tolist()):
+            with torch.no_grad():
+                _, h, cache = model(s.ids[None, 1 : t + 2], model.project(aux[None, : t + 1]))
+                chained = model(s.ids[None, t + 2 : t + 3], h[:, -1:], cache)[0][0, -1]
+                cache.crop(t + 1)
+                logits = model.parallel_drafts(k, cache)
+            assert len(cache) == t + 1 + k
+            torch.testing.assert_close(model.logits(captured[k][row]), logits[0, -1], rtol=1e-4, atol=1e-4)
+            assert k > 1 or not torch.allclose(chained, logits[0, -1], atol=1e-3)
 
 
 def test_attention_in_blocks_gives_the_loss_and_gradients_of_one_block(data, monkeypatch):

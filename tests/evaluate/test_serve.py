@@ -277,6 +277,20 @@ def test_e2e_vllm_serves_an_eagle3_1_drafter_as_evaluate_decodes_it(tmp_path, ta
 
 @pytest.mark.engine
 @needs_vllm
+def test_e2e_vllm_serves_a_parallel_drafter_as_evaluate_decodes_it(tmp_path, target_folder, tokenizer, model):
+    """Parallel drafting (train.method peagle; mask_hidden not zeros): vLLM, given ``parallel_drafting``, proposes
+    what evaluate's one forward over the mask slots proposes, step for step."""
+    drafter = untrained_drafter(target_folder, LAYERS, parallel_drafting=True)
+    s = decoded(tmp_path, drafter, target_folder, tokenizer, model, free_port())
+    assert serve.eagle3(tmp_path / "draft", 3)["parallel_drafting"] is True
+    m = check(s, target_folder, tokenizer, s["rows"], tmp_path / "draft")
+    assert m["outputs_equal"] and m["counters_agree"] and m["passed"], m
+    assert m["verification_steps"] == m["evaluate_verification_steps"]
+    assert m["evaluate_acceptance_length"] > 1.0  # some drafts accepted: the drafter's path was compared
+
+
+@pytest.mark.engine
+@needs_vllm
 def test_e2e_a_checkpoint_vllm_reads_with_other_layers_fails(served, target_folder, tokenizer):
     # the export SGLang alone reads right (its ids, minus one, and no vLLM key): vLLM takes them as HF indices (the
     # stage refuses such a checkpoint before serving it: eagle3/config.py aux_layers_of; here vLLM is given it anyway)

@@ -19,6 +19,11 @@ EAGLE-3 drafters (``llama_eagle3.py``, ``qwen3_eagle3.py``, ``deepseek_eagle3.py
 checkpoint's config.json is the same as before they existed:
     ``fc_norm: true``: one RMS norm per aux state (weights ``fc_norm.{i}.weight``) before ``fc``.
     ``norm_output: true``: the state fed back to the next draft step is the final norm's output, not its input.
+
+Parallel drafting (``train.method: peagle``): ``ptd_token_id``, the mask token's id (the first key of those vLLM 0.32
+reads for it, ``v1/spec_decode/llm_base_proposer.py``; the target's pad token, else its end of sequence), written only
+for this method; its weights add ``mask_hidden`` [3H]. vLLM serves it with ``"parallel_drafting": true`` in the
+speculative config, and serves the same checkpoint as plain EAGLE-3 without it (ignoring ``mask_hidden``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim
 """The MLA drafter's attention sizes, the target's (its config.json keys)."""
 TOGGLES = ("fc_norm", "norm_output")
 """EAGLE-3.1's config.json keys (module docstring), each a ``DraftConfig`` field."""
+MASK_KEY = "ptd_token_id"
+"""The config.json key of parallel drafting's mask token (module docstring)."""
 MROPE = ("mrope_section", "mrope_interleaved")  # a multimodal target's RoPE keys: text positions make them 1-D RoPE
 
 
@@ -60,18 +67,31 @@ class DraftConfig:
     mla: dict | None = None  # the deepseek_mla drafter's MLA_KEYS (head_dim is then qk_rope_head_dim, RoPE's)
     fc_norm: bool = False  # EAGLE-3.1: an RMS norm per aux state before fc
     norm_output: bool = False  # EAGLE-3.1: the normed output fed back to the next step
+    mask_token_id: int | None = None  # parallel drafting's mask token (None: chain drafting)
 
     @property
     def qk_norm(self) -> bool:
         """Whether the drafter's attention norms each head's q and k before RoPE (Qwen3's q_norm, k_norm)."""
         return self.drafter == "qwen3"
 
+    @property
+    def parallel(self) -> bool:
+        """Whether the drafter proposes all its tokens in one forward (parallel drafting, mask slots)."""
+        return self.mask_token_id is not None
+
     @classmethod
     def from_target(
-        cls, config, draft_vocab_size: int, aux_layers: list, drafter: str = "llama", **toggles: bool
+        cls,
+        config,
+        draft_vocab_size: int,
+        aux_layers: list,
+        drafter: str = "llama",
+        parallel_drafting: bool = False,
+        **toggles: bool,
     ) -> DraftConfig:
         """The ``drafter``'s config from the target's (a transformers config): same widths, heads and RoPE (an
-        M-RoPE made the 1-D RoPE of text positions); ``toggles``: the EAGLE-3.1 keys (``fc_norm``, ``norm_output``)."""
+        M-RoPE made the 1-D RoPE of text positions); ``toggles``: the EAGLE-3.1 keys (``fc_norm``, ``norm_output``);
+        ``parallel_drafting``: a mask token, the target's (``mask_token``)."""
         c = families.text_config(config)
         rope = {k: v for k, v in c.rope_parameters.items() if k not in MROPE}
         mla = None
@@ -102,6 +122,7 @@ class DraftConfig:
             aux_layers=list(aux_layers),
             drafter=drafter,
             mla=mla,
+            mask_token_id=mask_token(config) if parallel_drafting else None,
             **toggles,
         )
 
@@ -142,6 +163,7 @@ class DraftConfig:
             },
             **(self.mla or {}),
             **{key: True for key in TOGGLES if getattr(self, key)},
+            **({MASK_KEY: self.mask_token_id} if self.parallel else {}),
         }
 
     @classmethod
@@ -176,7 +198,23 @@ class DraftConfig:
             drafter=drafter,
             mla={k: d[k] for k in MLA_KEYS} if drafter == "deepseek_mla" else None,
             **{key: bool(d.get(key, False)) for key in TOGGLES},
+            mask_token_id=d.get(MASK_KEY),
         )
+
+
+def mask_token(config) -> int:
+    """Parallel drafting's mask token for a target (a transformers config): its pad token, else its end of sequence
+    (the first, if several). Its embedding is the target's, frozen; the drafter learns ``mask_hidden`` beside it."""
+    c = families.text_config(config)
+    for key in ("pad_token_id", "eos_token_id"):
+        found = getattr(c, key, None)
+        if found is None:
+            found = getattr(config, key, None)
+        if isinstance(found, list):
+            found = found[0] if found else None
+        if found is not None:
+            return int(found)
+    raise UserError("train.method peagle needs a mask token: the target's config names no pad_token_id or eos_token_id")
 
 
 def aux_layers_of(d: dict) -> list:

@@ -38,6 +38,10 @@ x_n, extend with x[1..n] paired with project(aux[0..n-1]); each draft step feeds
 with ``h[:, -1:]``; after verification (m drafts accepted, plus the bonus token) ``cache.crop(n)`` drops the chain and
 x_{n+1}..x_{n+m+1} paired with project(aux[n..n+m]) extend it.
 
+Parallel drafting (``cfg.parallel``, vLLM's ``parallel_drafting``): the first draft is the extend's last logits as
+above; drafts 2..K are those of K - 1 mask slots (``mask_slot``: the mask token paired with project(mask_hidden)) at
+the next positions, in the same causal attention, all in one forward (``parallel_drafts``), cropped on ``accept``.
+
 Draft vocabulary: the N most frequent loss-masked token ids, sorted ascending (ties: lower id first), padded with the
 lowest unused ids when the data has fewer. ``d2t`` int64 [N]: target_id = draft_id + d2t[draft_id]; ``t2d`` bool [V]:
 whether a target id is in the draft vocabulary.
@@ -46,7 +50,8 @@ Checkpoint (``save``/``load``): ``model.safetensors`` holds exactly the float32 
 ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}``, ``midlayer.mlp.{gate,up,down}_proj``,
 ``midlayer.self_attn.{q,k,v,o}_proj`` weights (``<name>.weight``; qwen3: and ``self_attn.{q,k}_norm``; deepseek_mla,
 in place of q/k/v, DeepSeek's ``self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,
-kv_b_proj}``; EAGLE-3.1's ``fc_norm``: ``fc_norm.{0,1,2}``), ``d2t`` (int64) and ``t2d`` (bool). Its
+kv_b_proj}``; EAGLE-3.1's ``fc_norm``: ``fc_norm.{0,1,2}``; parallel drafting's ``mask_hidden`` [3H], no
+``.weight``), ``d2t`` (int64) and ``t2d`` (bool). Its
 ``config.json``: eagle3/config.py.
 """
 
@@ -165,6 +170,8 @@ class Eagle3Draft(nn.Module):
             rope_parameters=dict(cfg.rope_parameters),
         )
         self.rotary = LlamaRotaryEmbedding(rope_cfg)  # buffers only (not persistent)
+        if cfg.parallel:  # the aux states of every mask slot (parallel drafting); drawn last: the rest as EAGLE-3's
+            self.mask_hidden = nn.Parameter(torch.randn(len(cfg.aux_layers) * H) * 0.02)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor):
         self.d2t.copy_(d2t)
@@ -198,6 +205,18 @@ class Eagle3Draft(nn.Module):
 
     def to_target(self, draft_ids):
         return draft_ids + self.d2t[draft_ids]
+
+    def mask_slot(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, hidden) of mask slots filling ``shape`` (parallel drafting): the mask token and
+        ``project(mask_hidden)``, [*shape] and [*shape, H]."""
+        ids = torch.full(shape, self.cfg.mask_token_id, dtype=torch.long, device=self.mask_hidden.device)
+        return ids, self.project(self.mask_hidden).expand(*shape, -1)
+
+    def parallel_drafts(self, n: int, cache: DraftCache) -> torch.Tensor:
+        """Draft logits [1, n, draft_vocab_size] of ``n`` mask slots after the positions in ``cache``; they extend
+        ``cache`` (crop it after)."""
+        ids, hidden = self.mask_slot((1, n))
+        return self(ids, hidden, cache)[0]
 
     def forward(self, input_ids, hidden, cache: DraftCache | None = None, position_ids=None):
         cache = DraftCache() if cache is None else cache

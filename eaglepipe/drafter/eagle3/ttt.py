@@ -10,6 +10,11 @@ Alignment (position t, TTT step k = 0..K-1, ids x, chain mask m):
     (the loss mask, or every token under ``train.positions: all``: sources.load_samples); validation always uses the
     loss mask. Positions whose target argmax is outside the draft vocabulary are left out of the loss (and count as
     misses in the accuracy).
+Parallel drafting (the drafter's ``cfg.parallel``): step k >= 1 at t reads a mask slot (``Eagle3Draft.mask_slot``:
+the mask token and project(mask_hidden), also its residual) instead of x[t+1+k] and the fed-back output, as vLLM's
+parallel_drafting runs the K - 1 slots after the last committed position; its targets, masks and attention are the
+same. (P-EAGLE's speculators recipe trains a random subset of the positions at each depth with a KL loss and learns
+the mask token's embedding; here every chain position at every step, with the loss below and the target's embedding.)
 Attention at step k: position t attends to the step-0 keys of positions <= t and to its own keys of steps 1..k.
 Only "active" positions (m[t+1] & m[t+2]) run queries, the MLP and the head; every position provides step-0 keys and
 values. Past ``CHUNK`` queries the scores are computed in blocks recomputed in backward.
@@ -214,15 +219,19 @@ def _step_zero(model: Eagle3Draft, batch: Batch) -> tuple:
 
 def _draft_step(model: Eagle3Draft, batch: Batch, k: int, h, x, k0, v0, own_kv: list) -> torch.Tensor:
     """The drafter's step-``k`` output [B, A, H] at the active positions from its step-(k-1) output ``h`` (step 0:
-    the projected states, and ``x`` its attention input). Past step 0, the step's own keys and values are appended to
-    ``own_kv``."""
+    the projected states, and ``x`` its attention input; parallel drafting: a mask slot past step 0). Past step 0, the
+    step's own keys and values are appended to ``own_kv``."""
     ids, act = batch.ids, batch.act
     B, T = ids.shape
     rows = torch.arange(B, device=ids.device)[:, None]
     layer, attn = model.midlayer, model.midlayer.self_attn
     cos, sin = model.rope(act + k)
     if k:
-        x = layer.attn_input(model.embed(ids[rows, (act + 1 + k).clamp(max=T - 1)]), h)
+        if model.cfg.parallel:
+            tokens, h = model.mask_slot(act.shape)
+        else:
+            tokens = ids[rows, (act + 1 + k).clamp(max=T - 1)]
+        x = layer.attn_input(model.embed(tokens), h)
     q = attn.queries(x, cos, sin)  # before the keys: autograd's node order fixes backward's sums
     if k:
         own_kv.append(attn.keys_values(x, cos, sin))  # this step's own keys and values
