@@ -15,27 +15,23 @@ its own, their section there (``METHOD_SECTIONS``, which keeps them out of other
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eaglepipe.core import config
 from eaglepipe.core.errors import UserError
+from eaglepipe.core.model_sections import METHOD_SECTIONS
 
 
 @dataclass(frozen=True)
 class Method:
-    options: Callable[[config.Train], dict]  # the DraftConfig fields it sets beyond EAGLE-3's (eagle3/config.py)
+    fixed: dict = field(default_factory=dict)  # DraftConfig fields it sets beyond EAGLE-3's (eagle3/config.py)
     layers: tuple = ("llama", "qwen3", "deepseek_mla")  # the drafter layers (train.drafter) vLLM serves it with
 
 
-def _eagle3_1_toggles(p: config.Train) -> dict:
-    return p.eagle3_1.model_dump()
-
-
 METHODS = {
-    "eagle3": Method(options=lambda p: {}),
-    "eagle3.1": Method(options=_eagle3_1_toggles),
-    "peagle": Method(options=lambda p: {"parallel_drafting": True}, layers=("llama", "qwen3")),
+    "eagle3": Method(),
+    "eagle3.1": Method(),  # its knobs: train.eagle3_1
+    "peagle": Method(fixed={"parallel_drafting": True}, layers=("llama", "qwen3")),
 }
 
 
@@ -49,5 +45,7 @@ def check_layer(method: str, layer: str) -> None:
 
 
 def draft_options(p: config.Train) -> dict:
-    """The ``DraftConfig`` fields ``p.method`` sets beyond EAGLE-3's."""
-    return METHODS[p.method].options(p)
+    """The ``DraftConfig`` fields ``p.method`` sets beyond EAGLE-3's: its fixed ones and its section's knobs."""
+    section = METHOD_SECTIONS.get(p.method)
+    knobs = getattr(p, section).model_dump() if section else {}
+    return {**METHODS[p.method].fixed, **knobs}
