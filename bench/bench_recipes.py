@@ -4,7 +4,7 @@ benchmark.
     python bench/bench_recipes.py [--point NAME ...] [--list] [--results FILE | --no-results]
 
 Each point is the train params of params.yaml with a few keys changed (POINTS below; the methods' points compare
-eagle3 with eagle3.1, each of its toggles alone, and parallel drafting). For each point the drafter is trained on
+eagle3 with eagle3.1, each of its toggles alone, parallel drafting and DFlash). For each point the drafter is trained on
 data/hidden in this process (what the train stage computes for those params) and its acceptance length (the evaluate
 params, EAGLE only) measured on every turn evaluate decoded (data/decoded/<benchmark>.jsonl); the n-gram baseline's
 once. Prints one row per point: validation acc per TTT step, acceptance per benchmark (with its difference from the
@@ -47,6 +47,7 @@ POINTS = {
     "eagle3.1-fc_norm": {"method": "eagle3.1", "eagle3_1": {"fc_norm": True, "norm_output": False}},
     "eagle3.1-norm_output": {"method": "eagle3.1", "eagle3_1": {"fc_norm": False, "norm_output": True}},
     "peagle": {"method": "peagle"},
+    "dflash": {"method": "dflash"},
 }
 
 
@@ -85,7 +86,9 @@ def main(params, hidden_folder, decoded, points, list_points, results_file, no_r
         seconds = time.perf_counter() - start
         torch.set_num_threads(p.threads or torch.get_num_threads())
         valid = [report["valid"][f"acc_{k}"] for k in range(cfg.train.ttt_steps)]
-        rows.append((name, valid, acceptances(model, speculative.EagleDrafter(drafter), sets, stops, p), seconds))
+        rows.append(
+            (name, valid, acceptances(model, speculative.drafter_for(drafter, p.num_steps), sets, stops, p), seconds)
+        )
         print(f"{name}: valid acc {valid}, acceptance length {rows[-1][2]}, trained in {seconds:.0f} s", flush=True)
     baseline = ngram(sets, stops, p)
     print_table(

@@ -97,19 +97,25 @@ class Eagle31(Section):
     )
 
 
-METHOD_SECTIONS = {"eagle3.1": "eagle3_1"}
+class Dflash(Section):
+    num_layers: int = Field(1, ge=1, description="the drafter's decoder layers (Qwen3's, each reading the context)")
+
+
+METHOD_SECTIONS = {"eagle3.1": "eagle3_1", "dflash": "dflash"}
 """train.method -> the train key holding that method's own knobs (a method without knobs: none)."""
 
 
 class Train(Section):
-    method: Literal["eagle3", "eagle3.1", "peagle"] = Field(
+    method: Literal["eagle3", "eagle3.1", "peagle", "dflash"] = Field(
         "eagle3",
         description="the drafter trained (eaglepipe/drafter/methods.py): eagle3, EAGLE-3's one layer over the "
         "target's aux states | eagle3.1, the same with EAGLE-3.1's toggles (train.eagle3_1), which vLLM reads from "
         "the checkpoint's config.json | peagle, EAGLE-3 drafting all its tokens in one forward (vLLM's "
-        "parallel_drafting; Llama and Qwen3 layers)",
+        "parallel_drafting; Llama and Qwen3 layers) | dflash, a block drafter: Qwen3 layers (train.dflash) read the "
+        "aux states as context and draft ttt_steps tokens in one forward (vLLM only)",
     )
     eagle3_1: Eagle31 = Field(Eagle31(), description="method eagle3.1's toggles; other methods ignore them")
+    dflash: Dflash = Field(Dflash(), description="method dflash's knobs; other methods ignore them")
     seed: int = Field(0, description="drafter init and batch order")
     draft_vocab_size: int = Field(2048, ge=1, description="the most frequent loss-masked token ids")
     ttt_steps: int = Field(

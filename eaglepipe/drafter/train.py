@@ -41,9 +41,8 @@ from eaglepipe.dataset import sequences
 from eaglepipe.drafter import checkpoint, methods
 from eaglepipe.drafter.checkpoint import Progress
 from eaglepipe.drafter.eagle3 import init
-from eaglepipe.drafter.eagle3.config import DraftConfig
-from eaglepipe.drafter.eagle3.model import Eagle3Draft, build_vocab
-from eaglepipe.drafter.eagle3.ttt import TTT, StepStats, collate, noisy, ttt_forward
+from eaglepipe.drafter.eagle3.model import DraftBase, Eagle3Draft, build_vocab
+from eaglepipe.drafter.eagle3.ttt import TTT, StepStats, collate, noisy
 from eaglepipe.drafter.sources import Online, features_of, load_samples, token_counts
 from eaglepipe.hidden import layout
 from eaglepipe.target import compat, families, quant
@@ -57,11 +56,6 @@ RESULT_CODE = (
     "drafter.sources",
     "drafter.checkpoint",
     "drafter.methods",
-    "drafter.eagle3.config",
-    "drafter.eagle3.model",
-    "drafter.eagle3.attention",
-    "drafter.eagle3.init",
-    "drafter.eagle3.ttt",
     "hidden.layout",
     "dataset.shards",
     "dataset.sequences",
@@ -144,7 +138,7 @@ def evaluate(
         rows = [samples[i] for i in idx]
         batch = collate(rows, feats.states(rows), steps, head_draft, model.t2d)
         with autocast(bf16, head_draft.device):
-            _, stats = ttt_forward(model, batch, steps, per_row=True)
+            _, stats = methods.objective_of(model)(model, batch, steps, per_row=True)
         stats = stats.cpu()
         total = total + stats
         per_sample.update(zip(idx, zip(stats.row_correct.T.tolist(), stats.row_positions.T.tolist())))
@@ -172,12 +166,12 @@ def optimizer(model, p) -> torch.optim.AdamW:
 
 
 def fingerprint(feats, params, target_fp: str) -> str:
-    """Hash of ``feats.identity()``, the train params, the code that decides the drafter (``RESULT_CODE``), torch's
-    version and the target's fingerprint."""
+    """Hash of ``feats.identity()``, the train params, the code that decides the drafter (``RESULT_CODE`` and its
+    method's ``code``: drafter/methods.py), torch's version and the target's fingerprint."""
     blob = json.dumps(
         {
             "features": feats.identity(),
-            "code": code_key(RESULT_CODE),
+            "code": code_key(RESULT_CODE + methods.METHODS[params.method].code),
             "params": params.tracked(),
             "target": target_fp,
             "torch": torch.__version__,
@@ -219,12 +213,16 @@ def setup(feats, target_folder, p, keep=None):
     runtime.seed(p.seed)
     counts = token_counts(train_set)
     config = families.load_config(target_folder)
-    layer = families.of(config).drafter if p.drafter == "auto" else p.drafter
-    methods.check_layer(p.method, layer)
-    cfg = DraftConfig.from_target(config, p.draft_vocab_size, feats.layers, layer, **methods.draft_options(p))
-    model = Eagle3Draft(cfg, tgt["embed"])
+    method = methods.METHODS[p.method]
+    layer = methods.layer_of(p, families.of(config).drafter)
+    cfg = method.config.from_target(config, p.draft_vocab_size, feats.layers, layer, **methods.draft_options(p))
+    model = method.model(cfg, tgt["embed"])
     model.set_vocab(*build_vocab(counts, cfg.draft_vocab_size, cfg.vocab_size))
     if p.init == "target":
+        if not isinstance(model, Eagle3Draft):
+            raise UserError(
+                f"train.init target starts EAGLE-3's layer from the target's; method {p.method}: fresh or head"
+            )
         init.init_from_target(model, tgt)
     elif p.init == "head":
         init.init_head(model, tgt)
@@ -246,7 +244,7 @@ class Training:
 
     p: object  # the train params (config.Train)
     feats: layout.Stored | Online
-    model: Eagle3Draft  # on the run's device
+    model: DraftBase  # on the run's device (eagle3/model.py; dflash/model.py)
     net: nn.Module  # the TTT objective over ``model``, as the world trains it (Runtime.wrap)
     train_set: list[layout.Sample]
     valid_set: list[layout.Sample]
@@ -264,7 +262,7 @@ def build(feats, target_folder, p, keep, rt: runtime.Runtime) -> Training:
     feats = features_of(feats)
     model, train_set, valid_set, head_draft, counts = setup(feats, target_folder, p, keep)
     model, head_draft = model.to(rt.device), head_draft.to(rt.device)
-    net = rt.wrap(TTT(model, p.ttt_steps, p.step_weight))
+    net = rt.wrap(TTT(model, p.ttt_steps, p.step_weight, methods.METHODS[p.method].objective))
     lengths = [s.ids.shape[0] for s in train_set]
     plans = [sequences.plan_batches(lengths, p.batch_tokens, p.seed, e) for e in range(p.epochs)]
     total_steps = sum(len(b) for b in plans)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from eaglepipe.core import config, uncertainty
 from eaglepipe.dataset import benchmarks
+from eaglepipe.drafter.methods import speculative_config
 from eaglepipe.engines import Sampling
 from eaglepipe.evaluate import serve
 from eaglepipe.evaluate.run import Chat
@@ -31,14 +32,14 @@ def methods(e: config.Evaluate, draft: Path, against: dict[str, Path]) -> dict[s
     """The speculative configs compared with plain decoding: the drafter, prompt lookup, then each other drafter
     (``eagle3:<label>``)."""
     return {
-        "eagle3": serve.eagle3(draft, e.num_steps),
+        "eagle3": speculative_config(draft, e.num_steps),
         "ngram": {
             "method": "ngram",
             "num_speculative_tokens": e.num_steps,
             "prompt_lookup_max": e.ngram.max,
             "prompt_lookup_min": e.ngram.min,
         },
-        **{f"eagle3:{label}": serve.eagle3(path, e.num_steps) for label, path in against.items()},
+        **{f"eagle3:{label}": speculative_config(path, e.num_steps) for label, path in against.items()},
     }
 
 

@@ -36,6 +36,9 @@ from itertools import zip_longest
 import torch
 from transformers import DynamicCache
 
+from eaglepipe.drafter.dflash.model import DFlashDraft
+from eaglepipe.evaluate.block import BlockDrafter
+
 
 @dataclass
 class Stats:
@@ -349,3 +352,9 @@ class EagleDrafter:
     def accept(self, n, aux, next_token):
         self.cache.crop(self.committed)
         self._extend(self.last[:n] + [next_token], aux)
+
+
+def drafter_for(model, num_steps: int):
+    """The decoder of a trained drafter: block drafting for DFlash (``num_steps`` drafts a block, as served), else
+    EAGLE's chain (or parallel) drafting."""
+    return BlockDrafter(model, num_steps) if isinstance(model, DFlashDraft) else EagleDrafter(model)

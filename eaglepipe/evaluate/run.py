@@ -20,8 +20,9 @@ import torch
 
 from eaglepipe.core import config, runtime, uncertainty
 from eaglepipe.dataset.benchmarks import Conversation
-from eaglepipe.drafter.eagle3 import model as draft
+from eaglepipe.drafter import methods
 from eaglepipe.evaluate import decode
+from eaglepipe.evaluate.block import BlockDrafter
 from eaglepipe.target import chat, families
 from eaglepipe.text import derive
 
@@ -50,7 +51,7 @@ class Decoders:
     """What decodes a turn: the target, the EAGLE drafter, the n-gram baseline, the chat and evaluate's params."""
 
     model: torch.nn.Module
-    eagle: decode.EagleDrafter
+    eagle: decode.EagleDrafter | BlockDrafter
     lookup: decode.NgramDrafter
     chat: Chat
     params: config.Evaluate
@@ -239,7 +240,7 @@ def _conversation(c: Conversation, position: int, of: int, d: Decoders) -> list[
 
 def _decoders(chat_: Chat, model, drafter_model, params: config.Evaluate) -> Decoders:
     """The decoders of a run; ValueError when the drafter reads a layer the target does not have."""
-    eagle = decode.EagleDrafter(drafter_model)
+    eagle = decode.drafter_for(drafter_model, params.num_steps)
     layers = families.text_config(model.config).num_hidden_layers
     if any(not 0 <= i < layers for i in eagle.layers):
         raise ValueError(f"the drafter reads hidden states {eagle.layers}, the target has {layers} layers")
@@ -312,4 +313,4 @@ def run(
 
 def load_drafter(folder, model):
     """The trained drafter on the target's device, given the target's input embedding (the drafter stores none)."""
-    return draft.load(Path(folder), model.get_input_embeddings().weight).to(model.device)
+    return methods.load(Path(folder), model.get_input_embeddings().weight).to(model.device)

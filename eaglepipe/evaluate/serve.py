@@ -28,7 +28,7 @@ from eaglepipe.core import config
 from eaglepipe.core.config import CACHE
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.records import read_jsonl
-from eaglepipe.drafter.eagle3.model import read_config
+from eaglepipe.drafter.methods import read_config, speculative_config
 from eaglepipe.engines import Failure, Sampling
 from eaglepipe.engines.launch import servers
 from eaglepipe.engines.vllm import VLLMEngine, amx, cpu_build
@@ -85,13 +85,6 @@ def engine_layers(log_text: str, num_layers: int) -> list:
     if not found:
         return [2, num_layers // 2, num_layers - 3]
     return [int(i) for i in found[-1].split(",") if i.strip()]
-
-
-def eagle3(draft, num_steps: int) -> dict:
-    """vLLM's ``--speculative-config`` for the trained drafter (without ``method`` vLLM silently picks another;
-    ``parallel_drafting`` for a drafter with a mask token)."""
-    parallel = {"parallel_drafting": True} if read_config(draft).parallel else {}
-    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_steps, **parallel}
 
 
 class Served:
@@ -372,7 +365,7 @@ def check(
     stop_ids = stop_ids_of(folder, tokenizer)
     sampling = Sampling(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stop_ids)))
     num_layers = families.text_config(target_config).num_hidden_layers
-    eagle = decode(folder, tokenizer, p, rows, sampling, eagle3(draft, num_steps), "eagle")
+    eagle = decode(folder, tokenizer, p, rows, sampling, speculative_config(draft, num_steps), "eagle")
     plain = None
     if differences(rows, eagle["outputs"], "eagle"):
         log.info("an output with the drafter differs from evaluate's: decoding without it too")

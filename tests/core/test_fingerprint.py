@@ -8,7 +8,7 @@ from helpers import ROOT
 
 from eaglepipe.core import codedeps
 from eaglepipe.core.fingerprint import PACKAGE, code_key
-from eaglepipe.drafter import train
+from eaglepipe.drafter import methods, train
 from eaglepipe.hidden import extract
 from eaglepipe.infer import run as infer_run
 
@@ -83,7 +83,7 @@ def test_a_change_to_the_arithmetic_moves_the_keys_downstream_of_it_alone(tmp_pa
     keys = {
         "infer": (infer_run.GENERATION_CODE + ("engines.hf",)),
         "hidden": extract.RESULT_CODE,
-        "train": train.RESULT_CODE,
+        "train": train.RESULT_CODE + methods.METHODS["eagle3"].code,
     }
     moved = {name for name, modules in keys.items() if code_key(modules, copy) != code_key(modules)}
     dotted = module.removesuffix(".py").replace("/", ".")
@@ -128,6 +128,7 @@ NO_RESULT = {
     "hidden": "the subpackage's docstring",
     "drafter": "the subpackage's docstring",
     "drafter.eagle3": "the subpackage's docstring",
+    "drafter.dflash": "the subpackage's docstring",
 }
 # Per stage: what it runs of another stage or of another engine, hashed by that one's own key or not at all.
 ELSEWHERE = {
@@ -168,7 +169,7 @@ ELSEWHERE = {
 CACHES = {
     "infer": infer_run.GENERATION_CODE + ("engines.hf", "engines.vllm", "engines.sglang") + infer_run.HISTORY_CODE,
     "hidden": extract.RESULT_CODE,
-    "train": train.RESULT_CODE,
+    "train": train.RESULT_CODE + tuple(name for method in methods.METHODS.values() for name in method.code),
 }
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from eaglepipe.drafter import train
+from eaglepipe.drafter import methods, train
 from eaglepipe.drafter.eagle3 import config as draft_config
 from eaglepipe.drafter.eagle3 import init
 from eaglepipe.drafter.eagle3 import model as draft
@@ -181,7 +181,7 @@ def test_independent_loader_gives_identical_chain(exported):
     """Extend over a prompt, then draft 3 tokens with the KV cache (draft.load) vs recomputing the whole sequence
     with the independent loader: the same logits, hidden states and drafted target ids."""
     folder, _, embed = exported
-    loaded = draft.load(folder, embed)
+    loaded = methods.load(folder, embed)
     g = torch.Generator().manual_seed(1)
     n, H = 9, 576
     tokens = torch.randint(0, 49152, (n,), generator=g)

@@ -116,7 +116,7 @@ def finished(data, params, folder, world: int = 1, name: str = "draft"):
     proc = stage(data, params, folder, world, name)
     assert proc.wait(timeout=600) == 0, (folder / f"{name}.log").read_text()[-3000:]
     embed = train.target_tensors(data / "target", LAYERS - 3)["embed"]
-    return draft.load(folder / name, embed), json.loads((folder / f"{name}-plots.json").read_text())
+    return methods.load(folder / name, embed), json.loads((folder / f"{name}-plots.json").read_text())
 
 
 def killed_after_first_checkpoint(data, params, folder, world: int = 1) -> Path:
@@ -198,7 +198,7 @@ def test_a_parallel_drafter_trains_its_mask_hidden_and_exports_its_mask_token(da
     draft.save(model, tmp_path / "draft")
     exported = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert exported["ptd_token_id"] == model.cfg.mask_token_id
-    loaded = draft.load(tmp_path / "draft", model.embed_tokens)
+    loaded = methods.load(tmp_path / "draft", model.embed_tokens)
     assert loaded.cfg.parallel and torch.equal(loaded.mask_hidden, model.mask_hidden)
     refused = config.Train(**{**PARAMS, "epochs": 1, "method": "peagle", "drafter": "deepseek_mla"})
     with pytest.raises(UserError, match="train.method peagle cannot be served with the deepseek_mla drafter layer"):

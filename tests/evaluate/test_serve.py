@@ -21,13 +21,15 @@ from e2e import port_closed, untrained_drafter
 from sglang_double.control import free_port
 
 from eaglepipe.core import config
-from eaglepipe.dataset import benchmarks
+from eaglepipe.dataset import benchmarks, sequences
+from eaglepipe.drafter import methods, train
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.engines import Sampling
 from eaglepipe.engines.server import BadAnswer
 from eaglepipe.engines.vllm import check_answer
 from eaglepipe.evaluate import run as evaluate
 from eaglepipe.evaluate import serve, ties
+from eaglepipe.hidden import extract
 from eaglepipe.target import model as target
 from eaglepipe.text import reasoning
 
@@ -282,11 +284,42 @@ def test_e2e_vllm_serves_a_parallel_drafter_as_evaluate_decodes_it(tmp_path, tar
     what evaluate's one forward over the mask slots proposes, step for step."""
     drafter = untrained_drafter(target_folder, LAYERS, parallel_drafting=True)
     s = decoded(tmp_path, drafter, target_folder, tokenizer, model, free_port())
-    assert serve.eagle3(tmp_path / "draft", 3)["parallel_drafting"] is True
+    assert methods.speculative_config(tmp_path / "draft", 3)["parallel_drafting"] is True
     m = check(s, target_folder, tokenizer, s["rows"], tmp_path / "draft")
     assert m["outputs_equal"] and m["counters_agree"] and m["passed"], m
     assert m["verification_steps"] == m["evaluate_verification_steps"]
     assert m["evaluate_acceptance_length"] > 1.0  # some drafts accepted: the drafter's path was compared
+
+
+def overfit_dflash(folder, target_folder, model, rows: list[dict]):
+    """A DFlash drafter trained on ``rows``' own prompts and answers (their states from the embedded target) until
+    most of its drafts there are accepted: drafts that depend on the context, for the serve check to compare."""
+    items = [
+        (f"r{i}", "t", r["prompt_ids"] + r["output_ids"], [0] * len(r["prompt_ids"]) + [1] * len(r["output_ids"]))
+        for i, r in enumerate(rows)
+    ]
+    sequences.write(folder / "seq", {"train": items}, shard_tokens=100_000, policy="test")
+    states = config.Hidden(layers="auto", dtype="float32", batch_tokens=4096, shard_tokens=100_000)
+    extract.run(folder / "seq", folder / "hidden", model, states, "fp", folder / "cache")
+    params = config.Train(
+        method="dflash", epochs=40, lr=3e-3, warmup_steps=2, positions="generated", autocast="none", threads=0
+    )
+    return train.run(folder / "hidden", target_folder, params, folder / "checkpoints")[0]
+
+
+@pytest.mark.engine
+@needs_vllm
+def test_e2e_vllm_serves_a_dflash_drafter_as_evaluate_decodes_it(tmp_path, target_folder, tokenizer, model):
+    """DFlash (train.method dflash; a non-causal block over the context): vLLM, given method dflash, proposes what
+    evaluate's block decoder proposes, step for step, with a drafter overfit to the answers it decodes."""
+    plain = decoded(tmp_path / "plain", untrained_drafter(target_folder, LAYERS), target_folder, tokenizer, model, 8999)
+    drafter = overfit_dflash(tmp_path / "train", target_folder, model, plain["rows"])
+    s = decoded(tmp_path, drafter, target_folder, tokenizer, model, free_port())
+    assert methods.speculative_config(tmp_path / "draft", 3)["method"] == "dflash"
+    m = check(s, target_folder, tokenizer, s["rows"], tmp_path / "draft")
+    assert m["outputs_equal"] and m["counters_agree"] and m["passed"], m
+    assert m["verification_steps"] == m["evaluate_verification_steps"]
+    assert m["evaluate_acceptance_length"] > 1.5, m  # most drafts accepted: the context decides them
 
 
 @pytest.mark.engine
@@ -302,7 +335,13 @@ def test_e2e_a_checkpoint_vllm_reads_with_other_layers_fails(served, target_fold
     (doctored / "config.json").write_text(json.dumps(cfg))
     sampling = Sampling(max_new_tokens=s["max_new_tokens"], stop_token_ids=tuple(sorted(s["stops"])))
     eagle = serve.decode(
-        target_folder.resolve(), tokenizer, s["p"], s["rows"], sampling, serve.eagle3(doctored, 3), "eagle"
+        target_folder.resolve(),
+        tokenizer,
+        s["p"],
+        s["rows"],
+        sampling,
+        methods.speculative_config(doctored, 3),
+        "eagle",
     )
     m = serve.compare(s["rows"], eagle, 0.01, 30)
     assert m["engine_layers"] == [i - 1 for i in LAYERS] and not m["passed"]

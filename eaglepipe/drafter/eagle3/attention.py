@@ -48,14 +48,15 @@ def yarn_mscale(rope: dict) -> float:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, inputs: int = 2):
+        """``inputs``: the input's width in hidden sizes (EAGLE-3's 2H; DFlash's layers read H)."""
         super().__init__()
         H, d = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.scale = 1.0 / math.sqrt(d)  # softmax scale
-        self.q_proj = nn.Linear(2 * H, self.heads * d, bias=False)
-        self.k_proj = nn.Linear(2 * H, self.kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(2 * H, self.kv_heads * d, bias=False)
+        self.q_proj = nn.Linear(inputs * H, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(inputs * H, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(inputs * H, self.kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.heads * d, H, bias=False)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)

@@ -19,7 +19,7 @@ engines supply it). Everything is float32.
 
 Inference (chain drafting, top-1, batch rows share one length)::
 
-    model = load("models/draft", target_embeddings)   # Eagle3Draft in eval mode; target_embeddings [V, H]
+    model = methods.load("models/draft", target_embeddings)   # in eval mode; target_embeddings [V, H]
     model.aux_layers                   # HF output_hidden_states indices to concatenate (low, mid, high)
     g = model.project(aux)             # aux [B, T, 3H] (any float dtype) -> [B, T, H] float32
     logits, h_out, cache = model(input_ids, hidden, cache=None, position_ids=None)
@@ -46,8 +46,8 @@ Draft vocabulary: the N most frequent loss-masked token ids, sorted ascending (t
 lowest unused ids when the data has fewer. ``d2t`` int64 [N]: target_id = draft_id + d2t[draft_id]; ``t2d`` bool [V]:
 whether a target id is in the draft vocabulary.
 
-Checkpoint (``save``/``load``): ``model.safetensors`` holds exactly the float32 ``fc``, ``norm``, ``lm_head``,
-``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}``, ``midlayer.mlp.{gate,up,down}_proj``,
+Checkpoint (``save``; ``drafter/methods.load``): ``model.safetensors`` holds exactly the float32 ``fc``, ``norm``,
+``lm_head``, ``midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}``, ``midlayer.mlp.{gate,up,down}_proj``,
 ``midlayer.self_attn.{q,k,v,o}_proj`` weights (``<name>.weight``; qwen3: and ``self_attn.{q,k}_norm``; deepseek_mla,
 in place of q/k/v, DeepSeek's ``self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,
 kv_b_proj}``; EAGLE-3.1's ``fc_norm``: ``fc_norm.{0,1,2}``; parallel drafting's ``mask_hidden`` [3H], no
@@ -64,7 +64,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from eaglepipe.drafter.eagle3.attention import (
@@ -139,52 +139,30 @@ class DraftCache:
             self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
 
 
-class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: DraftConfig, embed_tokens: torch.Tensor):
-        super().__init__()
+class DraftBase(nn.Module):
+    """What every drafter has beside its layers: the target's frozen embedding, RoPE, the draft vocabulary (``d2t``,
+    ``t2d``) and the head (``norm``, ``lm_head``: the subclass's)."""
+
+    def _register_shared(self, cfg: DraftConfig, embed_tokens: torch.Tensor) -> None:
+        """The vocabulary buffers, the embedding and RoPE (no random draws: the subclass's init order stands)."""
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-        if tuple(embed_tokens.shape) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(
-                f"target embeddings {tuple(embed_tokens.shape)} do not match the config "
-                f"({cfg.vocab_size}, {cfg.hidden_size})"
-            )
-        self.cfg = cfg
-        self.aux_layers = list(cfg.aux_layers)
-        H = cfg.hidden_size
-        self.fc = nn.Linear(3 * H, H, bias=False)
-        if cfg.fc_norm:  # EAGLE-3.1 (eagle3/config.py)
-            self.fc_norm = nn.ModuleList(RMSNorm(H, cfg.rms_norm_eps) for _ in cfg.aux_layers)
-        self.midlayer = MidLayer(cfg)
-        self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.register_buffer("embed_tokens", embed_tokens.detach().float().clone(), persistent=False)
         rope_cfg = LlamaConfig(
-            hidden_size=H,
+            hidden_size=cfg.hidden_size,
             num_attention_heads=cfg.num_attention_heads,
             head_dim=cfg.head_dim,
             max_position_embeddings=cfg.max_position_embeddings,
             rope_parameters=dict(cfg.rope_parameters),
         )
         self.rotary = LlamaRotaryEmbedding(rope_cfg)  # buffers only (not persistent)
-        if cfg.parallel:  # the aux states of every mask slot (parallel drafting); drawn last: the rest as EAGLE-3's
-            self.mask_hidden = nn.Parameter(torch.randn(len(cfg.aux_layers) * H) * 0.02)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
-
-    def project(self, aux):
-        """The aux states [.., 3H] (any float dtype) -> fc's output [.., H] float32 (EAGLE-3.1's ``fc_norm``: each
-        state normed first)."""
-        aux = aux.float()
-        if self.cfg.fc_norm:
-            states = aux.chunk(len(self.fc_norm), dim=-1)
-            aux = torch.cat([norm(state) for norm, state in zip(self.fc_norm, states)], dim=-1)
-        return self.fc(aux)
 
     def embed(self, input_ids):
         return F.embedding(input_ids, self.embed_tokens)
@@ -195,16 +173,51 @@ class Eagle3Draft(nn.Module):
         return self.rotary(self.embed_tokens, position_ids)
 
     def logits(self, h):
-        """Draft logits from the layer's pre-norm output ``h``."""
+        """Draft logits from the last layer's pre-norm output ``h``."""
         return self.lm_head(self.norm(h))
+
+    def to_target(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+
+def check_embeddings(cfg: DraftConfig, embed_tokens: torch.Tensor) -> None:
+    if tuple(embed_tokens.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(
+            f"target embeddings {tuple(embed_tokens.shape)} do not match the config "
+            f"({cfg.vocab_size}, {cfg.hidden_size})"
+        )
+
+
+class Eagle3Draft(DraftBase):
+    def __init__(self, cfg: DraftConfig, embed_tokens: torch.Tensor):
+        super().__init__()
+        check_embeddings(cfg, embed_tokens)
+        self.cfg = cfg
+        self.aux_layers = list(cfg.aux_layers)
+        H = cfg.hidden_size
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        if cfg.fc_norm:  # EAGLE-3.1 (eagle3/config.py)
+            self.fc_norm = nn.ModuleList(RMSNorm(H, cfg.rms_norm_eps) for _ in cfg.aux_layers)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self._register_shared(cfg, embed_tokens)
+        if cfg.parallel:  # the aux states of every mask slot (parallel drafting); drawn last: the rest as EAGLE-3's
+            self.mask_hidden = nn.Parameter(torch.randn(len(cfg.aux_layers) * H) * 0.02)
+
+    def project(self, aux):
+        """The aux states [.., 3H] (any float dtype) -> fc's output [.., H] float32 (EAGLE-3.1's ``fc_norm``: each
+        state normed first)."""
+        aux = aux.float()
+        if self.cfg.fc_norm:
+            states = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(state) for norm, state in zip(self.fc_norm, states)], dim=-1)
+        return self.fc(aux)
 
     def fed_back(self, h):
         """The state the next draft step reads from the layer's pre-norm output ``h``: ``h`` itself, or its final
         norm's output under EAGLE-3.1's ``norm_output`` (vLLM's ``aux_output``)."""
         return self.norm(h) if self.cfg.norm_output else h
-
-    def to_target(self, draft_ids):
-        return draft_ids + self.d2t[draft_ids]
 
     def mask_slot(self, shape) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, hidden) of mask slots filling ``shape`` (parallel drafting): the mask token and
@@ -246,14 +259,3 @@ def save(model: Eagle3Draft, folder) -> None:
         str(folder / "model.safetensors"),
         metadata={"format": "pt"},
     )
-
-
-def read_config(folder) -> DraftConfig:
-    """The config of the drafter saved in ``folder`` (its config.json), without its weights."""
-    return DraftConfig.from_json(json.loads((Path(folder) / "config.json").read_text()))
-
-
-def load(folder, target_embeddings: torch.Tensor) -> Eagle3Draft:
-    model = Eagle3Draft(read_config(folder), target_embeddings)
-    model.load_state_dict(load_file(str(Path(folder) / "model.safetensors")), strict=True)
-    return model.eval()

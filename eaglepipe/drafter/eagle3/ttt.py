@@ -267,24 +267,32 @@ def ttt_forward(
     for k in range(steps):
         out = _draft_step(model, batch, k, h, x, k0, v0, own_kv)
         h = model.fed_back(out)
-        b, a = torch.nonzero(batch.masks[k], as_tuple=True)
-        t = batch.act[b, a] + 1 + k  # the target's position whose logits predict x[act + 2 + k]
-        logits = model.logits(out[b, a])
-        target = batch.top[b, t]
-        keep = model.t2d[target]
-        ce = -(batch.probs[b, t] * torch.log_softmax(logits, -1)).sum(-1)[keep]
-        loss = ce.sum() / max(norm[k], 1)
+        ce_sum, stats = step_loss(model, batch, k, out, per_row)
+        loss = ce_sum / max(norm[k], 1)
         total = total + step_weight**k * (loss * weight)
-        per_step.append(_step_stats(model, logits, target, ce, b, batch.ids.shape[0] if per_row else None))
+        per_step.append(stats)
     return total, StepStats.stacked(per_step)
 
 
-class TTT(nn.Module):
-    """The drafter with its objective, the module DDP wraps: ``forward(batch)`` is ``ttt_forward``'s (loss, stats)."""
+def step_loss(model, batch: Batch, k: int, out: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, StepStats]:
+    """(the soft cross-entropy summed over step ``k``'s loss positions, its stats) from the drafter's last-layer output
+    ``out`` [B, A, H] at the active positions; step k at position t predicts x[t + 2 + k]."""
+    b, a = torch.nonzero(batch.masks[k], as_tuple=True)
+    t = batch.act[b, a] + 1 + k  # the target's position whose logits predict x[act + 2 + k]
+    logits = model.logits(out[b, a])
+    target = batch.top[b, t]
+    keep = model.t2d[target]
+    ce = -(batch.probs[b, t] * torch.log_softmax(logits, -1)).sum(-1)[keep]
+    return ce.sum(), _step_stats(model, logits, target, ce, b, batch.ids.shape[0] if per_row else None)
 
-    def __init__(self, model: Eagle3Draft, steps: int, step_weight: float):
+
+class TTT(nn.Module):
+    """The drafter with its objective (``ttt_forward``'s signature; DFlash's: dflash/objective.py), the module DDP
+    wraps: ``forward(batch)`` is the objective's (loss, stats)."""
+
+    def __init__(self, model: nn.Module, steps: int, step_weight: float, objective=ttt_forward):
         super().__init__()
-        self.draft, self.steps, self.step_weight = model, steps, step_weight
+        self.draft, self.steps, self.step_weight, self.objective = model, steps, step_weight, objective
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, StepStats]:
-        return ttt_forward(self.draft, batch, self.steps, self.step_weight)
+        return self.objective(self.draft, batch, self.steps, self.step_weight)
