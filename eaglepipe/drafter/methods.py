@@ -33,7 +33,7 @@ from eaglepipe.drafter.dflash.config import ARCHITECTURE as DFLASH_ARCHITECTURE
 from eaglepipe.drafter.dflash.config import DFlashConfig
 from eaglepipe.drafter.dflash.model import DFlashDraft
 from eaglepipe.drafter.dflash.objective import dflash_forward
-from eaglepipe.drafter.eagle3.config import DraftConfig
+from eaglepipe.drafter.eagle3.config import MASK_KEY, DraftConfig
 from eaglepipe.drafter.eagle3.model import Eagle3Draft
 from eaglepipe.drafter.eagle3.ttt import ttt_forward
 
@@ -124,9 +124,11 @@ def load(folder, target_embeddings):
 
 def speculative_config(folder, num_steps: int) -> dict:
     """vLLM's ``--speculative-config`` for the drafter saved in ``folder`` (``method`` named, or vLLM silently picks
-    another): ``dflash`` for a block drafter, else ``eagle3``, with ``parallel_drafting`` for one with a mask token."""
-    cfg = read_config(folder)
+    another): ``dflash`` for a block drafter, else ``eagle3``, with ``parallel_drafting`` for one with a mask token.
+    It reads only the config.json keys that pick these, so a checkpoint ``read_config`` refuses is still served as
+    vLLM would serve it."""
+    d = json.loads((Path(folder) / "config.json").read_text())
     spec = {"model": str(folder), "num_speculative_tokens": num_steps}
-    if isinstance(cfg, DFlashConfig):
+    if DFLASH_ARCHITECTURE in d.get("architectures", []):
         return {"method": "dflash", **spec}
-    return {"method": "eagle3", **spec, **({"parallel_drafting": True} if cfg.parallel else {})}
+    return {"method": "eagle3", **spec, **({"parallel_drafting": True} if d.get(MASK_KEY) is not None else {})}
