@@ -116,7 +116,7 @@ def read_config(folder) -> DraftConfig:
 def load(folder, target_embeddings):
     """The drafter saved in ``folder`` (eagle3/model.py's ``save``), in eval mode."""
     cfg = read_config(folder)
-    model_class = DFlashDraft if isinstance(cfg, DFlashConfig) else Eagle3Draft
+    model_class = next(method.model for method in METHODS.values() if type(cfg) is method.config)
     model = model_class(cfg, target_embeddings)
     model.load_state_dict(load_file(str(Path(folder) / "model.safetensors")), strict=True)
     return model.eval()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from synthetic import LAYERS, V
 from test_train import PARAMS
+from test_ttt import step_outputs
 from transformers import AutoConfig
 
 from eaglepipe.core import config
@@ -47,17 +48,8 @@ def test_the_objective_at_each_anchor_equals_the_block_decoder(data):
     states = layout.read_states([s])
     embed = model.embed_tokens
     batch = ttt.collate([s], states, STEPS, embed[model.to_target(torch.arange(64))], model.t2d)
-    captured = {}
+    captured = step_outputs(model, objective.dflash_forward, batch, STEPS)
     original = model.logits
-
-    def spy(h):  # the drafter's outputs at every (draft, position) of the loss
-        captured.setdefault(len(captured), h)
-        return original(h)
-
-    model.logits = spy
-    with torch.no_grad():
-        objective.dflash_forward(model, batch, STEPS)
-    model.logits = original
     aux = states[0]["aux"]
     checked = 0
     for k in range(STEPS):

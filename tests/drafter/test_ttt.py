@@ -65,18 +65,23 @@ def ttt_outputs(data, steps: int, **options) -> tuple:
     s = sources.load_samples(data / "hidden", "train")[0]
     states = layout.read_states([s])
     batch = ttt.collate([s], states, steps, embed[model.to_target(torch.arange(64))], model.t2d)
+    return model, s, states[0]["aux"], batch, step_outputs(model, ttt.ttt_forward, batch, steps)
+
+
+def step_outputs(model, objective, batch, steps: int) -> dict:
+    """{step: the drafter's last-layer outputs at the step's loss positions} of one ``objective`` forward (no grad)."""
     captured = {}
     original = model.logits
 
-    def spy(h):  # record the drafter's output at every (position, step) of the loss
+    def spy(h):  # each step asks the head once, in step order
         captured.setdefault(len(captured), h)
         return original(h)
 
     model.logits = spy
     with torch.no_grad():
-        ttt.ttt_forward(model, batch, steps)
+        objective(model, batch, steps)
     model.logits = original
-    return model, s, states[0]["aux"], batch, captured
+    return captured
 
 
 @pytest.mark.parametrize("toggles", [{}, {"fc_norm": True, "norm_output": True}], ids=["eagle3", "eagle3.1"])

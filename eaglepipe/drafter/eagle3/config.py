@@ -214,7 +214,10 @@ def mask_token(config) -> int:
             found = found[0] if found else None
         if found is not None:
             return int(found)
-    raise UserError("train.method peagle needs a mask token: the target's config names no pad_token_id or eos_token_id")
+    raise UserError(
+        "parallel and block drafting (train.method peagle, dflash) need a mask token: the target's config names no "
+        "pad_token_id or eos_token_id"
+    )
 
 
 def aux_layers_of(d: dict) -> list:
