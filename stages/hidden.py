@@ -4,7 +4,8 @@ eaglepipe/hidden/vllm_source.py). Finished shards are kept in the cache as they 
 Every sequence's answer is checked against the engine's own log-probabilities (eaglepipe/hidden/agreement.py): a
 disagreement stops the stage before it publishes anything; the figures go into the report.
 The hf engine runs as one process or under torchrun, whose ranks share the shards (eaglepipe/core/runtime.py). With
-train.features: online it extracts nothing (train computes the states itself) and publishes an index saying so."""
+train.features online or streamed it extracts nothing (train has them computed as it goes) and publishes an index
+saying so."""
 
 import logging
 
@@ -33,7 +34,7 @@ def main(params, seq_folder, out, report, timings, cache):
     cfg = cli.params(params)
     folder = target.checked(cfg.target.model, cfg.target.trust_remote_code)
     with runtime.start(cfg.runtime.device) as rt:
-        if cfg.train.features == "online":
+        if cfg.train.features != "offline":
             if rt.is_main:
                 cli.publish(publish.skip(out), report, timings)
                 logging.info("hidden: %s", publish.SKIPPED)

@@ -1,11 +1,13 @@
-"""train: the EAGLE-3 drafter on the target's stored hidden states, with training-time test
-(eaglepipe/drafter/train.py); writes a checkpoint SGLang and vLLM load as it is (eaglepipe/drafter/eagle3/model.py).
+"""train: the drafter (train.method) on the target's hidden states, stored by hidden or computed as it goes
+(train.features), with training-time test (eaglepipe/drafter/train.py); writes a checkpoint SGLang and vLLM load as
+it is (eaglepipe/drafter/methods.py).
 Checkpointed as it goes: a rerun resumes, at any number of processes (exactly at the same number). Runs as one process
 or under torchrun (DDP; eaglepipe/core/runtime.py)."""
 
 import logging
 import os
 import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
@@ -13,7 +15,7 @@ import click
 from eaglepipe.core import cli, runtime
 from eaglepipe.core.config import CACHE
 from eaglepipe.core.records import write_json
-from eaglepipe.drafter import sources, train
+from eaglepipe.drafter import sources, spool, train
 from eaglepipe.drafter.eagle3 import model as draft
 from eaglepipe.hidden import layout
 from eaglepipe.target import model as target
@@ -38,7 +40,7 @@ from eaglepipe.target import model as target
     "seq_folder",
     required=True,
     type=click.Path(file_okay=False),
-    help="merge's sequences (read with train.features: online, the target computing their states).",
+    help="merge's sequences (read with train.features online or streamed, the target computing their states).",
 )
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder of the drafter.")
 @click.option("--metrics", required=True, type=click.Path(dir_okay=False), help="Last epoch's figures (DVC metrics).")
@@ -56,10 +58,12 @@ from eaglepipe.target import model as target
 def main(params, hidden_folder, seq_folder, out, metrics, plots, timings, checkpoints):
     cfg = cli.params(params)
     folder = target.checked(cfg.target.model, cfg.target.trust_remote_code)
-    with runtime.start(cfg.runtime.device) as rt:
+    with runtime.start(cfg.runtime.device) as rt, ExitStack() as closing:
         if cfg.train.features == "online":
             model = target.load_states_target(folder, cfg.hidden.compute_dtype, rt, cfg.runtime.device_map)
             feats = sources.Online(seq_folder, model, cfg.hidden)
+        elif cfg.train.features == "streamed":
+            feats = closing.enter_context(spool.streamed(seq_folder, folder, cfg, CACHE / "train", rt))
         else:
             feats = layout.Stored(hidden_folder)
         p = train.resolved(cfg.train, rt.device)

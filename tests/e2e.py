@@ -2,7 +2,8 @@
 tests/engines/test_vllm_engine.py, tests/evaluate/test_serve.py) running it, reading the generation cache, comparing
 records, the kill -9 and server-restart checks every engine passes, waiting; for stages under torchrun
 (tests/core/test_distributed.py, tests/drafter/test_train.py) finding the ranks' processes; for decoding tests
-(tests/evaluate/test_evaluate.py, tests/evaluate/test_serve.py, tests/core/test_distributed.py) an untrained drafter."""
+(tests/evaluate/test_evaluate.py, tests/evaluate/test_serve.py, tests/core/test_distributed.py) an untrained drafter;
+for the states tests (tests/hidden/test_vllm_states.py, tests/drafter/test_streamed.py) sequences."""
 
 from __future__ import annotations
 
@@ -224,3 +225,23 @@ def untrained_drafter(
     drafter.set_vocab(*draft.build_vocab(Counter(range(draft_vocab)), draft_vocab, cfg.vocab_size))
     draft_init.init_from_target(drafter, tgt)
     return drafter
+
+
+def make_sequences(folder: Path, n: int = 12) -> list:
+    """``n`` sequences of real-looking ids; every third one shares the previous one's first 40 ids (a prompt
+    answered twice), so vLLM's prefix cache serves part of it; written as merge writes them into ``folder``, the
+    last two the valid split."""
+    import torch
+
+    from eaglepipe.dataset import sequences
+
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for i in range(n):
+        length = 40 + int(torch.randint(8, 90, (1,), generator=g))
+        ids = [1] + torch.randint(3, 20000, (length - 1,), generator=g).tolist()
+        if i % 3 == 2:
+            ids[:40] = items[-1][2][:40]
+        items.append((f"s{i}", "t", ids, [0] * 30 + [1] * (length - 30)))
+    sequences.write(folder, {"train": items[:-2], "valid": items[-2:]}, shard_tokens=100_000, policy="test")
+    return items

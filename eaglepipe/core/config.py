@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError, model_validator
 
 from eaglepipe.core import explain
 from eaglepipe.core.data_sections import (
@@ -87,6 +87,16 @@ class Params(Section):
     evaluate: Evaluate = Evaluate()
     serve: Serve = Serve()
     runtime: Runtime = Runtime()
+
+    @model_validator(mode="after")
+    def _streamed_has_servers(self):
+        vllm = self.hidden.vllm
+        if self.train.features == "streamed" and not vllm.urls and vllm.launch is None:
+            raise ValueError(
+                "train.features streamed needs hidden.vllm.urls (running servers) or hidden.vllm.launch (a server "
+                "to start)"
+            )
+        return self
 
 
 def parse(raw: dict, where: str = "params") -> Params:

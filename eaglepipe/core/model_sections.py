@@ -152,11 +152,19 @@ class Train(Section):
         "Qwen3-MoE, deepseek_mla for DeepseekV3, llama otherwise)",
     )
     epochs: int = Field(6, ge=1, description="passes over the training split")
-    features: Literal["offline", "online"] = Field(
+    features: Literal["offline", "online", "streamed"] = Field(
         "offline",
         description="offline: the states hidden stored (data/hidden) | online: the frozen target runs "
         "inside the trainer on data/sequences and computes them per batch, as hidden would (the hidden params), "
-        "nothing written; the hidden stage then extracts nothing",
+        "nothing written | streamed: a vLLM server (hidden.vllm, as hidden.engine: vllm) computes them ahead of the "
+        "trainer into a spool of at most train.spool_bytes (eaglepipe/drafter/spool.py); with online and streamed "
+        "the hidden stage extracts nothing",
+    )
+    spool_bytes: int = speed(
+        8 * 2**30,
+        "train.features streamed: most bytes of states on disk at once (the spool and the engine's files in flight); "
+        "when every sample's states fit, later epochs reuse them instead of asking the engine again",
+        ge=1,
     )
     batch_tokens: int = Field(1024, ge=1, description="right-padded tokens per batch (rows x longest sample)")
     lr: float = Field(0.001, gt=0, description="AdamW peak learning rate")

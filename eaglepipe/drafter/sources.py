@@ -1,8 +1,10 @@
 """What train trains on: the samples (``load_samples``: ids and masks, kept in memory) and where a batch's states
 come from, read or computed when it is collated (``features_of``). ``train.features: offline`` reads them from
 ``data/hidden`` (hidden/layout.py's ``Stored``); ``online`` has the frozen target compute them from
-``data/sequences`` (``Online``) with hidden's extraction and params, and writes nothing; it checks each sequence it
-computes against the engine's figures as hidden would (hidden/agreement.py, ``hidden.agreement``)."""
+``data/sequences`` (``Online`` over the target) with hidden's extraction and params, and writes nothing;
+``streamed`` has a vLLM server compute them the same way (``Online`` over hidden/vllm_source.py's ``VLLMStates``),
+through a spool bounded in bytes (drafter/spool.py). Computed states are checked against the answers' engine as
+hidden would check them (hidden/agreement.py, ``hidden.agreement``)."""
 
 from __future__ import annotations
 
@@ -25,18 +27,22 @@ log = logging.getLogger(__name__)
 
 
 class Online:
-    """Online features: the frozen target ``model`` computes, per batch of ``folder``'s sequences
-    (``data/sequences``), what hidden would store with ``params`` (config.Hidden); a sequence it cannot run is a
-    UserError. Each sequence is checked against the engine's figures (their dtype: ``folder``'s policy,
-    hidden/comparison.Context) the first time it is computed (``agreement`` gives the figures)."""
+    """Computed features: per batch of ``folder``'s sequences (``data/sequences``), what hidden would store with
+    ``params`` (config.Hidden), from ``model``: the frozen target, or a states source such as
+    hidden/vllm_source.py's ``VLLMStates`` (extract.source_of); a sequence it cannot run is a UserError. Each sequence
+    is checked against the engine's figures (their dtype: ``folder``'s policy, hidden/comparison.Context) the first
+    time it is computed (``agreement`` gives the figures)."""
+
+    kind = "online"
 
     def __init__(self, folder, model, params):
-        self.folder, self.model, self.params = Path(folder), model.eval().requires_grad_(False), params
+        if isinstance(model, torch.nn.Module):
+            model.eval().requires_grad_(False)
+        self.folder, self.source, self.params = Path(folder), extract.source_of(model), params
         index = shards.load_index(self.folder)
-        self.layers = layout.layer_ids(params.layers, families.text_config(model.config).num_hidden_layers)
+        self.layers = layout.layer_ids(params.layers, families.text_config(self.source.config).num_hidden_layers)
         self.splits = [s for s in shards.SPLITS if s in index]
-        target_dtype = extract.source_of(model).compute_dtype
-        self.context = Context.of(params.agreement, index.get("policy"), target_dtype)
+        self.context = Context.of(params.agreement, index.get("policy"), self.source.compute_dtype)
         self.live = agreement.live(self.context, sum(index[s]["samples"] for s in self.splits))
 
     def identity(self) -> dict:
@@ -44,13 +50,14 @@ class Online:
             "data": shards.dataset_hash(self.folder),
             "hidden": self.params.tracked(),
             "layers": self.layers,
-            "model_dtype": str(self.model.dtype),
-            "code": code_key(extract.RESULT_CODE),
+            "model_dtype": self.source.dtype,
+            "code": code_key(extract.RESULT_CODE + self.source.code),
         }
 
-    def states(self, samples: list[layout.Sample]) -> list[dict]:
+    def stored(self, samples: list[layout.Sample]) -> list[dict]:
+        """Each sample's states as hidden stores them (``layout.columns`` of ``hidden.dtype``), in order."""
         tensors, failed = extract.extract_shard(
-            self.model,
+            self.source,
             [(s.id, s.ids, s.mask) for s in samples],
             self.layers,
             self.params.batch_tokens,
@@ -64,9 +71,10 @@ class Online:
             )
         off = tensors["offsets"].tolist()
         names = layout.columns(self.params.dtype)
-        return [
-            layout.decode({name: tensors[name][off[i] : off[i + 1]] for name in names}) for i in range(len(samples))
-        ]
+        return [{name: tensors[name][off[i] : off[i + 1]] for name in names} for i in range(len(samples))]
+
+    def states(self, samples: list[layout.Sample]) -> list[dict]:
+        return [layout.decode(rows) for rows in self.stored(samples)]
 
     def agreement(self, rt) -> dict:
         """The agreement figures over the sequences every rank (``rt``: core/runtime.Runtime) checked, each once; the
@@ -78,9 +86,9 @@ class Online:
         return agreement.summary(agreement.aggregate(list(checked.values())), self.context)
 
 
-def features_of(feats) -> layout.Stored | Online:
-    """``feats`` itself, or ``Stored(feats)`` for a folder."""
-    return feats if isinstance(feats, (layout.Stored, Online)) else layout.Stored(feats)
+def features_of(feats):
+    """``feats`` itself (``layout.Stored``, ``Online``, spool.py's ``Spool``), or ``Stored(feats)`` for a folder."""
+    return layout.Stored(feats) if isinstance(feats, (str, Path)) else feats
 
 
 def load_samples(folder, split: str, positions: str = "generated", keep=None) -> list[layout.Sample]:

@@ -5,8 +5,9 @@
 (``auto``: where the device has native bf16 matmuls, ``resolved``); weights, optimizer, softmax and loss stay float32.
 
 ``train.features``: ``offline`` reads ``data/hidden``; ``online`` runs the frozen target on ``data/sequences``
-(drafter/sources.py). Either way ids and masks stay in memory and a batch's states are read, or computed, when it is
-collated. The draft vocabulary is counted from the ids.
+(drafter/sources.py); ``streamed`` has a vLLM server compute them ahead of the trainer, through a spool bounded in
+bytes (drafter/spool.py, fed by ``schedule``). Either way ids and masks stay in memory and a batch's states are read,
+or computed, when it is collated. The draft vocabulary is counted from the ids.
 
 Batches: ``sequences.plan_batches`` per epoch, seeded by seed and epoch; global, whatever the number of processes.
 
@@ -38,12 +39,13 @@ from eaglepipe.core import runtime, uncertainty
 from eaglepipe.core.errors import UserError
 from eaglepipe.core.fingerprint import code_key
 from eaglepipe.dataset import sequences
-from eaglepipe.drafter import checkpoint, methods
+from eaglepipe.drafter import checkpoint, figures, methods
 from eaglepipe.drafter.checkpoint import Progress
 from eaglepipe.drafter.eagle3 import init
 from eaglepipe.drafter.eagle3.model import DraftBase, Eagle3Draft, build_vocab
 from eaglepipe.drafter.eagle3.ttt import TTT, StepStats, collate, noisy
 from eaglepipe.drafter.sources import Online, features_of, load_samples, token_counts
+from eaglepipe.drafter.spool import Spool
 from eaglepipe.hidden import layout
 from eaglepipe.target import compat, families, quant
 
@@ -101,18 +103,6 @@ def target_tensors(folder, layer: int) -> dict:
     }
 
 
-def last_epoch(history: list[dict], split: str) -> dict:
-    """{loss_k, acc_k, and acc_se_k where measured} of ``split``'s rows in ``history``'s last epoch ({} for none)."""
-    last = history[-1]["epoch"]
-    return {
-        f"{m}_{r['step']}": r[m]
-        for r in history
-        if r["epoch"] == last and r["split"] == split
-        for m in ("loss", "acc", "acc_se")
-        if m in r
-    }
-
-
 def summed_over_ranks(stats: StepStats, rt: runtime.Runtime) -> StepStats:
     """Every rank's ``stats`` added up, on every rank."""
     return StepStats.from_table(rt.all_sum(stats.table()))
@@ -134,7 +124,7 @@ def evaluate(
     model.eval()
     total = StepStats.zeros(steps)
     per_sample = {}  # sample -> (correct, positions), each per step
-    for idx in sequences.plan_batches([s.ids.shape[0] for s in samples], batch_tokens)[rt.rank :: rt.world]:
+    for idx in valid_batches(samples, batch_tokens, rt):
         rows = [samples[i] for i in idx]
         batch = collate(rows, feats.states(rows), steps, head_draft, model.t2d)
         with autocast(bf16, head_draft.device):
@@ -149,6 +139,18 @@ def evaluate(
         se = uncertainty.ratio_se([correct[k] for correct, _ in counts], [positions[k] for _, positions in counts])
         summary.append(row | {"acc_se": None if se is None else round(se, 5)})
     return summary
+
+
+def valid_batches(samples, batch_tokens: int, rt: runtime.Runtime) -> list[list[int]]:
+    """This rank's validation batches (indices into ``samples``): length-sorted, dealt round-robin."""
+    return sequences.plan_batches([s.ids.shape[0] for s in samples], batch_tokens)[rt.rank :: rt.world]
+
+
+def rows_of(idx: list[int], rt: runtime.Runtime) -> tuple[list[int], float]:
+    """(this rank's rows of the global batch ``idx``, their weight): rank r of W takes rows r, r + W, ..; a rank left
+    without a row runs the first at weight 0."""
+    rows = idx[rt.rank :: rt.world]
+    return (rows, float(rt.world)) if rows else (idx[:1], 0.0)
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -243,7 +245,7 @@ class Training:
     """One run: what it trains and on what (``build``), and how far it has got (what a checkpoint holds)."""
 
     p: object  # the train params (config.Train)
-    feats: layout.Stored | Online
+    feats: layout.Stored | Online | Spool
     model: DraftBase  # on the run's device (eagle3/model.py; dflash/model.py)
     net: nn.Module  # the TTT objective over ``model``, as the world trains it (Runtime.wrap)
     train_set: list[layout.Sample]
@@ -286,8 +288,7 @@ def build(feats, target_folder, p, keep, rt: runtime.Runtime) -> Training:
 
 def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
     """One optimizer step on the global batch ``idx``, this rank computing its rows (module docstring)."""
-    rows = idx[rt.rank :: rt.world]
-    rows, weight = (rows, float(rt.world)) if rows else (idx[:1], 0.0)  # no row: the first, at weight 0
+    rows, weight = rows_of(idx, rt)
     mine = [t.train_set[i] for i in rows]
     batch = collate(mine, t.feats.states(mine), t.p.ttt_steps, t.head_draft, t.model.t2d)
     if t.p.feature_noise:
@@ -305,6 +306,20 @@ def step(t: Training, idx: list[int], rt: runtime.Runtime) -> None:
     if weight:
         t.progress.running = t.progress.running + stats.cpu()
     t.trained_tokens += sum(t.train_set[i].ids.shape[0] for i in idx)
+
+
+def schedule(t: Training, rt: runtime.Runtime) -> list[tuple[str, list[layout.Sample]]]:
+    """[(label, samples)]: the batches of samples this rank will ask states for, in order, from ``t``'s progress on:
+    each epoch's rows (``rows_of``), then its validation batches; labelled ``e<epoch>-t<batch>`` and
+    ``e<epoch>-v<batch>`` (a streamed run's spool, drafter/spool.py)."""
+    uses = []
+    for number in range(t.progress.epoch, len(t.plans)):
+        first = t.progress.batch if number == t.progress.epoch else 0
+        for b, idx in enumerate(t.plans[number][first:], first):
+            uses.append((f"e{number}-t{b}", [t.train_set[i] for i in rows_of(idx, rt)[0]]))
+        for b, idx in enumerate(valid_batches(t.valid_set, t.p.batch_tokens, rt)):
+            uses.append((f"e{number}-v{b}", [t.valid_set[i] for i in idx]))
+    return uses
 
 
 def epoch(t: Training, path: Path, rt: runtime.Runtime) -> None:
@@ -326,34 +341,6 @@ def epoch(t: Training, path: Path, rt: runtime.Runtime) -> None:
     log.info("epoch %d: %s", number, {r["split"]: r for r in rows if r["step"] == 0})
     progress.epoch, progress.batch, progress.running = number, 0, StepStats.zeros(t.p.ttt_steps)
     checkpoint.save(path, t.model, t.opt, t.sched, progress, rt)
-
-
-def report(t: Training, seconds: float, rt: runtime.Runtime) -> dict:
-    """The run's figures: data, vocabulary coverage, the last epoch's train and valid rows, and its speed; online,
-    the agreement of the states' model with the answers' engine over the sequences this run computed
-    (hidden/agreement.py; under ``run``: a resumed run computes fewer)."""
-    in_vocab = sum(c for tok, c in t.counts.items() if t.model.t2d[tok])
-    checked = {"agreement": t.feats.agreement(rt)} if isinstance(t.feats, Online) else {}
-    return {
-        "features": "online" if isinstance(t.feats, Online) else "offline",
-        "epochs": len(t.plans),
-        "steps": sum(len(b) for b in t.plans),
-        "train_samples": len(t.train_set),
-        "train_tokens": sum(s.ids.shape[0] for s in t.train_set),
-        "valid_samples": len(t.valid_set),
-        "draft_vocab_size": t.model.cfg.draft_vocab_size,
-        "draft_vocab_coverage": round(in_vocab / max(1, sum(t.counts.values())), 5),
-        "run": {
-            "seconds": round(seconds, 1),
-            "processes": rt.world,
-            "device": str(rt.device),
-            "autocast": t.p.autocast,
-            "tokens_per_s": round(t.trained_tokens / seconds, 1) if t.trained_tokens else None,
-            **checked,
-        },
-        "train": last_epoch(t.progress.history, "train"),
-        "valid": last_epoch(t.progress.history, "valid"),
-    }
 
 
 def run(
@@ -378,8 +365,14 @@ def run(
     with rt.locked(path.parent):  # another run on these checkpoints waits, then resumes from this one's end
         checkpoint.resume(path, t.model, t.opt, t.sched, t.progress, rt)
         t.model.train()
-        while t.progress.epoch < len(t.plans):
-            epoch(t, path, rt)
-    rep = report(t, time.perf_counter() - start, rt)
+        if isinstance(t.feats, Spool):
+            t.feats.start(schedule(t, rt), path.parent / f"spool-{rt.rank}")
+        try:
+            while t.progress.epoch < len(t.plans):
+                epoch(t, path, rt)
+        finally:
+            if isinstance(t.feats, Spool):
+                t.feats.close()
+    rep = figures.report(t, time.perf_counter() - start, rt)
     t.model = t.model.cpu().eval()
     return t.model, rep, t.progress.history

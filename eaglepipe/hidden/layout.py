@@ -149,6 +149,8 @@ class Sample:
 class Stored:
     """Offline features: the states hidden stored in ``folder`` (``data/hidden``)."""
 
+    kind = "offline"
+
     def __init__(self, folder):
         self.folder = Path(folder)
         index = shards.load_index(self.folder)

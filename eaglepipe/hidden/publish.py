@@ -13,7 +13,7 @@ from eaglepipe.core.records import write_json, write_jsonl
 from eaglepipe.dataset import shards
 from eaglepipe.hidden import store
 
-SKIPPED = "train.features is online: train computes the states itself, hidden extracts nothing"
+SKIPPED = "train.features is online or streamed: train has the states computed as it goes, hidden extracts nothing"
 
 
 @dataclass
@@ -97,7 +97,8 @@ def publish(store_dir: Path, out: Path, published: Published) -> None:
 
 
 def skip(out) -> dict:
-    """Online training: publish ``out`` as only an index saying why it holds no states; return the run report."""
+    """Online or streamed training: publish ``out`` as only an index saying why it holds no states; return the run
+    report."""
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)

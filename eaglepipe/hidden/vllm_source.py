@@ -148,6 +148,7 @@ class VLLMStates:
         self.engine = None
         self.compute_dtype = compute_dtype
         self.report = {"last_token_disagreements": 0}
+        self.compared = 0  # sequences whose last token was compared, over every call of ``states``
         self.code = ("hidden.vllm_source", "hidden.connector")
 
     def __enter__(self):
@@ -186,7 +187,6 @@ class VLLMStates:
         if layers != self.layers:
             raise ValueError(f"the server captures layers {self.layers}, not {layers}")
         sampling = Sampling(temperature=0.0, max_new_tokens=1)
-        done = 0
         for i, out in engine.stream([list(map(int, s[1])) for s in samples], sampling, [s[0] for s in samples]):
             if isinstance(out, Failure):
                 yield i, out.reason
@@ -209,9 +209,10 @@ class VLLMStates:
             final = F.rms_norm(got[:, 3].float(), self.norm.shape, self.norm, self.eps)  # every served family's
             top, target_logprob = head_figures(self.logits, final, sent)
             self.report["last_token_disagreements"] += int(top[-1]) != out.output_ids[0]
-            done += 1
+            self.compared += 1
             yield i, (got[:, :3].flatten(1), final, top, target_logprob)
-        if self.report["last_token_disagreements"] > MOST_DISAGREEMENTS * max(done, 1) and done >= 8:
+        done = self.compared
+        if self.report["last_token_disagreements"] > MOST_DISAGREEMENTS * done and done >= 8:
             raise UserError(
                 f"hidden (vllm): the head over the normed last state picks the server's own next token on "
                 f"only {done - self.report['last_token_disagreements']} of {done} sequences: the target's "

@@ -15,7 +15,8 @@ are capped at ``infer.max_new_tokens``, sequences at ``merge.max_length``; train
 Bytes per token stored by hidden (eaglepipe/hidden/layout.py): ``aux`` 3·H and ``final`` H in ``hidden.dtype``
 (float8_e4m3fn: 1 byte each plus a float32 scale per token and state), plus 13 bytes of ``input_ids``,
 ``loss_mask``, ``top`` and ``target_logprob``; not shard headers and offsets (hidden's measured ``bytes_per_token``
-counts them). Online training stores nothing.
+counts them). Online training stores nothing; streamed training at most ``train.spool_bytes``, its engine running
+once when all the states fit in it, else every epoch (eaglepipe/drafter/spool.py).
 
 Time: tokens / (tokens/s) per stage, from the ``--*-tokens-per-s`` options, else this machine's last run of the
 params' own target (metrics/timings/*.json, same condition as the means); each figure says where it came from.
@@ -141,6 +142,7 @@ def report(cfg: dict, params, samples: int, p, a, seq, speeds: dict) -> list[str
     bf = bytes_per_token(cfg["hidden_size"], params.hidden.dtype)
     fp8 = bytes_per_token(cfg["hidden_size"], "float8_e4m3fn")
     row = "{:<34}{:>18,.0f}  {}".format
+    spool, engine = streamed(params, tokens * bf, tokens, speeds)
     return [
         f"target   {cfg['path']}: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, vocab "
         f"{cfg['vocab_size']}{' (read from text_config)' if cfg['composite'] else ''}",
@@ -158,11 +160,27 @@ def report(cfg: dict, params, samples: int, p, a, seq, speeds: dict) -> list[str
         f"{'offline states, float8_e4m3fn':<34}{size(tokens * fp8):>18}  {fp8:,.0f} bytes/token, x{fp8 / bf:.2f} "
         "(hidden.dtype: float8_e4m3fn)",
         f"{'online (train.features: online)':<34}{'0 B':>18}  the target runs inside the trainer instead",
+        spool,
         "",
         f"{'time: infer':<34}{duration(generate, speeds['infer'])}",
         f"{'time: hidden (offline only)':<34}{duration(tokens, speeds['hidden'])}",
+        engine,
         f"{'time: train':<34}{duration(per_epoch * params.train.epochs, speeds['train'])}",
     ]
+
+
+def streamed(params, states_bytes: float, tokens: float, speeds: dict) -> tuple[str, str]:
+    """The two lines of ``train.features: streamed``: its spool's bytes, and the engine's time (hidden's speed: the same
+    server and connector), once when every state fits in ``train.spool_bytes`` (kept), else every epoch."""
+    budget = params.train.spool_bytes
+    kept = states_bytes <= budget
+    asked = 1 if kept else params.train.epochs
+    how = "all kept, the engine runs once" if kept else f"the engine runs every epoch ({asked} times hidden's tokens)"
+    spool = (
+        f"{'streamed (train.features)':<34}{size(min(budget, states_bytes)):>18}  at most train.spool_bytes "
+        f"({size(budget)}): {how}"
+    )
+    return spool, f"{'time: streamed engine':<34}{duration(tokens * asked, speeds['hidden'])}"
 
 
 @click.command(help=__doc__)

@@ -129,6 +129,8 @@ NO_RESULT = {
     "drafter": "the subpackage's docstring",
     "drafter.eagle3": "the subpackage's docstring",
     "drafter.dflash": "the subpackage's docstring",
+    "drafter.figures": "the report's figures",
+    "drafter.spool": "carries the states from their source to the trainer, byte for byte",
 }
 # Per stage: what it runs of another stage or of another engine, hashed by that one's own key or not at all.
 ELSEWHERE = {
@@ -163,6 +165,11 @@ ELSEWHERE = {
         "hidden.store": "likewise",
         "hidden.publish": "likewise",
         "hidden.hf_source": "likewise",
+        "hidden.vllm_source": "likewise, when train.features is streamed (the source's code in its identity)",
+        "hidden.connector": "likewise",
+        "engines": "the vLLM client's types",
+        "engines.vllm": "the vLLM client",
+        "target.chat": "imported by the pool for tokenize checks",
         "core.uncertainty": "the report's standard errors",
     },
 }

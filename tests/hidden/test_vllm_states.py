@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from e2e import ENV, ROOT, served, start_vllm, wait_for
+from e2e import ENV, ROOT, make_sequences, served, start_vllm, wait_for
 from safetensors.torch import load_file
 
 from eaglepipe.core import config
@@ -42,21 +42,6 @@ def start(folder, port: int, log: Path, capture: bool = True) -> vllm.LaunchedSe
         return start_vllm(folder, port, log)
     args = vllm_source.server_args([*LAYERS, 30], log.parent / "states")
     return start_vllm(folder, port, log, args, {"PYTHONPATH": str(ROOT)})
-
-
-def make_sequences(folder: Path, n: int = 12) -> list:
-    """``n`` sequences of real-looking ids; every third one shares the previous one's first 40 ids (a prompt
-    answered twice), so vLLM's prefix cache serves part of it."""
-    g = torch.Generator().manual_seed(0)
-    items = []
-    for i in range(n):
-        length = 40 + int(torch.randint(8, 90, (1,), generator=g))
-        ids = [1] + torch.randint(3, 20000, (length - 1,), generator=g).tolist()
-        if i % 3 == 2:
-            ids[:40] = items[-1][2][:40]
-        items.append((f"s{i}", "t", ids, [0] * 30 + [1] * (length - 30)))
-    sequences.write(folder, {"train": items[:-2], "valid": items[-2:]}, shard_tokens=100_000, policy="test")
-    return items
 
 
 def params_file(folder: Path, url: str, dtype: str = "float32") -> Path:

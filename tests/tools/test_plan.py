@@ -93,3 +93,27 @@ def test_the_params_own_target_uses_the_measured_run(tmp_path):
     assert f"at 50.0 tokens/s ({tmp_path}/timings/train.json" in out and "no figure: --hidden-tokens-per-s" in out
     other = run("--metrics", str(tmp_path), "--samples", "10", "--target", str(KIMI))
     assert "mean of" not in other and "timings" not in other
+
+
+def test_streamed_states_take_the_spool_budget_and_run_the_engine_once_only_when_they_all_fit():
+    params = config.load(PARAMS)
+    seed = run("--target", str(KIMI), "--samples", "88000", "--hidden-tokens-per-s", "1000", "-S", "train.epochs=3")
+    engine = next(line for line in seed.splitlines() if line.startswith("time: streamed engine"))
+    tokens = 88000 * params.merge.max_length
+    assert f"{plan.size(params.train.spool_bytes)}  at most train.spool_bytes" in seed
+    assert "every epoch (3 times hidden's tokens)" in seed and f"{3 * tokens / 1000 / 3600:,.1f} h" in engine
+    small = run("--target", str(KIMI), "--samples", "10", "--hidden-tokens-per-s", "1000")
+    engine = next(line for line in small.splitlines() if line.startswith("time: streamed engine"))
+    assert "all kept, the engine runs once" in small
+    assert f"{10 * params.merge.max_length / 1000 / 60:,.1f} min" in engine
+
+
+def test_the_readmes_seed_case_is_what_the_plan_prints():
+    kimi = ROOT / "recipes" / "kimi-k2.5" / "params.yaml"
+    out = CliRunner().invoke(plan.main, ["--params", str(kimi), "--target", str(KIMI), "--samples", "88000"])
+    assert out.exit_code == 0, out.output
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for line in out.output.splitlines():
+        if line.startswith(("offline states, bfloat16", "offline states, float8_e4m3fn", "streamed (")):
+            figure = " ".join(line[34:].split()[:2])
+            assert figure in readme, (figure, line)
