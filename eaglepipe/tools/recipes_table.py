@@ -1,8 +1,9 @@
 """docs/experiments.md's table of training recipes and drafter methods, written by ``make results-page`` from the
-newest ``bench/bench_recipes.py`` record (``benchmarks_page.RECIPES``, in results/components.jsonl), between the
-markers ``<!-- results: recipes -->`` and ``<!-- /results -->``: each point's acceptance length per benchmark ± its
-standard error over turns, its difference from the first point's (paired, * beyond twice its error), its validation
-accuracy per TTT step, and prompt lookup's lengths on the same turns."""
+``bench/bench_recipes.py`` records (``benchmarks_page.RECIPES``, in results/components.jsonl), between the markers
+``<!-- results: recipes -->`` and ``<!-- /results -->``: each point's acceptance length per benchmark ± its standard
+error over turns, its difference from the first point's (paired, * beyond twice its error), its validation accuracy
+per TTT step, and prompt lookup's lengths on the same turns; each point from the newest record that ran it beside
+the same first point, trained to the same figures (``chosen``)."""
 
 from __future__ import annotations
 
@@ -37,17 +38,56 @@ def row(record: Record, point: str, benchmarks: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def baseline(record: Record) -> tuple:
+    """What makes two records' rows comparable: the machine, the first point, and its acceptance lengths as the table
+    shows them (the same drafter, retrained, reads the same)."""
+    first = points(record)[0]
+    lengths = {key: round(value.value, 3) for key, value in record.values.items() if key.startswith(f"{first}: τ ")}
+    return record.machine, first, lengths
+
+
+def chosen(found: list[Record]) -> dict[str, Record]:
+    """Each row's record, by point: the newest that measured the point, among the records with the newest one's
+    ``baseline`` (so every difference is against the same drafter); prompt lookup's row from the newest. Points in
+    the order they were first run."""
+    newest = found[-1]
+    rows = {}
+    for record in found:
+        if baseline(record) == baseline(newest):
+            rows.update({point: record for point in points(record) if point != BASELINE})
+    return {**rows, BASELINE: newest}
+
+
 def table(records: list[Record]) -> str:
-    """The newest recipes record as a markdown table and its source, or a line saying there is none."""
+    """The recipes records as a markdown table (``chosen``) and the source of each row, or a line saying there is
+    none."""
     found = results.named(records, RECIPES)
     if not found:
         return "No `bench/bench_recipes.py` figures yet."
-    record = found[-1]
-    benchmarks = [name for name in SET_NAMES if f"{points(record)[0]}: τ {name}" in record.values]
+    rows = chosen(found)
+    first = found[-1]
+    benchmarks = [name for name in SET_NAMES if f"{points(first)[0]}: τ {name}" in first.values]
     heading = ["point", *(f"τ {SET_NAMES[name]}" for name in benchmarks), "valid acc per TTT step"]
     lines = ["| " + " | ".join(heading) + " |", "|---|" + "---:|" * (len(heading) - 1)]
-    lines += [row(record, point, benchmarks) for point in points(record)]
-    return "\n".join([*lines, "", paragraph(source(record, with_machine=True))])
+    lines += [row(record, point, benchmarks) for point, record in rows.items()]
+    for paragraph_text in sources(rows):
+        lines += ["", paragraph_text]
+    return "\n".join(lines)
+
+
+def sources(rows: dict[str, Record]) -> list[str]:
+    """A paragraph per record the rows come from: the rows it gives, then its source."""
+    records = []
+    for record in rows.values():
+        if not any(record is seen for seen in records):
+            records.append(record)
+    out = []
+    for record in records:
+        names = ", ".join(
+            f"`{point}`" if point != BASELINE else "prompt lookup" for point, r in rows.items() if r is record
+        )
+        out.append(paragraph(f"{names}: {source(record, with_machine=True)}"))
+    return out
 
 
 @click.command(help=__doc__)

@@ -174,3 +174,36 @@ def test_the_recipes_table_has_a_row_per_point_in_run_order_and_prompt_lookups_l
     assert lines[3] == "| `eagle3.1` | 1.600 ± 0.050 (+0.100 ± 0.020*) | 0.430 / 0.220 |"
     assert lines[4] == "| prompt lookup (n-gram) | 1.200 ± 0.040 |  |"
     assert "`python bench/bench_recipes.py --point eagle3 --point eagle3.1`" in " ".join(lines[6:])
+
+
+def test_the_recipes_table_takes_each_point_from_the_newest_record_of_the_same_baseline():
+    epyc = Machine(cpu="AMD EPYC", flags=("avx2", "avx512f"), cores=2)
+
+    def record(commit: str, figures: dict[str, float], first: str = "eagle3") -> Record:
+        values = {f"{point}: τ heldout": Value(value=tau, se=0.05) for point, tau in figures.items()}
+        return Record(
+            name=benchmarks_page.RECIPES,
+            values={**values, "n-gram: τ heldout": Value(value=1.2, se=0.04)},
+            machine=epyc,
+            commit=commit,
+            params_hash=commit * 2 + "ab",
+            command=f"python bench/bench_recipes.py --point {' --point '.join(figures)}",
+            date=datetime.date.fromisoformat("2026-12-07"),
+        )
+
+    older = record("aaaaaa1", {"eagle3": 1.5, "eagle3.1": 1.6})
+    other_baseline = record("bbbbbb2", {"fresh": 1.1, "eagle3.1": 1.0})
+    other_figures = record("dddddd4", {"eagle3": 1.4, "peagle": 1.0})  # another eagle3: not comparable
+    newer = record("cccccc3", {"eagle3": 1.5, "dflash": 1.7})
+    lines = recipes_table.table([older, other_baseline, other_figures, newer]).splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:6]] == [
+        "| `eagle3`",
+        "| `eagle3.1`",
+        "| `dflash`",
+        "| prompt lookup (n-gram)",
+    ]
+    assert lines[3].startswith("| `eagle3.1` | 1.600") and lines[4].startswith("| `dflash` | 1.700")
+    text = " ".join(lines[6:])
+    assert "`eagle3`, `dflash`, prompt lookup: AMD EPYC" in text and "commit cccccc3" in text
+    assert "`eagle3.1`: AMD EPYC" in text and "commit aaaaaa1" in text
+    assert "bbbbbb2" not in text and "dddddd4" not in text and "peagle" not in text
