@@ -96,8 +96,15 @@ class StatesApi(VLLM):
             )
 
     def request(self, prompt_ids: list, sampling: Sampling, record_id: str, rid: str) -> tuple[str, dict]:
+        """Also: the one token asked for may be the end of sequence (after a finished answer, it is), which vLLM
+        would report as a stop that no stop id explains: its end of sequence is ignored."""
         path, body = super().request(prompt_ids, sampling, record_id, rid)
-        return path, {**body, "kv_transfer_params": {PATH_KEY: f"{self.files.name}/{rid}.safetensors"}}
+        states = {PATH_KEY: f"{self.files.name}/{rid}.safetensors"}
+        return path, {
+            **body,
+            "sampling_params": {**body["sampling_params"], "ignore_eos": True},
+            "kv_transfer_params": states,
+        }
 
     def check(self, answer, prompt_ids: list, sampling: Sampling, rid: str) -> tuple[list, str, dict]:
         ids, reason, meta = super().check(answer, prompt_ids, sampling, rid)

@@ -306,3 +306,24 @@ def test_the_agreement_check_holds_the_vllm_states_to_the_engines_figures(work, 
     with pytest.raises(UserError, match=r"the answers' engine \(vllm\) and the states' model disagree"):
         scored_run(work, server, reference, target_folder, 0.5)
     assert not (work / "scored-0.5").exists()
+
+
+def test_a_finished_answer_whose_next_token_ends_the_sequence_gives_its_states(
+    work, server, target_folder, tokenizer, model
+):
+    """After a complete answer the target's greedy next token is its end of sequence, which the states request asks
+    for: vLLM must not report it as an unexplained stop, and the states come back, their last top that token."""
+    chat = [{"role": "user", "content": "Say hello."}]
+    prompt = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"])
+    with torch.no_grad():
+        answer = model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0].tolist()
+    end = answer[-1]
+    assert end == tokenizer.convert_tokens_to_ids("<|im_end|>"), "the target finished its answer"
+    sequence = answer[:-1]
+    p = config.Hidden(
+        engine="vllm", dtype="float32", vllm=config.Servers(urls=[server.url], concurrency=1, timeout_s=120, retries=0)
+    )
+    with vllm_source.VLLMStates(target_folder.resolve(), p, "float32", work / "cache") as source:
+        [(_, got)] = list(source.states([("ended", sequence, [1] * len(sequence))], LAYERS, 4096))
+    assert not isinstance(got, str), got
+    assert int(got[2][-1]) == end and source.report["last_token_disagreements"] == 0
