@@ -301,3 +301,28 @@ def test_online_training_repro_runs_no_hidden_pass(project):
     trained = json.loads((project / "metrics/train.json").read_text())
     assert trained["features"] == "online" and trained["steps"] > 0
     assert json.loads((project / "metrics/eval.json").read_text())["lossless"]
+
+
+@pytest.mark.engine
+def test_streamed_training_repro_stores_no_states_and_reruns_train_alone_on_a_train_param(project):
+    """train.features: streamed: dvc repro runs hidden as a no-op, train has a launched vLLM server compute the states
+    within train.spool_bytes and deletes them; a speed knob (the budget) leaves train up to date, a result param of
+    train reruns train alone."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(features="streamed", spool_bytes=50_000_000)
+    launch = {"port": 8037, "extra_args": ["--enforce-eager", "--dtype", "float32"]}
+    params["hidden"].update(compute_dtype="float32", vllm={"concurrency": 4, "launch": launch})
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    dvc(project, "repro", "train")
+    assert [p.name for p in (project / "data/hidden").iterdir()] == ["index.json"]
+    trained = json.loads((project / "metrics/train.json").read_text())
+    spool = json.loads((project / "metrics/timings/train.json").read_text())["spool"]
+    assert trained["features"] == "streamed" and trained["steps"] > 0 and 0 < spool["peak_bytes"] <= 50_000_000
+    stale = set(json.loads(dvc(project, "status", "--json").stdout))  # downstream of train, not run here
+    assert not stale & {"prepare", "infer", "merge", "hidden", "train"}, stale
+    params["train"]["spool_bytes"] = 60_000_000
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert set(json.loads(dvc(project, "status", "--json").stdout)) == stale
+    params["train"]["lr"] = params["train"]["lr"] / 2
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert set(json.loads(dvc(project, "status", "--json").stdout)) == stale | {"train"}
