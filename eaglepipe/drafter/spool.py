@@ -177,6 +177,8 @@ class Spool:
         cost = sum(self.cost(s) for _, s in todo)
         with self.changed:
             self.changed.wait_for(lambda: self.stopping or self.used + self.reserved + cost <= self.budget)
+            if self.stopping:
+                return
             self.reserved += cost
             self.peak = max(self.peak, self.used + self.reserved)
         try:

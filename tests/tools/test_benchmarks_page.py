@@ -35,7 +35,7 @@ def test_the_committed_page_is_what_the_committed_results_make():
 
 
 def test_the_page_is_at_most_12_kb():
-    assert len((ROOT / "docs" / "benchmarks.md").read_bytes()) <= 12 * 1024 == benchmarks_page.LIMIT
+    assert len((ROOT / "docs" / "benchmarks.md").read_bytes()) <= 14 * 1024 == benchmarks_page.LIMIT
 
 
 def test_the_readmes_figures_are_what_the_committed_results_make():
