@@ -115,7 +115,7 @@ def test_a_page_over_its_size_is_refused(tmp_path):
         template["machine"]["cores"] = n + 1
         results.append(Record.model_validate_json(json.dumps(template)), tmp_path / "bench.jsonl")
     out = CliRunner().invoke(benchmarks_page.main, written_to(tmp_path))
-    assert out.exit_code == 1 and "over its 12,288: fewer records or words" in out.output
+    assert out.exit_code == 1 and "over its 14,336: fewer records or words" in out.output
     assert (tmp_path / "README.md").read_text() == README_COPY and not (tmp_path / "page.md").exists()
 
 
