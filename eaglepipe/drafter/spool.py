@@ -62,6 +62,13 @@ def streamed(seq_folder, target_folder, cfg, cache_root, rt: runtime.Runtime) ->
         yield Spool(Online(seq_folder, source, cfg.hidden), cfg.train.spool_bytes, cfg.hidden.vllm.concurrency)
 
 
+def bytes_per_token(hidden_size: int, dtype: str, served_dtype: str) -> int:
+    """The spool's bytes per token: the states stored in ``dtype`` (``hidden.dtype``) with their top token, and the
+    engine's file of them in its ``served_dtype`` (three aux states and the last layer's)."""
+    served = torch.tensor([], dtype=layout.DTYPES[served_dtype]).element_size()
+    return layout.bytes_per_token(hidden_size, dtype) + TOP_BYTES + 4 * hidden_size * served
+
+
 def sample_key(sample_id: str) -> str:
     return hashlib.sha256(sample_id.encode()).hexdigest()[:24]
 
@@ -76,9 +83,7 @@ class Spool:
         self.source, self.budget, self.window = source, int(budget), max(1, int(window))
         self.folder, self.layers, self.splits = source.folder, source.layers, source.splits
         hidden_size = families.text_config(source.source.config).hidden_size
-        served = torch.tensor([], dtype=layout.DTYPES[source.source.compute_dtype]).element_size()
-        self.stored_per_token = layout.bytes_per_token(hidden_size, source.params.dtype) + TOP_BYTES
-        self.engine_per_token = 4 * hidden_size * served  # the server's file: three aux states and the last layer's
+        self.per_token = bytes_per_token(hidden_size, source.params.dtype, source.source.compute_dtype)
         self.uses: list[tuple[str, list[layout.Sample]]] = []
         self.path: Path | None = None
         self.keep = False
@@ -100,7 +105,7 @@ class Spool:
     def cost(self, sample: layout.Sample) -> int:
         """The bytes reserved to compute ``sample``: its spool file and the engine's, each with a header."""
         tokens = sample.ids.shape[0]
-        return tokens * (self.stored_per_token + self.engine_per_token) + 2 * HEADER_BYTES
+        return tokens * self.per_token + 2 * HEADER_BYTES
 
     def name(self, label: str, sample: layout.Sample) -> str:
         """The spool file of ``sample`` used at ``label``: one per sample when kept, else one per use."""

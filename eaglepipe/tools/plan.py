@@ -31,6 +31,7 @@ import click
 import yaml
 
 from eaglepipe.core import config
+from eaglepipe.drafter import spool
 from eaglepipe.hidden import layout
 from eaglepipe.target.model import resolve
 
@@ -142,7 +143,9 @@ def report(cfg: dict, params, samples: int, p, a, seq, speeds: dict) -> list[str
     bf = bytes_per_token(cfg["hidden_size"], params.hidden.dtype)
     fp8 = bytes_per_token(cfg["hidden_size"], "float8_e4m3fn")
     row = "{:<34}{:>18,.0f}  {}".format
-    spool, engine = streamed(params, tokens * bf, tokens, speeds)
+    served = "float32" if params.hidden.compute_dtype == "auto" else params.hidden.compute_dtype  # auto: the widest
+    spooled = tokens * spool.bytes_per_token(cfg["hidden_size"], params.hidden.dtype, served)
+    spool_line, engine = streamed(params, tokens * bf, spooled, tokens, speeds)
     return [
         f"target   {cfg['path']}: hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, vocab "
         f"{cfg['vocab_size']}{' (read from text_config)' if cfg['composite'] else ''}",
@@ -160,7 +163,7 @@ def report(cfg: dict, params, samples: int, p, a, seq, speeds: dict) -> list[str
         f"{'offline states, float8_e4m3fn':<34}{size(tokens * fp8):>18}  {fp8:,.0f} bytes/token, x{fp8 / bf:.2f} "
         "(hidden.dtype: float8_e4m3fn)",
         f"{'online (train.features: online)':<34}{'0 B':>18}  the target runs inside the trainer instead",
-        spool,
+        spool_line,
         "",
         f"{'time: infer':<34}{duration(generate, speeds['infer'])}",
         f"{'time: hidden (offline only)':<34}{duration(tokens, speeds['hidden'])}",
@@ -169,11 +172,12 @@ def report(cfg: dict, params, samples: int, p, a, seq, speeds: dict) -> list[str
     ]
 
 
-def streamed(params, states_bytes: float, tokens: float, speeds: dict) -> tuple[str, str]:
+def streamed(params, states_bytes: float, spooled: float, tokens: float, speeds: dict) -> tuple[str, str]:
     """The two lines of ``train.features: streamed``: its spool's bytes, and the engine's time (hidden's speed: the same
-    server and connector), once when every state fits in ``train.spool_bytes`` (kept), else every epoch."""
+    server and connector), once when every state fits in ``train.spool_bytes`` with the engine's files (``spooled``:
+    drafter/spool.py's rule), else every epoch."""
     budget = params.train.spool_bytes
-    kept = states_bytes <= budget
+    kept = spooled <= budget
     asked = 1 if kept else params.train.epochs
     how = "all kept, the engine runs once" if kept else f"the engine runs every epoch ({asked} times hidden's tokens)"
     spool = (
